@@ -1,0 +1,22 @@
+"""ASGI entry point: HTTP through Django, WebSocket through Channels."""
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+
+from django.core.asgi import get_asgi_application  # noqa: E402
+
+django_asgi_app = get_asgi_application()
+
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+
+from execapp.routing import websocket_application  # noqa: E402
+
+application = ProtocolTypeRouter(
+    {
+        # The embedded default serves the admin's static files itself; put a CDN or a
+        # static file server in front in production if the admin sees heavy use.
+        "http": ASGIStaticFilesHandler(django_asgi_app),
+        "websocket": websocket_application,
+    }
+)

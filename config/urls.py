@@ -1,0 +1,8 @@
+"""URL routes: the admin (with the execapp dashboard) and Prometheus metrics."""
+from django.contrib import admin
+from django.urls import include, path
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("", include("django_prometheus.urls")),
+]

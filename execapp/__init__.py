@@ -1,0 +1,1 @@
+"""execapp: adaptive task execution for Django (engine in ``execapp.engine``)."""

@@ -1,0 +1,11 @@
+"""Django app config for execapp."""
+from django.apps import AppConfig
+
+
+class ExecAppConfig(AppConfig):
+    name = "execapp"
+    verbose_name = "Adaptive execution"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from . import checks  # noqa: F401  (registers the system checks)

@@ -1,0 +1,54 @@
+"""The app's settings: ``settings.EXECAPP`` over the defaults below, read lazily."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from django.conf import settings
+
+#: Every setting the app reads, with its default. Documented in docs/architecture.md.
+DEFAULTS: dict[str, Any] = {
+    # Worker pool (one per ASGI worker process).
+    "POOL_MAX_WORKERS": 64,
+    "POOL_QUEUE_SIZE": 128,
+    "POOL_IDLE_SECONDS": 2.0,
+    # Execution profiles.
+    "PROFILE_WINDOW": 32,
+    "SLOW_THRESHOLD_SECONDS": 0.050,
+    # Asyncio overflow policy when the pool is full: "wait" (per-client backpressure,
+    # then refuse with code "overloaded"), "reject" (refuse at once) or "inline".
+    "OVERFLOW_POLICY": "wait",
+    "OVERFLOW_WAIT_SECONDS": 5.0,
+    # WebSocket protocol.
+    "MAX_FRAME_BYTES": 64 * 1024,
+    "MAX_IN_FLIGHT_PER_CONNECTION": 100,
+    # Background work of each worker.
+    "PROFILE_FLUSH_SECONDS": 5.0,
+    "SNAPSHOT_SECONDS": 1.0,
+    "WORKER_STALE_SECONDS": 10.0,
+    "WORKER_DROP_SECONDS": 60.0,
+    "REGISTRY_POLL_SECONDS": 2.0,
+    # Draining and shutdown.
+    "DRAIN_TIMEOUT_SECONDS": 25.0,
+    "SHUTDOWN_GRACE_SECONDS": 25.0,
+}
+
+OVERFLOW_POLICIES = ("wait", "reject", "inline")
+
+
+def get(name: str) -> Any:
+    """Return the value of one EXECAPP setting (user value over default), read at call time."""
+    if name not in DEFAULTS:
+        raise KeyError(f"unknown EXECAPP setting {name!r}; known: {', '.join(sorted(DEFAULTS))}")
+    user = getattr(settings, "EXECAPP", {}) or {}
+    return user.get(name, DEFAULTS[name])
+
+
+def redis_url() -> str:
+    """The Redis URL shared between workers, or '' for the embedded single-process default."""
+    return getattr(settings, "REDIS_URL", "") or ""
+
+
+def require_services() -> bool:
+    """True under CI: a test whose Redis or PostgreSQL is missing must fail, not skip."""
+    return os.environ.get("EXECAPP_REQUIRE_SERVICES", "") in ("1", "true", "yes")

@@ -1,0 +1,210 @@
+"""ExecProfile: one matcher's recent handler durations and the pool/inline decision drawn from them."""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from typing import Any
+
+from .errors import ConfigError
+
+
+class ExecClass(str, enum.Enum):
+    """Where a handler runs: inline on the dispatching thread (SYNC) or in the pool (POOL)."""
+
+    SYNC = "sync"
+    POOL = "pool"
+
+
+class ProfileState(str, enum.Enum):
+    """Learning (not yet judged), promoted (known slow: pool) or demoted (known fast: inline)."""
+
+    LEARNING = "learning"
+    PROMOTED = "promoted"
+    DEMOTED = "demoted"
+
+
+class ExecProfile:
+    """A ring window of recent durations deciding, per matcher, between the pool and inline.
+
+    Rules (design.md §2), all thresholds constructor arguments:
+
+    - promoted -> POOL; demoted -> SYNC (``should_pool`` reads one attribute: no statistics);
+    - too few samples -> POOL (every handler is suspected slow until proven fast);
+    - p50 >= slow threshold -> promote, POOL;
+    - full window, p50 < threshold/2 and each of the last ``recent`` runs < threshold/2 -> demote;
+    - one run over ``promote_after`` (2x threshold) promotes at once and clears demotion.
+
+    Improvements over the seed: promotion starts a fresh window, so a promoted handler is
+    demoted again only by the same strict rule judged on samples taken after its promotion;
+    and a demoted handler still promotes on a steady drift (p50 >= threshold), not only on a
+    single outlier. Every rule is kept O(1) per ``record``: p50 >= x holds exactly when at
+    least half of the window (``n - n // 2`` samples, the upper median) is >= x, so two
+    running counts replace sorting. Percentiles are only computed for ``snapshot``.
+    """
+
+    def __init__(
+        self,
+        window: int = 32,
+        slow_threshold: float = 0.050,
+        promote_after: float | None = None,
+        fast_threshold: float | None = None,
+        recent: int = 10,
+        min_samples: int = 10,
+    ) -> None:
+        if window < 1 or recent < 1 or min_samples < 1:
+            raise ConfigError(f"window={window}, recent={recent}, min_samples={min_samples}: each must be >= 1")
+        if recent > window or min_samples > window:
+            raise ConfigError(f"recent={recent} and min_samples={min_samples} must not exceed window={window}")
+        if slow_threshold <= 0:
+            raise ConfigError(f"slow_threshold={slow_threshold!r} must be > 0 seconds")
+        self.window = window
+        self.slow_threshold = slow_threshold
+        self.promote_after = 2 * slow_threshold if promote_after is None else promote_after
+        self.fast_threshold = slow_threshold / 2 if fast_threshold is None else fast_threshold
+        self.recent = recent
+        self.min_samples = min_samples
+        # Pool threads record concurrently; every mutation of the window happens under this lock.
+        self._lock = threading.Lock()
+        self._ring: list[float] = [0.0] * window
+        self._next = 0
+        self._count = 0  # samples in the window (<= window)
+        self._n_slow = 0  # samples in the window >= slow_threshold
+        self._n_not_fast = 0  # samples in the window >= fast_threshold
+        self._fast_streak = 0  # consecutive latest samples < fast_threshold
+        self.state = ProfileState.LEARNING
+        self._class = ExecClass.POOL  # what should_pool() returns; written only under the lock
+        self.runs = 0
+        self.errors = 0
+        self.timeouts = 0
+        self.promotions = 0
+        self.demotions = 0
+        self.promoted_at: float | None = None
+        self.demoted_at: float | None = None
+        self.last_error = ""
+        self.updated_at = 0.0
+        self.version = 0  # bumped on every change; the persistence layer flushes what moved
+
+    # -- the decision -------------------------------------------------------------------------
+
+    def should_pool(self) -> ExecClass:
+        """Where the next run goes. One attribute read: safe without the lock, O(1)."""
+        return self._class
+
+    def record(self, elapsed: float, *, error: str | None = None, timeout: bool = False) -> None:
+        """Add one run's duration (seconds) and apply the promotion/demotion rules."""
+        with self._lock:
+            self.runs += 1
+            if error is not None:
+                self.errors += 1
+                self.last_error = error[:500]
+            if timeout:
+                self.timeouts += 1
+            self._push(elapsed)
+            self.updated_at = time.time()
+            self.version += 1
+            if elapsed > self.promote_after:
+                self._promote()
+            elif self.state is ProfileState.PROMOTED:
+                if self._may_demote():
+                    self._demote()
+            elif self._count >= self.min_samples and self._half_at_least(self._n_slow):
+                self._promote()  # learning or demoted, with p50 >= slow threshold (steady drift)
+            elif self.state is ProfileState.LEARNING and self._may_demote():
+                self._demote()
+
+    def _push(self, elapsed: float) -> None:
+        if self._count == self.window:
+            old = self._ring[self._next]
+            self._n_slow -= old >= self.slow_threshold
+            self._n_not_fast -= old >= self.fast_threshold
+        else:
+            self._count += 1
+        self._ring[self._next] = elapsed
+        self._next = (self._next + 1) % self.window
+        self._n_slow += elapsed >= self.slow_threshold
+        if elapsed >= self.fast_threshold:
+            self._n_not_fast += 1
+            self._fast_streak = 0
+        else:
+            self._fast_streak += 1
+
+    def _half_at_least(self, n_at_least: int) -> bool:
+        """True when the window's p50 (upper median) is >= the threshold counted by n_at_least."""
+        return n_at_least >= self._count - self._count // 2
+
+    def _may_demote(self) -> bool:
+        return (self._count == self.window
+                and not self._half_at_least(self._n_not_fast)
+                and self._fast_streak >= self.recent)
+
+    def _promote(self) -> None:
+        if self.state is not ProfileState.PROMOTED:
+            self.promotions += 1
+            self.promoted_at = time.time()
+        self.state = ProfileState.PROMOTED
+        self._class = ExecClass.POOL
+        # Recovery is judged only on samples taken after promotion: start a fresh window.
+        self._ring = [0.0] * self.window
+        self._next = self._count = self._n_slow = self._n_not_fast = self._fast_streak = 0
+
+    def _demote(self) -> None:
+        self.state = ProfileState.DEMOTED
+        self._class = ExecClass.SYNC
+        self.demotions += 1
+        self.demoted_at = time.time()
+
+    # -- reporting and persistence ---------------------------------------------------------------
+
+    def samples(self) -> list[float]:
+        """The window's samples, oldest first."""
+        with self._lock:
+            return self._samples_locked()
+
+    def _samples_locked(self) -> list[float]:
+        if self._count < self.window:
+            return self._ring[: self._count]
+        return self._ring[self._next:] + self._ring[: self._next]
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-able view: state, class, window, p50/p99 and counters."""
+        with self._lock:
+            window = self._samples_locked()
+            ordered = sorted(window)
+            return {
+                "state": self.state.value,
+                "exec_class": self._class.value,
+                "window": window,
+                "p50": _pct(ordered, 0.50),
+                "p99": _pct(ordered, 0.99),
+                "runs": self.runs,
+                "errors": self.errors,
+                "timeouts": self.timeouts,
+                "promotions": self.promotions,
+                "demotions": self.demotions,
+                "promoted_at": self.promoted_at,
+                "demoted_at": self.demoted_at,
+                "last_error": self.last_error,
+                "updated_at": self.updated_at,
+            }
+
+    def restore(self, state: str, window: list[float], **counters: Any) -> None:
+        """Load a persisted profile (warm start): its state, its window and its counters."""
+        with self._lock:
+            self._ring = [0.0] * self.window
+            self._next = self._count = self._n_slow = self._n_not_fast = self._fast_streak = 0
+            for elapsed in list(window)[-self.window:]:
+                self._push(float(elapsed))
+            self.state = ProfileState(state)
+            self._class = ExecClass.SYNC if self.state is ProfileState.DEMOTED else ExecClass.POOL
+            for name in ("runs", "errors", "timeouts", "promotions", "demotions", "promoted_at",
+                         "demoted_at", "last_error", "updated_at"):
+                if name in counters and counters[name] is not None:
+                    setattr(self, name, counters[name])
+
+
+def _pct(ordered: list[float], q: float) -> float | None:
+    """Nearest-rank percentile of an already sorted list (None when empty)."""
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -1,0 +1,121 @@
+"""The ASGI worker process's runtime: its one shared ExecPool, its Engine and background services."""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from functools import partial
+from typing import Any, Protocol
+
+from . import conf
+from .engine import Engine, ExecPool, ExecProfile
+
+log = logging.getLogger("execapp.worker")
+
+
+class Service(Protocol):
+    """A background job of a worker, ticked every ``interval`` seconds off the event loop."""
+
+    interval: float
+
+    def tick(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+#: Dotted paths of ``factory(worker) -> Service``, started with the worker in this order.
+SERVICE_FACTORIES: list[str] = []
+
+
+class Worker:
+    """One per ASGI worker process: every consumer and engine in the process shares its pool."""
+
+    def __init__(self, worker_id: str | None = None) -> None:
+        self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+        self.started_at = time.time()
+        self.pool = ExecPool(conf.get("POOL_MAX_WORKERS"), conf.get("POOL_QUEUE_SIZE"),
+                             conf.get("POOL_IDLE_SECONDS"), name="execpool")
+        self.engine = Engine(
+            pool=self.pool,
+            overflow=conf.get("OVERFLOW_POLICY"),
+            overflow_wait=conf.get("OVERFLOW_WAIT_SECONDS"),
+            profile_factory=partial(ExecProfile, window=conf.get("PROFILE_WINDOW"),
+                                    slow_threshold=conf.get("SLOW_THRESHOLD_SECONDS")),
+        )
+        self.draining = False
+        self.services: list[Service] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Build the services and start the housekeeping thread (idempotent)."""
+        if self._thread is not None:
+            return
+        for path in SERVICE_FACTORIES:
+            module, _, name = path.rpartition(".")
+            factory = getattr(importlib.import_module(module), name)
+            self.services.append(factory(self))
+        self._thread = threading.Thread(target=self._housekeep, name="execapp-housekeeper", daemon=True)
+        self._thread.start()
+
+    def _housekeep(self) -> None:
+        # Runs every service's tick on its own interval, on this one thread: database and Redis
+        # I/O of the background jobs never touches the event loop or the pool.
+        due = {id(s): 0.0 for s in self.services}
+        while not self._stop.is_set():
+            now = time.monotonic()
+            for service in self.services:
+                if now >= due[id(service)]:
+                    due[id(service)] = now + service.interval
+                    try:
+                        service.tick()
+                    except Exception:
+                        log.exception("service %s failed", type(service).__name__)
+            self._stop.wait(0.1)
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Drain the pool (bounded), stop the housekeeper and close every service (final flushes)."""
+        drained = self.pool.drain(timeout)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        for service in self.services:
+            try:
+                service.close()
+            except Exception:
+                log.exception("closing service %s failed", type(service).__name__)
+        return drained
+
+    def status(self) -> dict[str, Any]:
+        """This worker's identity, drain state, engine counters and pool stats."""
+        return {"worker": self.id, "pid": os.getpid(), "started_at": self.started_at, "draining": self.draining,
+                **self.engine.stats()}
+
+
+_worker: Worker | None = None
+_worker_lock = threading.Lock()
+
+
+def get_worker() -> Worker:
+    """The process's Worker, created and started on first use."""
+    global _worker
+    if _worker is None:
+        with _worker_lock:
+            if _worker is None:
+                worker = Worker()
+                worker.start()
+                _worker = worker
+    return _worker
+
+
+def reset_worker() -> None:
+    """Stop and forget the process's Worker (tests)."""
+    global _worker
+    with _worker_lock:
+        if _worker is not None:
+            _worker.stop(timeout=5)
+        _worker = None

@@ -1,0 +1,1 @@
+"""plugins: the plugin registry, the sandboxed runtimes and the bundled examples."""
