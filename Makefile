@@ -11,6 +11,8 @@ WORKERS ?= 1
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	# The old quickjs binding shares quickjs-ng's package dir and its .so wins: remove both first.
+	! $(PY) -m pip show -q quickjs >/dev/null 2>&1 || $(PY) -m pip uninstall -y -q quickjs quickjs-ng
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $@
 
@@ -31,9 +33,10 @@ plugins: migrate
 # switch to Redis and PostgreSQL; WORKERS=N runs N ASGI worker processes (see docs/operations.md).
 run: plugins serve
 
+# execapp.serve = uvicorn + a drain before every shutdown (SIGTERM/Ctrl+C): accepted events get
+# their `done` before connections close. WORKERS=N: N processes, one ExecPool each.
 serve: $(VENV)/.installed
-	$(VENV)/bin/uvicorn config.asgi:application --host $(HOST) --port $(PORT) --workers $(WORKERS) \
-	  --ws-per-message-deflate false --timeout-graceful-shutdown 30 --lifespan off
+	$(PY) -m execapp.serve --host $(HOST) --port $(PORT) --workers $(WORKERS)
 
 test: $(VENV)/.installed sysdeps
 	$(PY) -m pytest

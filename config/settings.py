@@ -78,7 +78,13 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1500, "expiry": 30},
+            # redis-py 8 defaults socket_timeout to 5 s, the same as channels_redis' server-side
+            # blocking pop (brpop_timeout = 5): every idle consumer's receive then raises
+            # TimeoutError and its WebSocket drops every ~5 s. Read timeout above the pop's.
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 15}], "capacity": 1500, "expiry": 30,
+                       # Namespaces channels, groups and the control registry: two deployments
+                       # sharing one Redis must differ in REDIS_PREFIX (or in the database).
+                       "prefix": os.environ.get("REDIS_PREFIX", "asgi")},
         }
     }
 else:

@@ -28,6 +28,8 @@ DEFAULTS: dict[str, Any] = {
     "WORKER_STALE_SECONDS": 10.0,
     "WORKER_DROP_SECONDS": 60.0,
     "REGISTRY_POLL_SECONDS": 2.0,
+    # Dashboard charts: how much history each worker keeps (one point per SNAPSHOT_SECONDS).
+    "DASHBOARD_HISTORY_SECONDS": 300.0,
     # Draining and shutdown.
     "DRAIN_TIMEOUT_SECONDS": 25.0,
     "SHUTDOWN_GRACE_SECONDS": 25.0,

@@ -82,3 +82,12 @@ class ExecProfileRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.matcher} [{self.state}]"
+
+
+class Dashboard(ExecProfileRecord):
+    """The admin's entry for the live pool dashboard (a proxy: no table; see execapp/dashboard.py)."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "live pool dashboard"
+        verbose_name_plural = "live pool dashboard"

@@ -29,6 +29,15 @@ class Service(Protocol):
 
 #: Dotted paths of ``factory(worker) -> Service``, started with the worker in this order.
 SERVICE_FACTORIES: list[str] = []
+# The control listener (manage.py drain/undrain/execstatus over the channel layer; idle with the
+# in-memory layer, which cannot reach other processes). See execapp/control.py.
+SERVICE_FACTORIES.append("execapp.control.control_service")
+# Observability (docs/observability.md): the profile store goes first, so persisted profiles are
+# restored before any matcher runs; then the Prometheus updater and the dashboard's snapshots.
+SERVICE_FACTORIES.insert(0, "execapp.persistence.profile_store")
+SERVICE_FACTORIES += ["execapp.metrics.metrics_updater", "execapp.snapshots.snapshot_publisher"]
+# Plugins: build the engine's matchers from the registry and re-sync on change (plugins/sync.py).
+SERVICE_FACTORIES.append("plugins.sync.registry_sync")
 
 
 class Worker:
@@ -47,7 +56,15 @@ class Worker:
                                     slow_threshold=conf.get("SLOW_THRESHOLD_SECONDS")),
         )
         self.draining = False
+        # Events accepted by this process's consumers whose `done` is not yet sent. Counted under
+        # the same lock that flips `draining`, so an event is either refused or counted: a drain
+        # never misses one accepted just as it started (see begin_event; docs/operations.md).
+        self._events_lock = threading.Lock()
+        self.events_in_flight = 0
+        self.events_finished = 0
         self.services: list[Service] = []
+        #: Set after the housekeeper's first round of service ticks (execapp.serve waits for it).
+        self.ready = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -75,6 +92,7 @@ class Worker:
                         service.tick()
                     except Exception:
                         log.exception("service %s failed", type(service).__name__)
+            self.ready.set()  # every service ticked once (plugins synced): execapp.serve listens now
             self._stop.wait(0.1)
 
     def stop(self, timeout: float | None = None) -> bool:
@@ -93,7 +111,29 @@ class Worker:
     def status(self) -> dict[str, Any]:
         """This worker's identity, drain state, engine counters and pool stats."""
         return {"worker": self.id, "pid": os.getpid(), "started_at": self.started_at, "draining": self.draining,
+                "events_in_flight": self.events_in_flight, "events_finished": self.events_finished,
                 **self.engine.stats()}
+
+    # -- event accounting and draining (execapp.drain, the consumers) ---------------------------
+
+    def begin_event(self) -> bool:
+        """Admit one event (True: now counted in flight) or refuse it (False: draining, reply `draining`)."""
+        with self._events_lock:
+            if self.draining:
+                return False
+            self.events_in_flight += 1
+            return True
+
+    def end_event(self) -> None:
+        """One admitted event is over: its `done` was sent (or its client left and it completed)."""
+        with self._events_lock:
+            self.events_in_flight -= 1
+            self.events_finished += 1
+
+    def set_draining(self, draining: bool) -> None:
+        """Refuse (True) or admit again (False) new events; atomic with respect to begin_event."""
+        with self._events_lock:
+            self.draining = draining
 
 
 _worker: Worker | None = None

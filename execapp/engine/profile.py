@@ -24,6 +24,11 @@ class ProfileState(str, enum.Enum):
     DEMOTED = "demoted"
 
 
+_now = time.time
+_PROMOTED = ProfileState.PROMOTED
+_DEMOTED = ProfileState.DEMOTED
+
+
 class ExecProfile:
     """A ring window of recent durations deciding, per matcher, between the pool and inline.
 
@@ -62,6 +67,9 @@ class ExecProfile:
         self.slow_threshold = slow_threshold
         self.promote_after = 2 * slow_threshold if promote_after is None else promote_after
         self.fast_threshold = slow_threshold / 2 if fast_threshold is None else fast_threshold
+        if not 0 < self.fast_threshold <= slow_threshold <= self.promote_after:
+            raise ConfigError(f"fast_threshold={self.fast_threshold!r}, slow_threshold={slow_threshold!r}, "
+                              f"promote_after={self.promote_after!r}: need 0 < fast <= slow <= promote_after")
         self.recent = recent
         self.min_samples = min_samples
         # Pool threads record concurrently; every mutation of the window happens under this lock.
@@ -92,26 +100,51 @@ class ExecProfile:
         return self._class
 
     def record(self, elapsed: float, *, error: str | None = None, timeout: bool = False) -> None:
-        """Add one run's duration (seconds) and apply the promotion/demotion rules."""
+        """Add one run's duration (seconds) and apply the promotion/demotion rules.
+
+        Every inline run pays for this, so it is written flat: the window update is inlined and
+        each rule is only tested when the new sample can change its outcome (p50 >= threshold
+        can only start to hold when a slow sample arrives, demotion only when a fast one does).
+        """
         with self._lock:
             self.runs += 1
+            self.version += 1
             if error is not None:
                 self.errors += 1
                 self.last_error = error[:500]
             if timeout:
                 self.timeouts += 1
-            self._push(elapsed)
-            self.updated_at = time.time()
-            self.version += 1
-            if elapsed > self.promote_after:
-                self._promote()
-            elif self.state is ProfileState.PROMOTED:
-                if self._may_demote():
+            self.updated_at = _now()
+            # -- push into the ring, keeping the running counts (same as _push) --
+            i = self._next
+            if self._count == self.window:
+                old = self._ring[i]
+                if old >= self.fast_threshold:
+                    self._n_not_fast -= 1
+                    if old >= self.slow_threshold:
+                        self._n_slow -= 1
+            else:
+                self._count += 1
+            self._ring[i] = elapsed
+            i += 1
+            self._next = 0 if i == self.window else i
+            if elapsed < self.fast_threshold:
+                self._fast_streak += 1
+                # A fast run can only demote (never promote): learning -> demoted, or a promoted
+                # handler recovering on its post-promotion window.
+                if self.state is not _DEMOTED and self._may_demote():
                     self._demote()
-            elif self._count >= self.min_samples and self._half_at_least(self._n_slow):
-                self._promote()  # learning or demoted, with p50 >= slow threshold (steady drift)
-            elif self.state is ProfileState.LEARNING and self._may_demote():
-                self._demote()
+                return
+            self._n_not_fast += 1
+            self._fast_streak = 0
+            if elapsed > self.promote_after:
+                self._promote()  # one very slow run: at once, whatever the state
+            elif elapsed >= self.slow_threshold:
+                self._n_slow += 1
+                # Learning, or demoted with a steady drift: p50 >= slow threshold promotes.
+                if (self.state is not _PROMOTED and self._count >= self.min_samples
+                        and self._n_slow >= self._count - self._count // 2):
+                    self._promote()
 
     def _push(self, elapsed: float) -> None:
         if self._count == self.window:

@@ -1,0 +1,78 @@
+"""Django admin registrations of execapp."""
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.utils import timezone
+
+from .models import ApiToken, hash_token
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(admin.ModelAdmin):
+    """API tokens for WebSocket clients: the raw token is shown once, when it is created."""
+
+    list_display = ("name", "prefix", "created_at", "last_used_at", "revoked_at", "active")
+    list_filter = (("revoked_at", admin.EmptyFieldListFilter),)
+    search_fields = ("name", "prefix")
+    readonly_fields = ("prefix", "created_at", "last_used_at", "revoked_at")
+    actions = ("revoke_tokens",)
+
+    @admin.display(boolean=True, description="active")
+    def active(self, obj: ApiToken) -> bool:
+        return obj.revoked_at is None
+
+    def get_readonly_fields(self, request: HttpRequest, obj: ApiToken | None = None) -> Any:
+        # The name is fixed once issued: clients and logs know a token by it.
+        return self.readonly_fields + (("name",) if obj is not None else ())
+
+    def save_model(self, request: HttpRequest, obj: ApiToken, form: Any, change: bool) -> None:
+        if change:
+            return super().save_model(request, obj, form, change)
+        raw = secrets.token_urlsafe(32)  # same format as ApiToken.issue
+        obj.token_hash, obj.prefix = hash_token(raw), raw[:8]
+        super().save_model(request, obj, form, change)
+        messages.warning(request, f"Token for {obj.name!r}: {raw}  (copy it now: only its hash is stored)")
+
+    @admin.action(description="Revoke selected tokens")
+    def revoke_tokens(self, request: HttpRequest, queryset: QuerySet[ApiToken]) -> None:
+        count = queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
+        self.message_user(request, f"Revoked {count} token(s); their open connections close when they disconnect.")
+
+
+# -- Observability: persisted execution profiles and the live pool dashboard ---------------------
+
+from .dashboard import DashboardAdmin  # noqa: E402
+from .models import Dashboard, ExecProfileRecord  # noqa: E402
+
+
+@admin.register(ExecProfileRecord)
+class ExecProfileRecordAdmin(admin.ModelAdmin):
+    """Persisted execution profiles, merged from every worker's flushes: read-only; delete to relearn."""
+
+    list_display = ("matcher", "plugin", "state", "p50_ms", "p99_ms", "runs", "errors", "timeouts", "promotions",
+                    "demotions", "promoted_at", "demoted_at", "updated_at")
+    list_filter = ("state", "plugin")
+    search_fields = ("matcher", "plugin", "last_error")
+    readonly_fields = [f.name for f in ExecProfileRecord._meta.fields]
+
+    @admin.display(description="p50 (ms)", ordering="p50_seconds")
+    def p50_ms(self, obj: ExecProfileRecord) -> str:
+        return "-" if obj.p50_seconds is None else f"{obj.p50_seconds * 1000:.2f}"
+
+    @admin.display(description="p99 (ms)", ordering="p99_seconds")
+    def p99_ms(self, obj: ExecProfileRecord) -> str:
+        return "-" if obj.p99_seconds is None else f"{obj.p99_seconds * 1000:.2f}"
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # rows come from workers' flushes
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+admin.site.register(Dashboard, DashboardAdmin)

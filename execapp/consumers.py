@@ -1,0 +1,168 @@
+"""The Channels consumer of /ws/events/: a thin adapter from Channels to ``execapp.protocol``."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+from urllib.parse import parse_qs
+
+from asgiref.sync import sync_to_async
+from channels.exceptions import StopConsumer
+from channels.generic.websocket import AsyncWebsocketConsumer
+from channels.layers import get_channel_layer
+
+from . import worker as worker_module
+from .protocol import Connection, Limits, ProtocolError, check_session, group_name
+
+log = logging.getLogger("execapp.consumers")
+
+#: How long a disconnect waits, per attempt, for the channel-layer reader to stop.
+_READER_STOP_SECONDS = 0.5
+
+
+async def aget_worker() -> worker_module.Worker:
+    """The process's Worker; the first call builds it off the loop (its services may touch the DB)."""
+    if worker_module._worker is not None:
+        return worker_module._worker
+    return await sync_to_async(worker_module.get_worker, thread_sensitive=False)()
+
+
+class EventConsumer(AsyncWebsocketConsumer):
+    """One WebSocket client of /ws/events/: frames in, the engine's outcomes out.
+
+    Two departures from Channels' generic consumer, both for the frame path:
+
+    - Channels runs ``close_old_connections()`` in its one shared sync thread before every
+      message (a thread hop per frame, serialized across every connection of the process).
+      Nothing here touches the database (the handshake's token and session lookups clean up
+      after themselves), so messages are routed directly.
+    - The channel layer is only used by session groups, so a connection gets its layer
+      channel, and the task reading it, when it first joins a session. Connections without
+      sessions never touch the layer; and a disconnect bounds how long it waits for that reader
+      (channels_redis 4.3 with redis-py 8 can swallow a cancellation inside its blocking pop).
+    """
+
+    conn: Connection | None = None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        self.scope = scope
+        self.base_send = send
+        self.channel_layer = get_channel_layer(self.channel_layer_alias)
+        self.channel_name = None
+        self._reader: asyncio.Task | None = None
+        try:
+            while True:
+                await self.dispatch(await receive())
+        except StopConsumer:
+            pass
+        finally:
+            await self._stop_reader()
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "websocket.receive":
+            if self.conn is not None:
+                await self.conn.receive(message.get("text"), message.get("bytes"))
+        elif kind == "session.frame":
+            await self.session_frame(message)
+        elif kind == "websocket.connect":
+            await self.websocket_connect(message)
+        elif kind == "websocket.disconnect":
+            await self.disconnect(message.get("code", 1000))
+            raise StopConsumer()
+        else:
+            raise ValueError(f"no handler for message type {kind!r}")
+
+    async def connect(self) -> None:
+        if "execapp_auth" not in self.scope:  # the auth middleware is missing from the stack
+            await self.close()
+            return
+        worker = await aget_worker()
+        has_layer = self.channel_layer is not None
+        self.conn = Connection(worker.engine, worker, Limits.from_settings(), self._send_text,
+                               publish=self._publish if has_layer else None,
+                               join=self._join if has_layer else None)
+        # Join the URL's sessions before accepting, so a client is a member once it is connected.
+        problems = []
+        query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
+        for value in query.get("session", []):
+            for session in filter(None, value.split(",")):
+                try:
+                    await self.conn.join_session(check_session(session, "session (in the URL's ?session=)"))
+                except ProtocolError as exc:
+                    problems.append(exc)
+        await self.accept()
+        for exc in problems:
+            self.conn.error(exc.code, exc.message)
+
+    async def disconnect(self, code: int) -> None:
+        if self.conn is None:
+            return
+        self.conn.close()
+        if self.channel_name is not None:
+            for session in self.conn.sessions:
+                try:
+                    await self.channel_layer.group_discard(group_name(session), self.channel_name)
+                except Exception:  # the layer is down: its group expiry cleans up
+                    log.warning("leaving session %s failed", session, exc_info=True)
+
+    async def _send_text(self, text: str) -> None:
+        await self.base_send({"type": "websocket.send", "text": text})
+
+    async def _join(self, session: str) -> None:
+        if self.channel_name is None:
+            self.channel_name = await self.channel_layer.new_channel()
+            self._reader = asyncio.get_running_loop().create_task(self._read_layer(), name="execapp-ws-layer")
+        await self.channel_layer.group_add(group_name(session), self.channel_name)
+
+    async def _read_layer(self) -> None:
+        """Hand this connection's channel-layer messages (session frames) to dispatch."""
+        while True:
+            message = await self.channel_layer.receive(self.channel_name)
+            try:
+                await self.dispatch(message)
+            except Exception:
+                log.exception("session message failed")
+
+    async def _stop_reader(self) -> None:
+        task, self._reader = self._reader, None
+        for _ in range(3):
+            if task is None or task.done():
+                return
+            task.cancel()
+            await asyncio.wait({task}, timeout=_READER_STOP_SECONDS)
+        log.warning("the channel-layer reader of %s did not stop; abandoning it", self.channel_name)
+
+    async def _publish(self, session: str, frame: str) -> None:
+        await self.channel_layer.group_send(group_name(session),
+                                            {"type": "session.frame", "frame": frame, "sender": self.channel_name})
+
+    async def session_frame(self, message: dict[str, Any]) -> None:
+        """A frame of another member of one of this client's sessions (the sender has its own)."""
+        if message.get("sender") != self.channel_name and self.conn is not None and not self.conn.closed:
+            self.conn.outbox.push(message["frame"])
+
+
+class BareBaselineConsumer(AsyncWebsocketConsumer):
+    """Benchmark baseline only (routed when EXECAPP_BENCH_BASELINE=1): answers each frame with a
+    reply and a done, without the engine, the way a plain Channels consumer would."""
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        frame = json.loads(text_data or "{}")
+        eid = frame.get("id")
+        await self.send(json.dumps({"type": "reply", "id": eid, "matcher": "command:ping", "plugin": None,
+                                    "text": "pong", "data": None, "exec": "sync", "elapsed_ms": 0.0}))
+        await self.send(json.dumps({"type": "done", "id": eid, "matched": 1, "replies": 1, "errors": 0,
+                                    "blocked_by": None, "elapsed_ms": 0.0}))
+
+
+class DirectBaselineConsumer(BareBaselineConsumer):
+    """Benchmark baseline only: the bare consumer with EventConsumer's direct message routing
+    (no per-frame close_old_connections hop), to isolate what the engine path itself costs."""
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        if message["type"] == "websocket.receive":
+            await self.receive(message.get("text"), message.get("bytes"))
+        else:
+            await super().dispatch(message)

@@ -1,0 +1,147 @@
+"""Draining one worker process: refuse new events, finish what was accepted, flush, report.
+
+Run by the control listener (``manage.py drain``) and by the server's SIGTERM sequence
+(execapp.serve), always off the event loop: the loop must stay free to send the `done`
+frames the drain is waiting for.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any, Callable
+
+from .engine.engine import Engine
+from .worker import Worker
+
+log = logging.getLogger("execapp.drain")
+
+#: How often a drain re-checks its counters; a drain is rare, so polling is simpler than hooks.
+POLL_SECONDS = 0.005
+
+
+def drain_worker(worker: Worker, timeout: float, *, flush: bool = True,
+                 abort: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Drain ``worker`` within ``timeout`` seconds and return the report sent to the operator.
+
+    1. ``set_draining(True)``: consumers refuse new events with code ``draining``;
+    2. wait until every admitted event has sent its `done` (its inline and pooled handlers,
+       queued ones included, have all finished by then);
+    3. drain the pool (closes it, so nothing else starts; ``undrain`` reopens it);
+    4. flush the worker's services that can (persisted execution profiles).
+    On timeout the pool stays open, so the stragglers' queued handlers still run and their
+    events still complete; the report names the handlers still running.
+    """
+    started = time.monotonic()
+    deadline = started + max(0.0, timeout)
+    pool = worker.pool
+    tasks_before = pool.completed + pool.failed
+    events_before = worker.events_finished
+    worker.set_draining(True)
+
+    def stop_waiting() -> bool:
+        return time.monotonic() >= deadline or (abort is not None and abort())
+
+    while worker.events_in_flight > 0 and not stop_waiting():
+        time.sleep(POLL_SECONDS)
+    events_done = worker.events_in_flight <= 0
+    ok = False
+    reason = ""
+    if not events_done:
+        reason = "timeout" if time.monotonic() >= deadline else "aborted"
+    elif not worker.draining:  # an undrain arrived while we waited: leave the pool open
+        reason = "undrained during the drain"
+    else:
+        ok = pool.drain(max(0.0, deadline - time.monotonic()))
+        if not ok:
+            reason = "timeout"
+    still_running = [] if ok else running_handlers()
+    flush_errors = flush_services(worker) if flush else []
+    report = {
+        "worker": worker.id,
+        "ok": ok,
+        "reason": reason,
+        "elapsed_seconds": round(time.monotonic() - started, 4),
+        "timeout_seconds": timeout,
+        "finished": {"events": worker.events_finished - events_before,
+                     "tasks": pool.completed + pool.failed - tasks_before},
+        "still_running": still_running,
+        "events_in_flight": max(0, worker.events_in_flight),
+        "tasks_queued": pool.stats()["queued"],
+        "flush_errors": flush_errors,
+    }
+    log.info("drain of %s: %s", worker.id, json.dumps(report))
+    return report
+
+
+def undrain_worker(worker: Worker) -> dict[str, Any]:
+    """Take new events again: reopen the pool, then admit events (the reverse of a drain)."""
+    was_draining = worker.draining
+    worker.pool.resume()
+    worker.set_draining(False)
+    log.info("undrain of %s (was draining: %s)", worker.id, was_draining)
+    return {"worker": worker.id, "ok": True, "was_draining": was_draining}
+
+
+def flush_services(worker: Worker) -> list[str]:
+    """Call ``flush()`` on every service that has one (the persisted profiles); returns the errors.
+
+    Called from the drain's thread while the housekeeper may tick the same service: a service's
+    ``flush`` must be thread-safe (execapp.persistence.ProfileStore.flush takes its lock).
+    """
+    from django.db import connections
+
+    errors: list[str] = []
+    for service in list(worker.services):
+        fn = getattr(service, "flush", None)
+        if not callable(fn):
+            continue
+        try:
+            fn()
+        except Exception as exc:  # a failed flush is reported to the operator, never fatal
+            log.exception("flushing %s failed", type(service).__name__)
+            errors.append(f"{type(service).__name__}: {exc}")
+    connections.close_all()  # this thread's connections only: a drain must not leak one per call
+    return errors
+
+
+def running_handlers() -> list[str]:
+    """Names of the matchers whose handlers are executing right now, on any thread of the process.
+
+    Read from the threads' stacks (frames inside ``Engine._invoke``) rather than tracked per
+    call: it costs nothing on the event path, sees inline and pooled runs alike, and is only
+    needed when a drain times out. Sorted, one entry per running call.
+    """
+    invoke = Engine._invoke.__code__
+    names: list[str] = []
+    for frame in sys._current_frames().values():
+        f = frame
+        while f is not None:
+            if f.f_code is invoke:
+                matcher = f.f_locals.get("m")
+                names.append(str(getattr(matcher, "name", "?")))
+                break
+            f = f.f_back
+    return sorted(names)
+
+
+def worker_status(worker: Worker) -> dict[str, Any]:
+    """The worker's status plus its plugins' instance pools, as JSON-safe data (for execstatus)."""
+    status = dict(worker.status())
+    status["instance_pools"] = instance_pools()
+    status["uptime_seconds"] = round(time.time() - worker.started_at, 1)
+    return json.loads(json.dumps(status, default=str))
+
+
+def instance_pools() -> Any:
+    """``plugins.sync.instance_pool_stats()`` when the plugins app provides it, else None."""
+    try:
+        from plugins.sync import instance_pool_stats  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        return instance_pool_stats()
+    except Exception as exc:  # status must answer even when a plugin pool misbehaves
+        log.exception("instance_pool_stats failed")
+        return {"error": str(exc)}

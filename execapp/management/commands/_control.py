@@ -1,0 +1,90 @@
+"""Shared parts of the drain, undrain and execstatus commands: asking the workers, printing answers."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from execapp.control import ControlResult, request_sync
+from execapp.engine.errors import ExecAppError
+
+
+class ControlCommand(BaseCommand):
+    """A command that sends one control op to every worker (or ``--worker ID``)."""
+
+    op = ""
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--worker", metavar="ID", help="only this worker (ids: manage.py execstatus)")
+        parser.add_argument("--json", action="store_true", help="print the answers as JSON")
+
+    def ask(self, worker: str | None, timeout: float | None = None) -> ControlResult:
+        """Send the op; operator errors (no shared layer, unknown worker) become CommandError."""
+        try:
+            result = request_sync(self.op, worker=worker, timeout=timeout)
+        except ExecAppError as exc:
+            raise CommandError(f"{exc.code}: {exc}") from exc
+        if not result.answers and not result.missing:
+            raise CommandError(f"no worker answered within {result.waited_seconds:.1f} s: is the server running "
+                               "with the same REDIS_URL as this command?")
+        return result
+
+    def print_json(self, result: ControlResult) -> None:
+        self.stdout.write(json.dumps({"op": result.op, "workers": result.answers, "missing": result.missing,
+                                      "waited_seconds": result.waited_seconds}, indent=2, sort_keys=True))
+
+
+def drain_line(answer: dict[str, Any]) -> str:
+    """One line about one worker's drain."""
+    wid = answer.get("worker", "?")
+    if answer.get("error"):
+        return f"worker {wid}: FAILED: {answer['error']}"
+    finished = answer.get("finished", {})
+    done = f"finished {finished.get('events', 0)} events and {finished.get('tasks', 0)} pooled tasks"
+    if answer.get("ok"):
+        line = f"worker {wid}: drained in {answer.get('elapsed_seconds', 0):.2f} s, {done}"
+    else:
+        running = ", ".join(answer.get("still_running") or []) or "-"
+        line = (f"worker {wid}: NOT drained ({answer.get('reason') or 'unknown'}) after "
+                f"{answer.get('elapsed_seconds', 0):.2f} s, {done}; still running: {running}; "
+                f"{answer.get('events_in_flight', 0)} events without done, {answer.get('tasks_queued', 0)} "
+                "handlers queued")
+    if answer.get("flush_errors"):
+        line += f"; profile flush failed: {'; '.join(answer['flush_errors'])}"
+    return line
+
+
+def ms(seconds: Any) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def status_lines(answer: dict[str, Any]) -> list[str]:
+    """A few lines about one worker: identity, pool, engine counters, instance pools."""
+    pool = answer.get("pool") or {}
+    lines = [
+        f"worker {answer.get('worker')}  pid {answer.get('pid')}  up {answer.get('uptime_seconds', 0):.0f} s  "
+        f"{'DRAINING' if answer.get('draining') else 'serving'}  events in flight {answer.get('events_in_flight', 0)}"
+        f" (finished {answer.get('events_finished', 0)})",
+        f"  pool: running {pool.get('in_flight', 0)}/{pool.get('capacity', 0)}, queued {pool.get('queued', 0)}/"
+        f"{pool.get('queue_capacity', 0)}, saturation {100 * (pool.get('saturation') or 0):.1f}%, threads "
+        f"{pool.get('workers', 0)} (idle {pool.get('idle_workers', 0)}), submitted {pool.get('submitted', 0)}, "
+        f"completed {pool.get('completed', 0)}, failed {pool.get('failed', 0)}, rejected {pool.get('rejected', 0)}, "
+        f"delay p50 {ms(pool.get('delay_p50'))} p99 {ms(pool.get('delay_p99'))}"
+        f"{', CLOSED' if pool.get('closed') else ''}",
+        f"  engine: events {answer.get('events', 0)}, inline {answer.get('inline', 0)}, pooled "
+        f"{answer.get('pooled', 0)}, fallbacks {answer.get('fallbacks', 0)}, overloaded "
+        f"{answer.get('overloaded', 0)}, errors {answer.get('errors', 0)}",
+    ]
+    pools = answer.get("instance_pools")
+    rows = pools if isinstance(pools, list) else [{"plugin": k, **v} for k, v in pools.items()
+                                                  if isinstance(v, dict)] if isinstance(pools, dict) else []
+    for row in sorted(rows, key=lambda r: str(r.get("plugin"))):
+        lines.append(
+            f"  instance pool {row.get('plugin')} ({row.get('runtime', '?')}, {row.get('strategy', '?')}): "
+            f"busy {row.get('busy', 0)}/{row.get('capacity', '?')}, idle {row.get('idle', 0)}, waiting "
+            f"{row.get('waiting', 0)}, calls {row.get('calls_total', 0)}, waits {row.get('waits_total', 0)}, "
+            f"timeouts {row.get('timeouts_total', 0)}, errors {row.get('errors_total', 0)}")
+    if not rows:
+        lines.append("  instance pools: none" if not pools else f"  instance pools: {json.dumps(pools)}")
+    return lines

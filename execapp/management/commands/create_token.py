@@ -1,0 +1,27 @@
+"""`manage.py create_token <name>`: issue an API token; the raw token is the last line of output."""
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from execapp.models import ApiToken
+
+
+class Command(BaseCommand):
+    help = "Create an API token for WebSocket clients and print it (only its hash is stored)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("name", help="a unique name for the token, e.g. the client's name")
+
+    def handle(self, *args: Any, name: str, **options: Any) -> None:
+        name = name.strip()
+        if not name or len(name) > 100:
+            raise CommandError(f"name {name!r} must be 1-100 characters")
+        if ApiToken.objects.filter(name=name).exists():
+            raise CommandError(f"a token called {name!r} already exists; pick another name "
+                               f"(or `python manage.py revoke_token {name}` to disable the old one)")
+        _, raw = ApiToken.issue(name)
+        self.stderr.write(f"Created API token {name!r}. Copy it now: only its hash is stored.\n"
+                          f"Connect with ws://HOST/ws/events/?token=<token> or 'Authorization: Bearer <token>'.")
+        self.stdout.write(raw)

@@ -1,0 +1,42 @@
+"""manage.py drain: every worker stops taking events, finishes what it accepted and reports."""
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import CommandError, CommandParser
+
+from execapp import conf
+
+from ._control import ControlCommand, drain_line
+
+
+class Command(ControlCommand):
+    help = ("Drain every ASGI worker (or --worker ID): refuse new events with `draining`, finish every running "
+            "and queued handler, flush profiles. One line per worker; exits 1 naming any worker that did not "
+            "finish in time. `manage.py undrain` resumes. Needs REDIS_URL (docs/operations.md).")
+    op = "drain"
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        super().add_arguments(parser)
+        parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                            help="how long each worker may take (EXECAPP['DRAIN_TIMEOUT_SECONDS'], default 25)")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        timeout = options["timeout"] if options["timeout"] is not None else float(conf.get("DRAIN_TIMEOUT_SECONDS"))
+        if timeout < 0:
+            raise CommandError(f"--timeout {timeout}: use a number of seconds >= 0")
+        result = self.ask(options["worker"], timeout)
+        if options["json"]:
+            self.print_json(result)
+        else:
+            for wid in sorted(result.answers):
+                self.stdout.write(drain_line(result.answers[wid]))
+            for wid in result.missing:
+                self.stdout.write(f"worker {wid}: did not answer within {result.waited_seconds:.1f} s")
+        failed = [f"{wid} (still running: {', '.join(a.get('still_running') or []) or '-'}; "
+                  f"{a.get('events_in_flight', 0)} events without done)"
+                  for wid, a in sorted(result.answers.items()) if not a.get("ok")]
+        failed += [f"{wid} (did not answer)" for wid in result.missing]
+        if failed:
+            raise CommandError(f"{len(failed)} of {len(result.answers) + len(result.missing)} workers did not "
+                               f"drain within {timeout:g} s: {', '.join(failed)}")

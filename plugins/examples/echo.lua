@@ -1,0 +1,4 @@
+-- echo: /echo <text> -> <text>
+function echo(event)
+  return event.args
+end

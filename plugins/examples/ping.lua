@@ -1,0 +1,4 @@
+-- ping: /ping -> pong
+function ping(event)
+  return "pong"
+end

@@ -1,0 +1,4 @@
+// upper: /upper <text> -> <text> upper-cased
+function upper(event) {
+  return event.args.toUpperCase();
+}

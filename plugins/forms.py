@@ -1,0 +1,78 @@
+"""Admin forms: plugin code upload/edit and binding validation inside the sandbox."""
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.core.exceptions import ValidationError
+from django.forms.models import BaseInlineFormSet
+
+from .errors import PluginInvalid
+from .loaded import validate
+from .models import Plugin
+from .spec import PERMISSIONS
+
+MAX_UPLOAD_BYTES = 4 << 20
+
+
+class PluginForm(forms.ModelForm):
+    """Plugin settings plus an optional file upload (.lua, .js, .wat or a .wasm binary)."""
+
+    upload = forms.FileField(required=False, help_text="Replaces the code: .lua or .js source, .wat text, "
+                                                       "or a .wasm binary for a WASM plugin.")
+    permissions = forms.MultipleChoiceField(choices=[(p, p) for p in PERMISSIONS], required=False,
+                                            widget=forms.CheckboxSelectMultiple,
+                                            help_text="Host API calls this plugin may make.")
+
+    class Meta:
+        model = Plugin
+        fields = ["name", "description", "runtime", "enabled", "source", "upload", "permissions", "http_allowlist",
+                  "timeout_ms", "memory_mb", "max_concurrency", "strategy", "pool_size", "shard_count"]
+        widgets = {"source": forms.Textarea(attrs={"rows": 20, "cols": 100, "style": "font-family: monospace"})}
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        upload = cleaned.get("upload")
+        if upload:
+            if upload.size > MAX_UPLOAD_BYTES:
+                raise ValidationError(f"{upload.name} is {upload.size} bytes; the limit is {MAX_UPLOAD_BYTES}")
+            data = upload.read()
+            if upload.name.endswith(".wasm") or data[:4] == b"\0asm":
+                if cleaned.get("runtime") != "wasm":
+                    raise ValidationError(f"{upload.name} is a WASM binary: set the runtime to WebAssembly")
+                self.instance.module = data
+                cleaned["source"] = ""  # the binary is the code now
+            else:
+                try:
+                    cleaned["source"] = data.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise ValidationError(f"{upload.name} is neither UTF-8 source text nor a .wasm binary") from None
+                if cleaned.get("runtime") == "wasm":
+                    self.instance.module = None
+        elif cleaned.get("runtime") == "wasm" and cleaned.get("source", "").strip():
+            self.instance.module = None  # recompiled from the .wat on validation
+        cleaned["permissions"] = list(cleaned.get("permissions") or [])
+        return cleaned
+
+
+class BindingFormSet(BaseInlineFormSet):
+    """Checks every enabled binding's handler against the plugin's new code, in the sandbox."""
+
+    def clean(self) -> None:
+        super().clean()
+        if any(self.errors):
+            return
+        plugin: Plugin = self.instance
+        handlers = [f.cleaned_data["handler"] for f in self.forms
+                    if f.cleaned_data and not f.cleaned_data.get("DELETE") and f.cleaned_data.get("enabled")]
+        try:
+            plugin.prepare_code()
+            plugin.check_fields()
+            spec = plugin.to_spec()
+            validate(spec, [])
+        except PluginInvalid:
+            return  # the plugin form shows the compile error; don't repeat it here
+        try:
+            validate(spec, handlers)
+        except PluginInvalid as exc:
+            raise ValidationError(str(exc)) from None

@@ -1,0 +1,30 @@
+"""manage.py loadplugins: load the bundled example plugins (or another directory) idempotently."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from plugins.bundled import EXAMPLES_DIR, load_directory
+from plugins.errors import PluginInvalid
+
+
+class Command(BaseCommand):
+    help = "Create or update the plugins of a directory with a manifest.json (default: the bundled examples)."
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--dir", default=str(EXAMPLES_DIR),
+                            help="Directory holding manifest.json and the plugin files.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        directory = Path(options["dir"])
+        if not (directory / "manifest.json").is_file():
+            raise CommandError(f"{directory} has no manifest.json; see docs/plugins.md for its format")
+        try:
+            results = load_directory(directory, say=self.stdout.write)
+        except PluginInvalid as exc:
+            raise CommandError(f"[{exc.code}] {exc}") from None
+        self.stdout.write(self.style.SUCCESS(
+            f"{len(results)} plugins: {results.count('created')} created, {results.count('updated')} updated, "
+            f"{results.count('unchanged')} unchanged"))

@@ -1,0 +1,216 @@
+"""The plugin registry: plugins, their bindings, their key-value data and the registry version."""
+from __future__ import annotations
+
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator, RegexValidator
+from django.db import models
+
+from . import spec as specs
+from .errors import CompileError, PluginInvalid
+
+NAME_VALIDATOR = RegexValidator(r"^[a-z0-9][a-z0-9_-]{0,62}$",
+                                "Use 1-63 lowercase letters, digits, '_' or '-', starting with a letter or digit.")
+
+
+class Plugin(models.Model):
+    """A sandboxed plugin: its code, runtime, limits, permissions and instance strategy.
+
+    Saving validates inside the sandbox (the code compiles, a WASM module instantiates, every
+    enabled binding's handler exists) and is refused with PluginInvalid otherwise.
+    """
+
+    RUNTIMES = [("lua", "Lua 5.4"), ("wasm", "WebAssembly"), ("js", "JavaScript (QuickJS)")]
+    STRATEGIES = [("", "runtime default"), ("per_request", "per request (fresh instance)"),
+                  ("pooled", "pooled"), ("sharded", "sharded by session")]
+
+    name = models.CharField(max_length=63, unique=True, validators=[NAME_VALIDATOR])
+    description = models.CharField(max_length=200, blank=True, default="")
+    runtime = models.CharField(max_length=8, choices=RUNTIMES)
+    source = models.TextField(blank=True, default="",
+                              help_text="Lua or JS source, or WebAssembly text (.wat) for a WASM plugin.")
+    module = models.BinaryField(blank=True, null=True, editable=False,
+                                help_text="The WASM binary (uploaded, or compiled from the .wat source).")
+    version = models.CharField(max_length=16, editable=False, default="",
+                               help_text="Content hash of the code: changes with every edit.")
+    enabled = models.BooleanField(default=True)
+    permissions = models.JSONField(default=list, blank=True,
+                                   help_text="Host API permissions: any of log, kv, sleep, http.")
+    http_allowlist = models.TextField(blank=True, default="",
+                                      help_text="Hosts http_get may reach, one per line (*.example.com allowed).")
+    timeout_ms = models.PositiveIntegerField(default=specs.DEFAULT_TIMEOUT_MS, validators=[MinValueValidator(1)],
+                                             help_text="Wall-clock budget of one call, enforced inside the sandbox.")
+    memory_mb = models.PositiveIntegerField(default=specs.DEFAULT_MEMORY_MB, validators=[MinValueValidator(1)],
+                                            help_text="Memory cap of one instance, in MiB.")
+    max_concurrency = models.PositiveIntegerField(default=specs.DEFAULT_MAX_CONCURRENCY,
+                                                  validators=[MinValueValidator(1)],
+                                                  help_text="Calls of this plugin running at once, per worker.")
+    strategy = models.CharField(max_length=12, choices=STRATEGIES, blank=True, default="")
+    pool_size = models.PositiveIntegerField(default=specs.DEFAULT_POOL_SIZE, validators=[MinValueValidator(1)])
+    shard_count = models.PositiveIntegerField(default=specs.DEFAULT_SHARD_COUNT, validators=[MinValueValidator(1)])
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def effective_strategy(self) -> str:
+        return self.strategy or specs.DEFAULT_STRATEGY[self.runtime]
+
+    def code(self) -> str | bytes:
+        """What the runtime loads: source text, or the WASM binary."""
+        if self.runtime == "wasm":
+            return bytes(self.module) if self.module else self.source
+        return self.source
+
+    def prepare_code(self) -> None:
+        """Compile .wat source to the stored WASM binary and refresh the version hash."""
+        if self.runtime == "wasm" and self.source.strip():
+            from .runtimes.wasm import wat_to_wasm
+            try:
+                self.module = wat_to_wasm(self.source)
+            except CompileError as exc:
+                raise PluginInvalid(f"plugin {self.name!r}: the wasm runtime refused the code: {exc}") from None
+        code = self.code()
+        self.version = specs.code_version(self.runtime, code) if code else ""
+
+    def to_spec(self) -> specs.PluginSpec:
+        """The Django-free description the runtimes load."""
+        return specs.PluginSpec(
+            name=self.name, runtime=self.runtime, code=self.code(), timeout=self.timeout_ms / 1000,
+            memory_bytes=self.memory_mb << 20, max_concurrency=self.max_concurrency,
+            strategy=self.effective_strategy, pool_size=self.pool_size, shard_count=self.shard_count,
+            permissions=frozenset(self.permissions or ()), http_allowlist=tuple(self.allowlist()))
+
+    def allowlist(self) -> list[str]:
+        return [h.strip() for h in self.http_allowlist.replace(",", "\n").splitlines() if h.strip()]
+
+    def check_fields(self) -> None:
+        """Field rules the database cannot express; raises PluginInvalid."""
+        if self.runtime not in specs.RUNTIMES:
+            raise PluginInvalid(f"plugin {self.name!r}: runtime {self.runtime!r} is not one of lua, wasm, js")
+        if self.strategy and self.strategy not in specs.STRATEGIES:
+            raise PluginInvalid(f"plugin {self.name!r}: strategy {self.strategy!r} is not one of "
+                                f"{', '.join(specs.STRATEGIES)}")
+        bad = [p for p in (self.permissions or []) if p not in specs.PERMISSIONS]
+        if not isinstance(self.permissions, list) or bad:
+            raise PluginInvalid(f"plugin {self.name!r}: unknown permission(s) {bad or self.permissions!r}; "
+                                f"use a list of {', '.join(specs.PERMISSIONS)}")
+        if not self.code():
+            raise PluginInvalid(f"plugin {self.name!r}: no code; give source (or a .wasm module for WASM)")
+
+    def validate_code(self, handlers: list[str] | None = None) -> None:
+        """Compile and load the code in its sandbox and check the handlers (default: the enabled
+        bindings already saved); raises PluginInvalid naming plugin, handler and runtime message."""
+        from .loaded import validate
+        self.prepare_code()
+        self.check_fields()
+        if handlers is None:
+            handlers = list(self.bindings.filter(enabled=True).values_list("handler", flat=True)) if self.pk else []
+        validate(self.to_spec(), handlers)
+
+    def clean(self) -> None:
+        # The code alone: the admin's binding formset checks the handlers against this code.
+        try:
+            self.validate_code(handlers=[])
+        except PluginInvalid as exc:
+            raise ValidationError(str(exc)) from None
+
+    def save(self, *args, check_bindings: bool = True, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        """Validate in the sandbox, then save. ``check_bindings=False`` checks the code only
+        (for a caller that validated the new bindings itself, like the admin's formset)."""
+        self.validate_code(handlers=None if check_bindings else [])
+        super().save(*args, **kwargs)
+
+
+class Binding(models.Model):
+    """One matcher of a plugin: a command, regex or event type routed to a handler function."""
+
+    KINDS = [("command", "command"), ("regex", "regex"), ("event", "event type")]
+
+    plugin = models.ForeignKey(Plugin, on_delete=models.CASCADE, related_name="bindings")
+    kind = models.CharField(max_length=8, choices=KINDS, default="command")
+    pattern = models.CharField(max_length=200, help_text="Command name (without /), regex, or event type.")
+    handler = models.CharField(max_length=100, validators=[RegexValidator(r"^[A-Za-z_][A-Za-z0-9_]*$")],
+                               help_text="Function name in the plugin's code.")
+    priority = models.IntegerField(default=0, help_text="Higher runs first.")
+    block = models.BooleanField(default=False, help_text="Stop lower-priority handlers for a matched event.")
+    enabled = models.BooleanField(default=True)
+
+    class Meta:
+        ordering = ["plugin__name", "-priority", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.plugin.name}: {self.kind} {self.pattern!r} -> {self.handler}"
+
+    def check_pattern(self) -> None:
+        """The pattern must make a valid matcher; raises PluginInvalid."""
+        import re
+        if self.kind == "regex":
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise PluginInvalid(f"plugin {self.plugin.name!r} handler {self.handler!r}: regex "
+                                    f"{self.pattern!r} does not compile: {exc}") from None
+        elif self.kind == "command":
+            word = self.pattern.lstrip("/")
+            if not word or " " in word:
+                raise PluginInvalid(f"plugin {self.plugin.name!r} handler {self.handler!r}: command "
+                                    f"{self.pattern!r} must be one word, like 'ping'")
+
+    def clean(self) -> None:
+        try:
+            self.check_pattern()
+        except PluginInvalid as exc:
+            raise ValidationError({"pattern": str(exc)}) from None
+        except Plugin.DoesNotExist:
+            return
+
+    def validate_handler(self) -> None:
+        """The plugin's code defines this binding's handler; raises PluginInvalid."""
+        from .loaded import validate
+        self.check_pattern()
+        plugin = self.plugin
+        plugin.prepare_code()
+        validate(plugin.to_spec(), [self.handler])
+
+    def save(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        if self.enabled:
+            self.validate_handler()
+        super().save(*args, **kwargs)
+
+
+class KVEntry(models.Model):
+    """One key of a plugin's host key-value namespace (when Redis is not configured)."""
+
+    plugin = models.CharField(max_length=63, db_index=True)
+    key = models.CharField(max_length=200)
+    value = models.TextField()
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name = "plugin key-value entry"
+        verbose_name_plural = "plugin key-value entries"
+        constraints = [models.UniqueConstraint(fields=["plugin", "key"], name="plugins_kv_unique_key")]
+
+    def __str__(self) -> str:
+        return f"{self.plugin}:{self.key}"
+
+
+class RegistryState(models.Model):
+    """A single row whose ``version`` is bumped on every plugin/binding change (workers poll it)."""
+
+    version = models.BigIntegerField(default=0)
+
+    @classmethod
+    def current(cls) -> int:
+        row = cls.objects.filter(pk=1).values_list("version", flat=True).first()
+        return row or 0
+
+    @classmethod
+    def bump(cls) -> None:
+        if not cls.objects.filter(pk=1).update(version=models.F("version") + 1):
+            cls.objects.get_or_create(pk=1, defaults={"version": 1})

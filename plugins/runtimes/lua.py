@@ -1,0 +1,377 @@
+"""Lua 5.4 through lupa: a locked-down environment, an un-swallowable time budget and a memory cap.
+
+Sandbox (built once per lupa runtime, in Lua, while the standard library is still reachable):
+- guests see only a base table of safe functions: no os, io, debug, load/loadfile/dofile,
+  require, collectgarbage or string.dump, and no ``python`` table; lupa runs with
+  ``register_eval=False``, ``register_builtins=False`` and an attribute filter refusing every
+  Python attribute;
+- library tables (string, table, math, utf8, coroutine) are read-only proxies and the string
+  metatable is protected, so no call can change what the next one sees;
+- plugin source is compiled once per version with ``load(src, name, "t")`` (text only: a
+  plugin can never hand us bytecode) and dumped; only that bytecode of ours is ever loaded;
+- a count hook checks the wall-clock deadline every ``HOOK_COUNT`` instructions and raises;
+  once the budget is spent ``pcall``/``xpcall``/``coroutine.resume``/``wrap`` re-raise and
+  new coroutines get the hook too, so neither pcall nor coroutines can swallow the timeout;
+- ``max_memory`` caps the runtime's allocator (the plugin's memory cap).
+
+Strategies: ``call_isolated`` (per_request) keeps one runtime per thread per plugin version
+and runs every call in a fresh environment table with the bytecode loaded into it (full
+isolation of everything the guest can write, at near pooled cost); ``new_instance`` (pooled,
+sharded) is a runtime whose environment persists between calls (warm state).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import lupa.lua54 as lupa
+
+from ..errors import CompileError, GuestError, GuestMemory, GuestTimeout
+from ..host import Host, HostCallError
+from ..spec import PluginSpec
+from .base import to_reply
+
+#: Instructions between two deadline checks (a check calls time.monotonic through lupa: ~1 us;
+#: 10k Lua instructions take ~50-100 us, so the check costs ~1-2% and a timeout lands within
+#: ~0.1 ms of the deadline).
+HOOK_COUNT = 10_000
+TIMEOUT_MSG = "execapp: timeout: the plugin ran past its time budget"
+MAX_DEPTH = 32
+
+_SANDBOX = r"""
+local clock, py_host, COUNT, TIMEOUT = ...
+local B = {deadline = math.huge, expired = false, loading = false}
+local error, pcall, xpcall, type, tostring, next, select = error, pcall, xpcall, type, tostring, next, select
+local setmetatable, getmetatable, rawget = setmetatable, getmetatable, rawget
+local sethook, co_create, co_resume = debug.sethook, coroutine.create, coroutine.resume
+local load, math_huge = load, math.huge
+
+local function hook()
+  if B.expired or clock() > B.deadline then
+    B.expired = true
+    error(TIMEOUT, 0)
+  end
+end
+sethook(hook, "", COUNT)
+
+-- Once the budget is spent every protected call re-raises: pcall cannot swallow the timeout.
+local function check(...)
+  if B.expired then error(TIMEOUT, 0) end
+  return ...
+end
+local function safe_pcall(f, ...) return check(pcall(f, ...)) end
+local function safe_xpcall(f, h, ...)
+  return check(xpcall(f, function(e) if B.expired then return e end return h(e) end, ...))
+end
+-- Hooks are per coroutine: every coroutine a guest makes gets the same hook.
+local function co_new(f)
+  local co = co_create(f)
+  sethook(co, hook, "", COUNT)
+  return co
+end
+local function safe_resume(co, ...) return check(co_resume(co, ...)) end
+local function wrap_results(ok, ...)
+  if B.expired then error(TIMEOUT, 0) end
+  if not ok then error((...), 0) end
+  return ...
+end
+local function safe_wrap(f)
+  local co = co_new(f)
+  return function(...) return wrap_results(co_resume(co, ...)) end
+end
+
+local function readonly(t, name)
+  return setmetatable({}, {
+    __index = t,
+    __newindex = function() error("attempt to modify read-only library table '" .. name .. "'", 2) end,
+    __pairs = function()
+      local k
+      return function() local v; k, v = next(t, k); return k, v end
+    end,
+    __metatable = false,
+  })
+end
+local function copy(t, skip)
+  local c = {}
+  for k, v in next, t do if not (skip and skip[k]) then c[k] = v end end
+  return c
+end
+
+local str = readonly(copy(string, {dump = true}), "string")
+local smt = getmetatable("")
+smt.__index = str
+smt.__metatable = false
+local co = copy(coroutine)
+co.create, co.resume, co.wrap = co_new, safe_resume, safe_wrap
+
+local function safe_setmetatable(t, mt)
+  if type(mt) == "table" and rawget(mt, "__gc") ~= nil then
+    error("__gc metamethods are not allowed in plugins", 2)
+  end
+  return setmetatable(t, mt)
+end
+
+local function host_call(name, ...)
+  if B.loading then
+    error(name .. ": the host API is not available while the plugin's top level runs; call it from a handler", 3)
+  end
+  local ok, v = py_host(name, ...)
+  if ok then return v end
+  if v:sub(1, #TIMEOUT) == TIMEOUT then B.expired, B.why = true, v end
+  error(v, 3)
+end
+
+local base = {
+  assert = assert, error = error, ipairs = ipairs, next = next, pairs = pairs, select = select,
+  pcall = safe_pcall, xpcall = safe_xpcall, rawequal = rawequal, rawget = rawget, rawlen = rawlen,
+  setmetatable = safe_setmetatable, getmetatable = getmetatable, tonumber = tonumber,
+  tostring = tostring, type = type, _VERSION = _VERSION,
+  string = str, table = readonly(copy(table), "table"), math = readonly(copy(math), "math"),
+  utf8 = readonly(copy(utf8), "utf8"), coroutine = readonly(co, "coroutine"),
+  -- Not tail calls: error level 3 in host_call must point at the guest's line.
+  log = function(msg) host_call("log", tostring(msg)) end,
+  print = function(...)
+    local parts = {}
+    for i = 1, select("#", ...) do parts[i] = tostring((select(i, ...))) end
+    host_call("log", table.concat(parts, "\t"))
+  end,
+  kv_get = function(k) local v = host_call("kv_get", k); return v end,
+  kv_set = function(k, v) host_call("kv_set", k, v) end,
+  sleep = function(ms) host_call("sleep", ms) end,
+  http_get = function(url) local v = host_call("http_get", url); return v end,
+}
+local env_mt = {__index = base, __metatable = false}
+
+-- status: 0 ok, 1 error, 2 timeout, 3 memory
+local function outcome(ok, v)
+  if B.expired then return 2, B.why or TIMEOUT end
+  if ok then return 0, v end
+  if v == "not enough memory" then return 3, v end
+  if type(v) ~= "string" then v = tostring(v) end
+  return 1, v
+end
+
+local function new_env(bytecode, name, deadline)
+  local env = setmetatable({}, env_mt)
+  env._G = env
+  local chunk, err = load(bytecode, name, "b", env)
+  if not chunk then return nil, 1, err end
+  B.deadline, B.expired, B.why, B.loading = deadline, false, nil, true
+  local status, v = outcome(pcall(chunk))
+  B.loading, B.deadline = false, math_huge
+  if status ~= 0 then return nil, status, v end
+  return env, 0, nil
+end
+
+local function call(env, handler, event, deadline)
+  local f = rawget(env, handler)
+  if type(f) ~= "function" then return 1, "no handler function '" .. tostring(handler) .. "'" end
+  B.deadline, B.expired, B.why = deadline, false, nil
+  local status, v = outcome(pcall(f, event))
+  B.deadline = math_huge
+  return status, v
+end
+
+local function fresh_call(bytecode, name, handler, event, deadline)
+  local env, status, err = new_env(bytecode, name, deadline)
+  if not env then return status, err end
+  return call(env, handler, event, deadline)
+end
+
+local function functions(env)
+  local names = {}
+  for k, v in next, env do
+    if type(k) == "string" and type(v) == "function" then names[#names + 1] = k end
+  end
+  return names
+end
+
+return new_env, call, fresh_call, functions
+"""
+
+
+def _refuse_attributes(obj: Any, name: Any, is_setting: bool) -> Any:
+    raise AttributeError(f"plugins cannot access Python attributes (tried {name!r})")
+
+
+def compile_bytecode(spec: PluginSpec) -> bytes:
+    """Compile plugin source once (text mode only) and return its Lua 5.4 bytecode."""
+    if not isinstance(spec.code, str):
+        raise CompileError("Lua plugins are source text, not bytes")
+    if spec.code.startswith("\x1bLua"):
+        raise CompileError("Lua bytecode is refused: upload the plugin's source text")
+    rt = lupa.LuaRuntime(encoding=None, register_eval=False, register_builtins=False,
+                         attribute_filter=_refuse_attributes)
+    fn, err = _load_text(rt, spec)
+    if fn is None:
+        raise CompileError((err or b"syntax error").decode("utf-8", "replace"))
+    return rt.execute("local f = ...; return string.dump(f)", fn)
+
+
+def _load_text(rt: Any, spec: PluginSpec) -> tuple[Any, bytes | None]:
+    result = rt.execute("local src, name = ...; local f, e = load(src, name, 't'); return f or false, e",
+                        spec.code.encode(), f"={spec.name}".encode())
+    fn, err = result if isinstance(result, tuple) else (result, None)
+    return (fn or None), err
+
+
+class _LuaVM:
+    """One sandboxed lupa runtime of one plugin version (used by one thread at a time)."""
+
+    def __init__(self, spec: PluginSpec, bytecode: bytes) -> None:
+        self.spec = spec
+        self.bytecode = bytecode
+        self.chunkname = f"={spec.name}"
+        self.host: Host | None = None
+        try:
+            self.rt = lupa.LuaRuntime(register_eval=False, register_builtins=False, unpack_returned_tuples=True,
+                                      attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
+            self._new_env, self._call, self._fresh, self._functions = self.rt.execute(
+                _SANDBOX, time.monotonic, self._host_call, HOOK_COUNT, TIMEOUT_MSG)
+        except lupa.LuaMemoryError:
+            raise CompileError(f"the memory cap of {spec.memory_bytes} bytes is too small for the Lua sandbox") from None
+        self._table_from = self.rt.table_from
+
+    def _host_call(self, name: str, *args: Any) -> tuple[bool, Any]:
+        # Called from Lua: never raise into Lua (the guest would see a Python object); return
+        # (ok, value-or-message) and let the Lua wrapper raise a plain string error.
+        host = self.host
+        if host is None:
+            return False, f"{name}: no host call in progress"
+        try:
+            return True, getattr(host, name)(*args)
+        except GuestTimeout as exc:
+            return False, f"{TIMEOUT_MSG}: {exc}"
+        except (HostCallError, TypeError, ValueError) as exc:
+            return False, str(exc)
+        except Exception as exc:  # HostDenied, database or Redis errors: the guest sees the message
+            return False, str(exc)
+
+    def load_env(self, deadline: float) -> Any:
+        """Run the plugin's top level in a new environment; the environment, or raise."""
+        try:
+            env, status, err = self._new_env(self.bytecode, self.chunkname, deadline)
+        except lupa.LuaMemoryError:
+            raise GuestMemory(f"memory cap of {self.spec.memory_bytes} bytes exceeded") from None
+        except lupa.LuaError as exc:
+            raise GuestError(str(exc), poison=True) from None
+        if env is None:
+            _raise(status, err, self.spec)
+        return env
+
+    def functions(self, env: Any) -> frozenset[str]:
+        return frozenset(self._functions(env).values())
+
+    def call(self, env: Any, handler: str, event: dict[str, Any], host: Host) -> Any:
+        self.host = host
+        try:
+            status, value = self._call(env, handler, self._table_from(event, recursive=True), host.deadline)
+        except lupa.LuaMemoryError:
+            raise GuestMemory(f"memory cap of {self.spec.memory_bytes} bytes exceeded") from None
+        except lupa.LuaError as exc:  # raised outside the guest's pcall, e.g. by a __tostring
+            raise GuestTimeout() if host.remaining() <= 0 else GuestError(str(exc), poison=True) from None
+        finally:
+            self.host = None
+        if status:
+            _raise(status, value, self.spec)
+        return to_reply(_to_python(value))
+
+    def call_fresh(self, handler: str, event: dict[str, Any], host: Host) -> Any:
+        self.host = host
+        try:
+            status, value = self._fresh(self.bytecode, self.chunkname, handler,
+                                        self._table_from(event, recursive=True), host.deadline)
+        except lupa.LuaMemoryError:
+            raise GuestMemory(f"memory cap of {self.spec.memory_bytes} bytes exceeded") from None
+        except lupa.LuaError as exc:
+            raise GuestTimeout() if host.remaining() <= 0 else GuestError(str(exc), poison=True) from None
+        finally:
+            self.host = None
+        if status:
+            _raise(status, value, self.spec)
+        return to_reply(_to_python(value))
+
+
+def _raise(status: int, message: Any, spec: PluginSpec) -> None:
+    if status == 2:
+        detail = str(message)[len(TIMEOUT_MSG) + 2:] if str(message).startswith(TIMEOUT_MSG + ": ") else ""
+        raise GuestTimeout(detail or f"ran past its {spec.timeout * 1000:g} ms timeout")
+    if status == 3:
+        raise GuestMemory(f"memory cap of {spec.memory_bytes} bytes exceeded")
+    raise GuestError(str(message))
+
+
+def _to_python(value: Any, depth: int = 0) -> Any:
+    """A Lua value as JSON-able Python: tables with keys 1..n become lists, others dicts."""
+    if value is None or type(value) is str:
+        return value
+    if lupa.lua_type(value) != "table":
+        return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
+    if depth > MAX_DEPTH:
+        raise GuestError(f"reply nested deeper than {MAX_DEPTH} levels")
+    items = list(value.items())
+    if items and all(isinstance(k, int) for k, _ in items) and sorted(k for k, _ in items) == list(
+            range(1, len(items) + 1)):
+        return [_to_python(v, depth + 1) for _, v in sorted(items, key=lambda kv: kv[0])]
+    return {str(k): _to_python(v, depth + 1) for k, v in items}
+
+
+class LuaInstance:
+    """A pooled/sharded instance: its own runtime and one environment that persists (warm)."""
+
+    def __init__(self, compiled: "LuaCompiled") -> None:
+        self.vm = _LuaVM(compiled.spec, compiled.bytecode)
+        self.env = self.vm.load_env(time.monotonic() + compiled.spec.timeout)
+
+    def call(self, handler: str, event: dict[str, Any], host: Host) -> Any:
+        return self.vm.call(self.env, handler, event, host)
+
+    def close(self) -> None:
+        self.env = None
+        self.vm = None  # type: ignore[assignment]
+
+
+class LuaCompiled:
+    """A Lua plugin version: source compiled once to bytecode, validated in the sandbox."""
+
+    thread_bound = False
+
+    def __init__(self, spec: PluginSpec) -> None:
+        self.spec = spec
+        self.bytecode = compile_bytecode(spec)
+        vm = _LuaVM(spec, self.bytecode)
+        try:
+            env = vm.load_env(time.monotonic() + spec.timeout)
+        except GuestError as exc:
+            raise CompileError(f"the top level failed: {exc}") from None
+        self.handlers = vm.functions(env)
+        self._local = threading.local()  # per-thread VM for call_isolated
+        self._vms = 0
+        self._vms_lock = threading.Lock()
+
+    def new_instance(self) -> LuaInstance:
+        return LuaInstance(self)
+
+    def call_isolated(self, handler: str, event: dict[str, Any], host: Host) -> Any:
+        # One runtime per thread (a lupa runtime serializes threads on its lock); a fresh
+        # environment per call. A VM whose call timed out or hit the memory cap is dropped.
+        vm = getattr(self._local, "vm", None)
+        if vm is None:
+            vm = self._local.vm = _LuaVM(self.spec, self.bytecode)
+            with self._vms_lock:
+                self._vms += 1
+        try:
+            return vm.call_fresh(handler, event, host)
+        except GuestError as exc:
+            if exc.poison:
+                self._local.vm = None
+                with self._vms_lock:
+                    self._vms -= 1
+            raise
+
+    def idle_isolated(self) -> int:
+        return self._vms
+
+    def close(self) -> None:
+        self._local = threading.local()

@@ -1,0 +1,422 @@
+"""WebAssembly through wasmtime: compiled once per version, an epoch deadline per call, memory caps.
+
+ABI (docs/plugins.md has the full text):
+- the module exports ``memory``, ``alloc(len: i32) -> i32`` and each handler as
+  ``name(ptr: i32, len: i32) -> i64``;
+- per call the host calls ``alloc(n)`` once, writes the event as UTF-8 JSON there (its first
+  key is always ``"args"``), calls the handler and reads the reply from the returned
+  ``(ptr << 32) | len``; 0 means no reply. A reply starting with ``{`` or ``[`` is JSON
+  data, anything else is text. ``alloc`` may reuse memory of earlier calls (bump allocator);
+- host functions are imported from module ``env`` (all optional): ``log(ptr, len)``,
+  ``kv_get(kptr, klen, out, cap) -> i32`` (-1 if missing, else the value's byte length; at
+  most ``cap`` bytes copied), ``kv_set(kptr, klen, vptr, vlen)``, ``sleep(ms: i32)``,
+  ``http_get(uptr, ulen, out, cap) -> i32`` (body length, at most ``cap`` bytes copied). A
+  denied or failing host call traps with the host's message.
+
+Limits: one process-wide Engine with epoch interruption, ticked by a daemon thread every
+``EPOCH_TICK`` seconds; each call sets its store's deadline from the plugin's timeout (trap
+code INTERRUPT -> timeout). Each store's linear memory is capped by ``Store.set_limits``
+(``memory.grow`` returns -1 past it) and reserves ``MEMORY_RESERVATION`` bytes of address
+space instead of wasmtime's default 4 GiB.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import math
+import threading
+import time
+from typing import Any
+
+import wasmtime
+from wasmtime import _ffi as ffi
+
+from ..errors import CompileError, GuestError, GuestMemory, GuestTimeout
+from ..host import Host
+from .base import MAX_REPLY_BYTES, to_reply
+
+EPOCH_TICK = 0.005
+MEMORY_RESERVATION = 64 << 20
+RESERVED_EXPORTS = frozenset({"memory", "alloc", "dealloc", "_start", "_initialize"})
+
+_tls = threading.local()  # the Host of the call running on this thread, and its host error
+
+
+def _make_engine() -> wasmtime.Engine:
+    config = wasmtime.Config()
+    config.epoch_interruption = True
+    config.memory_reservation = MEMORY_RESERVATION
+    config.memory_guard_size = 64 << 10
+    return wasmtime.Engine(config)
+
+
+ENGINE = _make_engine()
+_ticker_lock = threading.Lock()
+_ticker: threading.Thread | None = None
+
+
+def _ensure_ticker() -> None:
+    # Epoch deadlines only advance while something increments the engine's epoch: one daemon
+    # thread for the whole process, started on first use.
+    global _ticker
+    if _ticker is not None:
+        return
+    with _ticker_lock:
+        if _ticker is None:
+            def tick() -> None:
+                while True:
+                    time.sleep(EPOCH_TICK)
+                    ENGINE.increment_epoch()
+            _ticker = threading.Thread(target=tick, name="wasm-epoch", daemon=True)
+            _ticker.start()
+
+
+# -- host imports ---------------------------------------------------------------------------------
+
+class _HostTrap(Exception):
+    """A host call failed; the guest traps with this message."""
+
+
+def _host() -> Host:
+    host = getattr(_tls, "host", None)
+    if host is None:
+        raise _HostTrap("host calls are not available while the module instantiates")
+    return host
+
+
+def _fail(exc: BaseException) -> _HostTrap:
+    # wasmtime-py keeps the Python exception of a host function in one process-wide slot; the
+    # thread-local copy is what this thread's call reports (see WasmInstance.call).
+    _tls.host_error = exc
+    return _HostTrap(str(exc))
+
+
+def _mem(caller: wasmtime.Caller) -> wasmtime.Memory:
+    mem = caller.get("memory")
+    if not isinstance(mem, wasmtime.Memory):
+        raise _HostTrap("the module exports no memory")
+    return mem
+
+
+def _read(caller: wasmtime.Caller, ptr: int, length: int, limit: int = MAX_REPLY_BYTES) -> str:
+    if length < 0 or length > limit:
+        raise _HostTrap(f"string of {length} bytes is over the {limit}-byte limit")
+    mem = _mem(caller)
+    if ptr < 0 or ptr + length > mem.data_len(caller):
+        raise _HostTrap(f"pointer {ptr}+{length} is outside linear memory")
+    return bytes(mem.read(caller, ptr, ptr + length)).decode("utf-8", "replace")
+
+
+def _write(caller: wasmtime.Caller, data: bytes, out: int, cap: int) -> int:
+    n = min(len(data), max(cap, 0))
+    if n:
+        mem = _mem(caller)
+        if out < 0 or out + n > mem.data_len(caller):
+            raise _HostTrap(f"output buffer {out}+{n} is outside linear memory")
+        mem.write(caller, data[:n], out)
+    return len(data)
+
+
+def _h_log(caller: wasmtime.Caller, ptr: int, length: int) -> None:
+    try:
+        _host().log(_read(caller, ptr, length))
+    except _HostTrap:
+        raise
+    except Exception as exc:
+        raise _fail(exc) from None
+
+
+def _h_kv_get(caller: wasmtime.Caller, kptr: int, klen: int, out: int, cap: int) -> int:
+    try:
+        value = _host().kv_get(_read(caller, kptr, klen))
+        return -1 if value is None else _write(caller, value.encode(), out, cap)
+    except _HostTrap:
+        raise
+    except Exception as exc:
+        raise _fail(exc) from None
+
+
+def _h_kv_set(caller: wasmtime.Caller, kptr: int, klen: int, vptr: int, vlen: int) -> None:
+    try:
+        _host().kv_set(_read(caller, kptr, klen), _read(caller, vptr, vlen))
+    except _HostTrap:
+        raise
+    except Exception as exc:
+        raise _fail(exc) from None
+
+
+def _h_sleep(ms: int) -> None:
+    try:
+        _host().sleep(ms)
+    except _HostTrap:
+        raise
+    except Exception as exc:
+        raise _fail(exc) from None
+
+
+def _h_http_get(caller: wasmtime.Caller, uptr: int, ulen: int, out: int, cap: int) -> int:
+    try:
+        return _write(caller, _host().http_get(_read(caller, uptr, ulen)).encode(), out, cap)
+    except _HostTrap:
+        raise
+    except Exception as exc:
+        raise _fail(exc) from None
+
+
+def _make_linker() -> wasmtime.Linker:
+    i32 = wasmtime.ValType.i32()
+    linker = wasmtime.Linker(ENGINE)
+    linker.define_func("env", "log", wasmtime.FuncType([i32, i32], []), _h_log, access_caller=True)
+    linker.define_func("env", "kv_get", wasmtime.FuncType([i32] * 4, [i32]), _h_kv_get, access_caller=True)
+    linker.define_func("env", "kv_set", wasmtime.FuncType([i32] * 4, []), _h_kv_set, access_caller=True)
+    linker.define_func("env", "sleep", wasmtime.FuncType([i32], []), _h_sleep)
+    linker.define_func("env", "http_get", wasmtime.FuncType([i32] * 4, [i32]), _h_http_get, access_caller=True)
+    return linker
+
+
+LINKER = _make_linker()
+
+# -- compiled modules -----------------------------------------------------------------------------
+
+_modules: "collections.OrderedDict[str, wasmtime.Module]" = collections.OrderedDict()
+_modules_lock = threading.Lock()
+MODULE_CACHE_SIZE = 64
+
+
+def compile_module(version: str, wasm: bytes) -> wasmtime.Module:
+    """The compiled module of one version, compiled once per process (an LRU of 64)."""
+    with _modules_lock:
+        module = _modules.get(version)
+        if module is not None:
+            _modules.move_to_end(version)
+            return module
+    try:
+        module = wasmtime.Module(ENGINE, wasm)
+    except wasmtime.WasmtimeError as exc:
+        raise CompileError(f"the module does not compile: {exc}") from None
+    with _modules_lock:
+        _modules[version] = module
+        while len(_modules) > MODULE_CACHE_SIZE:
+            _modules.popitem(last=False)
+    return module
+
+
+def drop_caches() -> None:
+    """Forget every compiled module (process exit, tests)."""
+    with _modules_lock:
+        _modules.clear()
+
+
+def wat_to_wasm(text: str) -> bytes:
+    """Compile WebAssembly text (.wat) to a binary; raises CompileError with wasmtime's message."""
+    try:
+        return bytes(wasmtime.wat2wasm(text))
+    except wasmtime.WasmtimeError as exc:
+        raise CompileError(f"the .wat does not parse: {exc}") from None
+
+
+# -- fast export calls ----------------------------------------------------------------------------
+
+def _export(store: wasmtime.Store, instance: wasmtime.Instance, name: str) -> Any:
+    # One export by name, instead of Instance.exports() building the whole map (60-90 us).
+    item = ffi.wasmtime_extern_t()
+    raw = name.encode()
+    if not ffi.wasmtime_instance_export_get(store._context(), ctypes.byref(instance._instance), raw, len(raw),
+                                            ctypes.byref(item)):
+        return None
+    from wasmtime._extern import wrap_extern
+    return wrap_extern(item)
+
+
+class _Call:
+    """A typed call of one exported function: the signature is checked once, not per call
+    (Func.__call__ re-reads the function type on every call, most of its 11-35 us)."""
+
+    __slots__ = ("store", "func", "nparams", "result")
+
+    def __init__(self, store: wasmtime.Store, func: wasmtime.Func, params: int, result: str) -> None:
+        self.store, self.func, self.nparams, self.result = store, func, params, result
+
+    def __call__(self, *args: int) -> int:
+        params = (ffi.wasmtime_val_t * self.nparams)()
+        for i, value in enumerate(args):
+            params[i].kind = ffi.WASMTIME_I32.value
+            params[i].of.i32 = value
+        results = (ffi.wasmtime_val_t * 1)()
+        from wasmtime._func import enter_wasm
+        with enter_wasm(self.store) as trap:
+            error = ffi.wasmtime_func_call(self.store._context(), ctypes.byref(self.func._func), params,
+                                           self.nparams, results, 1, trap)
+            if error:
+                raise wasmtime.WasmtimeError._from_ptr(error)
+        return results[0].of.i64 if self.result == "i64" else results[0].of.i32
+
+
+def _signature(store: wasmtime.Store, func: wasmtime.Func) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    ty = func.type(store)
+    return tuple(str(p) for p in ty.params), tuple(str(r) for r in ty.results)
+
+
+# -- instances ------------------------------------------------------------------------------------
+
+class WasmInstance:
+    """One Store + Instance of a module, with its memory, allocator and handlers looked up once."""
+
+    def __init__(self, compiled: "WasmCompiled") -> None:
+        self.spec = compiled.spec
+        _ensure_ticker()
+        store = self.store = wasmtime.Store(ENGINE)
+        store.set_limits(memory_size=self.spec.memory_bytes, table_elements=100_000, instances=4, memories=2)
+        store.set_epoch_deadline(_ticks(self.spec.timeout))
+        try:
+            self.instance = compiled.pre.instantiate(store)
+        except wasmtime.Trap as exc:
+            raise _trap_error(exc, self.spec) from None
+        except wasmtime.WasmtimeError as exc:
+            raise GuestError(f"the module does not instantiate: {exc}", poison=True) from None
+        memory = _export(store, self.instance, "memory")
+        alloc = _export(store, self.instance, "alloc")
+        if not isinstance(memory, wasmtime.Memory) or not isinstance(alloc, wasmtime.Func):
+            raise GuestError("the module must export 'memory' and 'alloc(len: i32) -> i32' (see the ABI)",
+                             poison=True)
+        if _signature(store, alloc) != (("i32",), ("i32",)):
+            raise GuestError("export 'alloc' must have the type (i32) -> i32", poison=True)
+        self.memory = memory
+        self.alloc = _Call(store, alloc, 1, "i32")
+        self.handlers: dict[str, _Call] = {}
+        for name in compiled.handlers:
+            func = _export(store, self.instance, name)
+            self.handlers[name] = _Call(store, func, 2, "i64")
+
+    def call(self, handler: str, event: dict[str, Any], host: Host) -> Any:
+        fn = self.handlers.get(handler)
+        if fn is None:
+            raise GuestError(f"no handler export '{handler}' with the type (i32, i32) -> i64")
+        payload = json.dumps(_abi_event(event), separators=(",", ":"), ensure_ascii=False).encode()
+        store = self.store
+        remaining = host.deadline - time.monotonic()
+        if remaining <= 0:
+            raise GuestTimeout()
+        store.set_epoch_deadline(_ticks(remaining))
+        _tls.host, _tls.host_error = host, None
+        try:
+            ptr = self.alloc(len(payload))
+            if ptr <= 0 or ptr + len(payload) > self.memory.data_len(store):
+                raise GuestError(f"alloc({len(payload)}) returned {ptr}, outside linear memory", poison=True)
+            self.memory.write(store, payload, ptr)
+            packed = fn(ptr, len(payload))
+        except GuestError:
+            raise
+        except Exception as exc:
+            raise self._failure(exc) from None
+        finally:
+            _tls.host = None
+        if not packed:
+            return None
+        rptr, rlen = (packed >> 32) & 0xFFFFFFFF, packed & 0xFFFFFFFF
+        if rlen > MAX_REPLY_BYTES or rptr + rlen > self.memory.data_len(store):
+            raise GuestError(f"reply pointer {rptr}+{rlen} is outside memory or over {MAX_REPLY_BYTES} bytes")
+        text = bytes(self.memory.read(store, rptr, rptr + rlen)).decode("utf-8", "replace")
+        if text[:1] in ("{", "["):
+            try:
+                return json.loads(text)
+            except ValueError as exc:
+                raise GuestError(f"reply starts like JSON but does not parse: {exc}") from None
+        return to_reply(text)
+
+    def _failure(self, exc: BaseException) -> GuestError:
+        host_error = getattr(_tls, "host_error", None)
+        _tls.host_error = None
+        if isinstance(host_error, GuestTimeout):
+            return GuestTimeout(str(host_error))
+        if host_error is not None:
+            return GuestError(f"host call failed: {host_error}", poison=True)
+        if isinstance(exc, wasmtime.Trap):
+            error = _trap_error(exc, self.spec)
+            # A guest whose memory.grow failed at the cap usually traps next: say so.
+            # (Heuristic: wasmtime-py exposes no limiter callback; "near the cap" is within an
+            # eighth of it, or one page.)
+            margin = max(65536, self.spec.memory_bytes // 8)
+            if not isinstance(error, GuestTimeout) and \
+                    self.memory.data_len(self.store) + margin > self.spec.memory_bytes:
+                return GuestMemory(f"memory cap of {self.spec.memory_bytes} bytes reached ({error})")
+            return error
+        if isinstance(exc, _HostTrap):
+            return GuestError(f"host call failed: {exc}", poison=True)
+        return GuestError(f"{type(exc).__name__}: {exc}", poison=True)
+
+    def close(self) -> None:
+        self.handlers = {}
+        self.instance = None  # type: ignore[assignment]
+        self.store = None  # type: ignore[assignment]
+
+
+def _ticks(seconds: float) -> int:
+    return max(1, math.ceil(seconds / EPOCH_TICK)) + 1
+
+
+def _trap_error(exc: wasmtime.Trap, spec: Any) -> GuestError:
+    code = getattr(exc, "trap_code", None)
+    if code == wasmtime.TrapCode.INTERRUPT:
+        return GuestTimeout(f"ran past its {spec.timeout * 1000:g} ms timeout")
+    text = str(exc)
+    # wasmtime's text is "error while executing at wasm backtrace: ... Caused by: <reason>".
+    reason = text.rsplit("Caused by:", 1)[-1].strip() if "Caused by:" in text else text.strip()
+    reason = reason.splitlines()[0] if reason else "trap"
+    frame = next((line.strip() for line in text.splitlines() if line.strip().startswith("0:")), "")
+    return GuestError(f"trap: {reason}" + (f" (at {frame[2:].strip()})" if frame else ""), poison=True)
+
+
+def _abi_event(event: dict[str, Any]) -> dict[str, Any]:
+    # "args" first: a guest may find it without a JSON parser (plugins/examples/add.wat does).
+    return {"args": event.get("args", ""), "text": event.get("text", ""), "type": event.get("type"),
+            "id": event.get("id"), "session": event.get("session"), "data": event.get("data") or {}}
+
+
+class WasmCompiled:
+    """A WASM plugin version: the module compiled once, linked once (InstancePre), validated."""
+
+    thread_bound = False
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+        code = spec.code
+        if isinstance(code, str):
+            code = wat_to_wasm(code)
+        self.module = compile_module(spec.version, bytes(code))
+        for imp in self.module.imports:
+            if imp.module != "env" or imp.name not in ("log", "kv_get", "kv_set", "sleep", "http_get"):
+                raise CompileError(f"unknown import {imp.module}.{imp.name}: the host provides env.log, env.kv_get, "
+                                   "env.kv_set, env.sleep and env.http_get")
+        try:
+            self.pre = LINKER.instantiate_pre(self.module)
+        except wasmtime.WasmtimeError as exc:
+            raise CompileError(f"the module does not link: {exc}") from None
+        names = []
+        for exp in self.module.exports:
+            ty = exp.type
+            if isinstance(ty, wasmtime.FuncType) and exp.name not in RESERVED_EXPORTS:
+                if [str(p) for p in ty.params] == ["i32", "i32"] and [str(r) for r in ty.results] == ["i64"]:
+                    names.append(exp.name)
+        self.handlers = frozenset(names)
+        try:
+            WasmInstance(self).close()  # the module instantiates: memory, alloc and start are fine
+        except GuestError as exc:
+            raise CompileError(str(exc)) from None
+
+    def new_instance(self) -> WasmInstance:
+        return WasmInstance(self)
+
+    def call_isolated(self, handler: str, event: dict[str, Any], host: Host) -> Any:
+        inst = WasmInstance(self)
+        try:
+            return inst.call(handler, event, host)
+        finally:
+            inst.close()
+
+    def idle_isolated(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,60 @@
+"""PluginSpec: the immutable, Django-free description of one plugin version that runtimes load."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+RUNTIMES = ("lua", "wasm", "js")
+STRATEGIES = ("per_request", "pooled", "sharded")
+PERMISSIONS = ("log", "kv", "sleep", "http")
+
+#: Each runtime's default strategy, chosen by bench/bench_plugins.py (docs/plugins.md has the table):
+#: Lua: a fresh environment per call on a per-thread runtime costs ~8 us against ~4 us pooled
+#: (a fresh runtime + sandbox per call would be ~130 us), so full isolation is the default.
+#: WASM: a fresh Store+Instance per call is ~80 us against ~21 us pooled, so pooled. JS: a
+#: new QuickJS Context per call is ~200 us against ~10 us reused, so pooled (per-thread
+#: Contexts, QuickJS being thread-bound).
+DEFAULT_STRATEGY = {"lua": "per_request", "wasm": "pooled", "js": "pooled"}
+
+#: Limits every plugin gets unless its row says otherwise.
+DEFAULT_TIMEOUT_MS = 1000
+DEFAULT_MEMORY_MB = 16
+DEFAULT_MAX_CONCURRENCY = 8
+DEFAULT_POOL_SIZE = 4
+DEFAULT_SHARD_COUNT = 4
+
+
+def code_version(runtime: str, code: str | bytes) -> str:
+    """The content hash that identifies a plugin version (first 16 hex digits of SHA-256)."""
+    data = code.encode() if isinstance(code, str) else bytes(code)
+    return hashlib.sha256(runtime.encode() + b"\0" + data).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """Everything a runtime and a strategy need about one plugin version; hashable, no Django."""
+
+    name: str
+    runtime: str
+    code: str | bytes  # Lua/JS source text, or a WASM binary
+    timeout: float = DEFAULT_TIMEOUT_MS / 1000  # seconds, enforced inside the sandbox
+    memory_bytes: int = DEFAULT_MEMORY_MB << 20
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    strategy: str = ""  # "" means the runtime's default
+    pool_size: int = DEFAULT_POOL_SIZE
+    shard_count: int = DEFAULT_SHARD_COUNT
+    permissions: frozenset[str] = frozenset({"log"})
+    http_allowlist: tuple[str, ...] = ()
+    version: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not self.version:
+            object.__setattr__(self, "version", code_version(self.runtime, self.code))
+        if not self.strategy:
+            object.__setattr__(self, "strategy", DEFAULT_STRATEGY.get(self.runtime, "pooled"))
+
+    @property
+    def config_key(self) -> tuple:
+        """Changes whenever anything that requires rebuilding the loaded plugin changes."""
+        return (self.version, self.timeout, self.memory_bytes, self.max_concurrency, self.strategy,
+                self.pool_size, self.shard_count, self.permissions, self.http_allowlist)

@@ -1,0 +1,176 @@
+"""Keeping engines in step with the plugin registry, and the instance-pool stats of this process.
+
+- ``sync_engine(engine, force=False)`` builds matchers from the enabled plugins and bindings
+  and installs them with ``engine.set_matchers`` when the registry version changed (one
+  indexed query otherwise). Matcher names are ``<plugin>.<handler>`` (plus ``@kind:pattern``
+  when one plugin binds a handler twice): stable, so profiles survive refreshes.
+- ``registry_sync(worker)`` is the worker service that polls the version every
+  ``EXECAPP['REGISTRY_POLL_SECONDS']``. Within one process a save or delete also refreshes
+  every engine synced before, on commit: an edit takes effect on the next event there;
+  other processes see it within one poll interval.
+- ``instance_pool_stats()`` has one row per loaded plugin (dashboard, Prometheus).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any
+
+from execapp import conf
+from execapp.engine import Engine, Matcher
+
+from .errors import PluginInvalid
+from .loaded import LoadedPlugin, validate
+
+log = logging.getLogger("plugins.sync")
+
+#: How long starting a worker waits for its first registry sync (compiles every plugin once).
+FIRST_SYNC_WAIT_SECONDS = 10.0
+
+
+class PluginManager:
+    """The process's loaded plugins by name, shared by every engine (so limits are per process)."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, LoadedPlugin] = {}
+        self._lock = threading.Lock()
+
+    def load(self, plugin: Any) -> LoadedPlugin:
+        """The LoadedPlugin for a Plugin row, rebuilt only when its code or limits changed."""
+        spec = plugin.to_spec()
+        with self._lock:
+            current = self._loaded.get(spec.name)
+            if current is not None and current.spec.config_key == spec.config_key:
+                return current
+        compiled = validate(spec)
+        loaded = LoadedPlugin(spec, compiled)
+        with self._lock:
+            old, self._loaded[spec.name] = self._loaded.get(spec.name), loaded
+        if old is not None:
+            old.close()
+        return loaded
+
+    def retain(self, names: set[str]) -> None:
+        """Close every loaded plugin not in ``names`` (disabled or deleted)."""
+        with self._lock:
+            gone = [self._loaded.pop(n) for n in list(self._loaded) if n not in names]
+        for loaded in gone:
+            loaded.close()
+
+    def get(self, name: str) -> LoadedPlugin | None:
+        return self._loaded.get(name)
+
+    def all(self) -> list[LoadedPlugin]:
+        with self._lock:
+            return list(self._loaded.values())
+
+    def clear(self) -> None:
+        self.retain(set())
+
+
+manager = PluginManager()
+_synced: "weakref.WeakKeyDictionary[Engine, int]" = weakref.WeakKeyDictionary()
+_sync_lock = threading.Lock()
+
+
+def sync_engine(engine: Engine, force: bool = False) -> bool:
+    """Install matchers for the enabled plugins if the registry changed; True if it did."""
+    from .models import Plugin, RegistryState
+
+    version = RegistryState.current()  # read first: a change racing this sync is seen next time
+    with _sync_lock:
+        if not force and _synced.get(engine) == version:
+            return False
+        plugins = list(Plugin.objects.filter(enabled=True).prefetch_related("bindings"))
+        matchers: list[Matcher] = []
+        for plugin in plugins:
+            try:
+                loaded = manager.load(plugin)
+            except PluginInvalid as exc:  # saved before a runtime upgrade, or edited in SQL
+                log.error("plugin %s not loaded: %s", plugin.name, exc)
+                continue
+            matchers.extend(_matchers(engine, plugin, loaded))
+        engine.set_matchers(matchers)
+        manager.retain({p.name for p in plugins})
+        _synced[engine] = version
+    log.info("engine synced to registry version %s: %d plugins, %d matchers", version, len(plugins), len(matchers))
+    return True
+
+
+def _matchers(engine: Engine, plugin: Any, loaded: LoadedPlugin) -> list[Matcher]:
+    out: list[Matcher] = []
+    seen: set[str] = set()
+    for b in sorted(plugin.bindings.all(), key=lambda b: b.pk):
+        if not b.enabled:
+            continue
+        if b.handler not in loaded.compiled.handlers:
+            log.error("plugin %s: binding %s skipped: handler %r is not defined", plugin.name, b.pk, b.handler)
+            continue
+        name = f"{plugin.name}.{b.handler}"
+        if name in seen:
+            name = f"{name}@{b.kind}:{b.pattern}"
+        seen.add(name)
+        try:
+            out.append(engine.make_matcher(b.kind, b.pattern, loaded.engine_handler(b.handler), priority=b.priority,
+                                           block=b.block, name=name, plugin=plugin.name))
+        except Exception as exc:  # a pattern the engine refuses: skip the binding, keep the rest
+            log.error("plugin %s: binding %s skipped: %s", plugin.name, b.pk, exc)
+    return out
+
+
+def track(engine: Engine) -> None:
+    """Refresh ``engine`` whenever this process commits a registry change."""
+    with _sync_lock:
+        _synced.setdefault(engine, -1)
+
+
+def refresh_tracked_engines() -> None:
+    """Run on commit of a plugin/binding change: bring every known engine up to date now."""
+    for engine in list(_synced.keys()):
+        try:
+            sync_engine(engine)
+        except Exception:
+            log.exception("refreshing an engine from the plugin registry failed")
+
+
+def instance_pool_stats() -> list[dict[str, Any]]:
+    """One row per loaded plugin: plugin, runtime, strategy, capacity, busy, idle, waiting,
+    waits_total, timeouts_total, errors_total (and calls_total, refused_total, version...)."""
+    return [loaded.stats() for loaded in manager.all()]
+
+
+class RegistrySync:
+    """Worker service: polls the registry version and re-syncs the worker's engine on change."""
+
+    def __init__(self, worker: Any) -> None:
+        self.engine = worker.engine
+        self.interval = float(conf.get("REGISTRY_POLL_SECONDS"))
+        self._last_error = ""
+        track(self.engine)
+        # The first sync must land before the worker's first event, or early events find no
+        # matchers. The worker may be started from the event loop thread, where Django refuses
+        # ORM calls, so the sync runs on a thread of its own; the start waits for it once.
+        first = threading.Thread(target=self.tick, name="plugins-first-sync", daemon=True)
+        first.start()
+        first.join(FIRST_SYNC_WAIT_SECONDS)
+
+    def tick(self) -> None:
+        from django.db import close_old_connections
+        close_old_connections()
+        try:
+            sync_engine(self.engine)
+            self._last_error = ""
+        except Exception as exc:  # keep polling; log each distinct failure once
+            if str(exc) != self._last_error:
+                self._last_error = str(exc)
+                log.warning("plugin registry sync failed (retrying every %gs): %s", self.interval, exc)
+
+    def close(self) -> None:
+        from django.db import close_old_connections
+        close_old_connections()
+
+
+def registry_sync(worker: Any) -> RegistrySync:
+    """Factory listed in execapp.worker.SERVICE_FACTORIES."""
+    return RegistrySync(worker)

@@ -1,0 +1,87 @@
+"""Shared helpers of the engine tests: forcing a profile's class, collecting outcomes."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from execapp.engine import Completion, Engine, ExecPool, Failure, Matcher, Reply
+
+LIVENESS = 10.0  # seconds to wait for work that must happen before calling it lost (not a timing)
+
+
+def add_cmd(engine: Engine, handler: Any, *, name: str, priority: int = 0, block: bool = False,
+            pattern: str = "cmd") -> Matcher:
+    """Register a command matcher with its own name, hence its own profile (``on_command`` names
+    every matcher of one command alike, so they would share a profile)."""
+    return engine.add(engine.make_matcher("command", pattern, handler, name=name, priority=priority, block=block))
+
+
+def promote(m: Matcher) -> Matcher:
+    """Make ``m`` known slow: it goes to the pool (a fresh post-promotion window)."""
+    m.profile.restore("promoted", [])
+    return m
+
+
+def demote(m: Matcher) -> Matcher:
+    """Make ``m`` known fast: it runs inline."""
+    m.profile.restore("demoted", [0.0001] * m.profile.window)
+    return m
+
+
+class Outcomes:
+    """An ``on_outcome`` callback that keeps everything it is given (from any thread)."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, outcome: Any) -> None:
+        with self._lock:
+            self.items.append(outcome)
+
+    @property
+    def replies(self) -> list[Reply]:
+        return [o for o in self.items if isinstance(o, Reply)]
+
+    @property
+    def failures(self) -> list[Failure]:
+        return [o for o in self.items if isinstance(o, Failure)]
+
+    @property
+    def completions(self) -> list[Completion]:
+        return [o for o in self.items if isinstance(o, Completion)]
+
+
+class Gate:
+    """Occupies pool slots until opened: ``fill(pool)`` makes every token and queue slot busy."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.entered = 0
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            self.entered += 1
+        self.event.wait(LIVENESS * 3)
+
+    def fill(self, pool: ExecPool) -> int:
+        n = 0
+        while pool.try_submit(self.hold):
+            n += 1
+        # The refused probe above counts as a rejection; callers compare against this baseline.
+        wait_until(lambda: self.entered >= min(n, pool.max_workers))
+        return n
+
+    def open(self) -> None:
+        self.event.set()
+
+
+def wait_until(predicate, timeout: float = LIVENESS) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True

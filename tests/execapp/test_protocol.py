@@ -1,0 +1,316 @@
+"""execapp.protocol without Channels: frame validation, outgoing frames, one connection's ordering."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import defaultdict
+
+import pytest
+
+from execapp.engine import Completion, Engine, ExecClass, ExecPool, Failure, Reply
+from execapp.protocol import (ERROR_CODES, MAX_SESSIONS_PER_CONNECTION, Connection, Limits, Outbox, ProtocolError,
+                              error_frame, outcome_frame, parse_frame)
+
+LIMITS = Limits(max_frame_bytes=1024, max_in_flight=3)
+
+
+def refused(text: str | None, data: bytes | None = None, limits: Limits = LIMITS) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        parse_frame(text, data, limits)
+    return info.value
+
+
+# -- parsing --------------------------------------------------------------------------------------
+
+def test_a_message_event_parses_with_its_fields() -> None:
+    event = parse_frame('{"id": "e1", "type": "message", "session": "s-1", "text": "/ping"}', None, LIMITS)
+    assert (event.id, event.type, event.session, event.text, event.data) == ("e1", "message", "s-1", "/ping", {})
+
+
+def test_the_server_assigns_an_id_when_the_client_gives_none() -> None:
+    a = parse_frame('{"type": "message", "text": "/ping"}', None, LIMITS)
+    b = parse_frame('{"type": "message", "text": "/ping", "id": null}', None, LIMITS)
+    assert a.id and b.id and a.id != b.id
+
+
+def test_other_event_types_carry_data() -> None:
+    event = parse_frame('{"type": "order.created", "data": {"n": 1}}', None, LIMITS)
+    assert (event.type, event.text, event.data) == ("order.created", "", {"n": 1})
+
+
+def test_invalid_json_is_bad_json() -> None:
+    err = refused('{"type": "message", "text": "/ping"')
+    assert (err.code, err.event_id) == ("bad_json", None)
+
+
+@pytest.mark.parametrize("frame, field, event_id", [
+    ('[1, 2]', "JSON object", None),
+    ('"hello"', "JSON object", None),
+    ('{"type": "message", "text": "/ping", "id": 5}', "id", None),
+    ('{"type": "message", "text": "/ping", "id": ""}', "id", None),
+    ('{"type": "message", "text": "/ping", "id": "%s"}' % ("x" * 65), "id", None),
+    ('{"id": "e", "type": "message", "txt": "/ping"}', "txt", "e"),
+    ('{"id": "e", "text": "/ping"}', "type", "e"),
+    ('{"id": "e", "type": 7, "text": "/ping"}', "type", "e"),
+    ('{"id": "e", "type": "message"}', "text", "e"),
+    ('{"id": "e", "type": "message", "text": ["/ping"]}', "text", "e"),
+    ('{"id": "e", "type": "tick", "text": 1}', "text", "e"),
+    ('{"id": "e", "type": "tick", "data": [1]}', "data", "e"),
+    ('{"id": "e", "type": "message", "text": "/ping", "session": "no spaces"}', "session", "e"),
+    ('{"id": "e", "type": "message", "text": "/ping", "session": 3}', "session", "e"),
+])
+def test_a_wrong_shape_is_bad_event_naming_the_field(frame: str, field: str, event_id: str | None) -> None:
+    err = refused(frame)
+    assert err.code == "bad_event"
+    assert field in err.message
+    assert err.event_id == event_id
+
+
+def test_a_binary_frame_is_bad_event() -> None:
+    err = refused(None, b'{"type": "message", "text": "/ping"}')
+    assert err.code == "bad_event" and "binary" in err.message
+
+
+def test_frames_over_the_limit_are_too_large_counted_in_utf8_bytes() -> None:
+    limits = Limits(max_frame_bytes=100, max_in_flight=1)
+    fits = json.dumps({"type": "message", "text": "€" * 25}, ensure_ascii=False)  # 75 + 28 bytes > 100
+    assert len(fits) < 100
+    assert refused(fits, limits=limits).code == "too_large"
+    assert parse_frame(json.dumps({"type": "message", "text": "€" * 20}, ensure_ascii=False), None, limits)
+    assert refused("x" * 101, limits=limits).code == "too_large"
+    assert refused(None, b"x" * 101, limits=limits).code == "too_large"
+
+
+def test_every_protocol_code_is_documented() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+    for code in ERROR_CODES:
+        assert f"`{code}`" in doc, code
+
+
+# -- outgoing frames ------------------------------------------------------------------------------
+
+def test_outcome_frames_have_the_documented_fields() -> None:
+    reply = json.loads(outcome_frame(Reply("e", "command:ping", "p", "pong", {"k": 1}, ExecClass.POOL, 0.0012)))
+    assert reply == {"type": "reply", "id": "e", "matcher": "command:ping", "plugin": "p", "text": "pong",
+                     "data": {"k": 1}, "exec": "pool", "elapsed_ms": 1.2}
+    failure = Failure("e", "command:boom", None, "handler_error", "boom", ExecClass.SYNC, 0.0)
+    assert json.loads(outcome_frame(failure, "s")) == {
+        "type": "error", "id": "e", "code": "handler_error", "message": "boom", "matcher": "command:boom",
+        "plugin": None, "exec": "sync", "session": "s"}
+    done = json.loads(outcome_frame(Completion("e", 2, 1, (failure,), "command:guard", 0.5)))
+    assert done == {"type": "done", "id": "e", "matched": 2, "replies": 1, "errors": 1,
+                    "blocked_by": "command:guard", "elapsed_ms": 500.0}
+    assert json.loads(error_frame("bad_json", "nope")) == {"type": "error", "id": None, "code": "bad_json",
+                                                            "message": "nope"}
+
+
+def test_data_that_is_not_json_is_sent_as_text_not_dropped() -> None:
+    circular: dict = {}
+    circular["self"] = circular
+    frame = json.loads(outcome_frame(Reply("e", "m", None, None, circular, ExecClass.SYNC, 0.0)))
+    assert frame["type"] == "reply" and isinstance(frame["data"], str)
+    assert json.loads(outcome_frame(Reply("e", "m", None, None, {"when": object}, ExecClass.SYNC, 0.0)))["data"]
+
+
+# -- one connection -------------------------------------------------------------------------------
+
+class _Admission:
+    """The worker's admission counter (Worker.begin_event/end_event), counted for assertions."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.begun = self.ended = 0
+
+    def begin_event(self) -> bool:
+        if self.draining:
+            return False
+        self.begun += 1
+        return True
+
+    def end_event(self) -> None:
+        self.ended += 1
+
+
+async def _connection(engine: Engine, limits: Limits = LIMITS) -> tuple[Connection, list[dict]]:
+    sent: list[dict] = []
+
+    async def send(text: str) -> None:
+        sent.append(json.loads(text))
+
+    return Connection(engine, _Admission(), limits, send), sent
+
+
+async def _settle(conn: Connection, sent: list[dict], dones: int) -> None:
+    deadline = time.monotonic() + 10
+    while sum(f["type"] == "done" for f in sent) < dones or conn.outbox.pending():
+        assert time.monotonic() < deadline, f"only {sum(f['type'] == 'done' for f in sent)} of {dones} dones"
+        await asyncio.sleep(0.002)
+
+
+async def test_pooled_replies_always_precede_their_done_even_when_the_loop_completes_the_event() -> None:
+    # A pooled handler replies from its thread while the loop is still dispatching the same
+    # event's inline handler: the done is then produced on the loop, after the pooled reply
+    # was queued from the other thread. Frame order must still be reply..., then done.
+    engine = Engine(pool=ExecPool(8, 64, 0.5))
+    gate = threading.Event()
+
+    def pooled(ctx):  # type: ignore[no-untyped-def]
+        ctx.reply("a")
+        ctx.reply("b")
+
+    def inline(ctx):  # type: ignore[no-untyped-def]
+        gate.wait(0.0005)  # give the pooled thread time to emit while the loop still holds the run
+        return "c"
+
+    engine.add(engine.make_matcher("command", "x", pooled, name="pooled", priority=1))
+    engine.add(engine.make_matcher("regex", "^/x", inline, name="inline"))
+    engine.profile_for("inline").restore("demoted", [0.0001] * 32)
+    conn, sent = await _connection(engine, Limits(1024, 1000))
+    for i in range(300):
+        await conn.receive(json.dumps({"id": f"e{i}", "type": "message", "text": "/x"}))
+    await _settle(conn, sent, 300)
+    per_event: dict[str, list[str]] = defaultdict(list)
+    for frame in sent:
+        per_event[frame["id"]].append(frame["type"])
+    assert len(per_event) == 300
+    for eid, kinds in per_event.items():
+        assert kinds.count("done") == 1 and kinds[-1] == "done" and len(kinds) == 4, (eid, kinds)
+    assert not conn.in_flight
+    assert conn.worker.begun == conn.worker.ended == 300
+    conn.close()
+    engine.pool.drain(5)  # type: ignore[union-attr]
+
+
+async def test_events_of_a_client_that_left_still_end_once_each_for_the_drain_count() -> None:
+    engine = Engine(pool=ExecPool(8, 8, 0.5))
+    release = threading.Event()
+    engine.add(engine.make_matcher("command", "hold", lambda ctx: release.wait(5) and "held", name="hold"))
+    engine.add(engine.make_matcher("command", "ping", lambda ctx: "pong", name="ping"))
+    engine.profile_for("ping").restore("demoted", [0.0001] * 32)
+    conn, sent = await _connection(engine)
+    await conn.receive(json.dumps({"id": "h", "type": "message", "text": "/hold"}))
+    await conn.receive(json.dumps({"id": "p", "type": "message", "text": "/ping"}))
+    conn.close()  # before the writer ran: the ping's done is dropped unsent, the hold is still running
+    await asyncio.sleep(0.01)
+    assert conn.worker.ended == 1
+    release.set()
+    deadline = time.monotonic() + 5
+    while conn.worker.ended < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.002)
+    assert conn.worker.begun == conn.worker.ended == 2
+    assert not conn.in_flight
+    engine.pool.drain(5)  # type: ignore[union-attr]
+
+
+async def test_draining_refuses_events_and_counts_none() -> None:
+    engine = Engine(pool_enabled=False)
+    conn, sent = await _connection(engine)
+    conn.worker.draining = True
+    await conn.receive(json.dumps({"id": "d", "type": "message", "text": "/ping"}))
+    await conn.flush()
+    assert [(f["code"], f["id"]) for f in sent] == [("draining", "d")]
+    assert conn.worker.begun == 0 and not conn.in_flight
+    conn.close()
+
+
+async def test_in_flight_events_are_limited_and_freed_by_their_done() -> None:
+    engine = Engine(pool=ExecPool(8, 8, 0.5))
+    release = threading.Event()
+    engine.add(engine.make_matcher("command", "hold", lambda ctx: release.wait(5) and "held", name="hold"))
+    conn, sent = await _connection(engine)
+    for i in range(4):
+        await conn.receive(json.dumps({"id": f"h{i}", "type": "message", "text": "/hold"}))
+    await conn.flush()
+    assert [(f["id"], f["code"]) for f in sent] == [("h3", "rate_limited")]
+    assert set(conn.in_flight) == {"h0", "h1", "h2"}
+    await conn.receive(json.dumps({"id": "h0", "type": "tick"}))  # still over the limit
+    release.set()
+    await _settle(conn, sent, 3)
+    await conn.receive(json.dumps({"id": "h0", "type": "message", "text": "/hold"}))  # an id may be reused after done
+    await _settle(conn, sent, 4)
+    assert sorted(f["id"] for f in sent if f["type"] == "done") == ["h0", "h0", "h1", "h2"]
+    assert [f["code"] for f in sent if f["type"] == "error"] == ["rate_limited", "rate_limited"]
+    conn.close()
+    engine.pool.drain(5)  # type: ignore[union-attr]
+
+
+async def test_an_id_already_in_flight_is_refused() -> None:
+    engine = Engine(pool=ExecPool(2, 2, 0.5))
+    release = threading.Event()
+    engine.add(engine.make_matcher("command", "hold", lambda ctx: release.wait(5) and "held", name="hold"))
+    conn, sent = await _connection(engine)
+    await conn.receive(json.dumps({"id": "same", "type": "message", "text": "/hold"}))
+    await conn.receive(json.dumps({"id": "same", "type": "message", "text": "/hold"}))
+    await conn.flush()
+    assert sent[0]["code"] == "bad_event" and "already in flight" in sent[0]["message"]
+    release.set()
+    await _settle(conn, sent, 1)
+    conn.close()
+    engine.pool.drain(5)  # type: ignore[union-attr]
+
+
+async def test_sessions_per_connection_are_bounded() -> None:
+    joined: list[str] = []
+
+    async def join(session: str) -> None:
+        joined.append(session)
+
+    async def publish(session: str, frame: str) -> None:
+        pass
+
+    engine = Engine(pool_enabled=False)
+    engine.add(engine.make_matcher("command", "ping", lambda ctx: "pong", name="ping"))
+    sent: list[dict] = []
+
+    async def send(text: str) -> None:
+        sent.append(json.loads(text))
+
+    conn = Connection(engine, _Admission(), Limits(1024, 1000), send, publish=publish, join=join)
+    for i in range(MAX_SESSIONS_PER_CONNECTION + 1):
+        await conn.receive(json.dumps({"id": f"e{i}", "type": "message", "text": "/ping", "session": f"s{i}"}))
+        await conn.receive(json.dumps({"id": f"f{i}", "type": "message", "text": "/ping", "session": f"s{i}"}))
+    await _settle(conn, sent, 2 * MAX_SESSIONS_PER_CONNECTION)
+    assert joined == [f"s{i}" for i in range(MAX_SESSIONS_PER_CONNECTION)]
+    errors = [f for f in sent if f["type"] == "error"]
+    assert len(errors) == 2 and all(f["code"] == "bad_event" and "session" in f["message"] for f in errors)
+    conn.close()
+
+
+async def test_a_failing_write_does_not_stop_the_outbox() -> None:
+    written: list[int] = []
+
+    async def write(item: int) -> None:
+        if item == 1:
+            raise ConnectionError("socket gone")
+        written.append(item)
+
+    box = Outbox(write, "test")
+    for i in range(3):
+        box.push(i)
+    await box.flush()
+    await asyncio.sleep(0.01)
+    assert written == [0, 2]
+    box.close()
+    box.push(9)
+    assert box.pending() == 0
+
+
+async def test_a_closed_outbox_still_runs_the_callbacks_of_what_it_drops() -> None:
+    gate = asyncio.Event()
+    ran: list[str] = []
+
+    async def write(item: str) -> None:
+        await gate.wait()
+
+    box = Outbox(write, "test")
+    box.push("a", lambda: ran.append("a"))  # being written when the box closes
+    box.push("b", lambda: ran.append("b"))  # still queued
+    await asyncio.sleep(0.01)
+    box.close()
+    box.push("c", lambda: ran.append("c"))  # after close
+    await asyncio.sleep(0.01)
+    assert sorted(ran) == ["a", "b", "c"]

@@ -1,0 +1,60 @@
+"""API tokens: the create_token/revoke_token commands and the admin, as an operator uses them."""
+from __future__ import annotations
+
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from execapp.models import ApiToken, hash_token
+
+pytestmark = pytest.mark.django_db
+
+
+def _create(name: str) -> tuple[str, str]:
+    out, err = StringIO(), StringIO()
+    call_command("create_token", name, stdout=out, stderr=err)
+    return out.getvalue(), err.getvalue()
+
+
+def test_create_token_prints_the_token_last_and_stores_only_its_hash() -> None:
+    out, err = _create("me")
+    raw = out.strip().splitlines()[-1]
+    token = ApiToken.objects.get(name="me")
+    assert token.token_hash == hash_token(raw) and raw not in (token.token_hash, token.prefix)
+    assert ApiToken.authenticate(raw) == token
+    assert "only its hash is stored" in err
+
+
+def test_create_token_refuses_a_taken_name_and_names_the_fix() -> None:
+    _create("me")
+    with pytest.raises(CommandError, match="already exists.*revoke_token me"):
+        _create("me")
+
+
+def test_revoke_token_refuses_it_from_then_on() -> None:
+    raw = _create("gone")[0].strip().splitlines()[-1]
+    call_command("revoke_token", "gone", stdout=StringIO())
+    assert ApiToken.authenticate(raw) is None
+    with pytest.raises(CommandError, match="no token called 'nope'; known tokens: gone"):
+        call_command("revoke_token", "nope", stdout=StringIO())
+
+
+def test_the_admin_creates_a_token_and_shows_it_once(admin_client: Any) -> None:
+    response = admin_client.post("/admin/execapp/apitoken/add/", {"name": "from-admin"}, follow=True)
+    assert response.status_code == 200
+    token = ApiToken.objects.get(name="from-admin")
+    shown = [str(m) for m in response.context["messages"] if str(m).startswith("Token for 'from-admin'")]
+    assert len(shown) == 1
+    raw = shown[0].split(": ", 1)[1].split()[0]
+    assert ApiToken.authenticate(raw) == token
+
+
+def test_the_admin_revokes_selected_tokens(admin_client: Any) -> None:
+    raw = _create("bulk")[0].strip().splitlines()[-1]
+    token = ApiToken.objects.get(name="bulk")
+    admin_client.post("/admin/execapp/apitoken/", {"action": "revoke_tokens", "_selected_action": [token.pk]})
+    assert ApiToken.authenticate(raw) is None
+    listing = admin_client.get("/admin/execapp/apitoken/")
+    assert listing.status_code == 200 and b"bulk" in listing.content

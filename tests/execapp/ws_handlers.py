@@ -1,0 +1,69 @@
+"""Python test handlers mirroring the bundled plugins' commands (/ping, /slow N, /echo), plus failure
+cases; registered on a Worker's engine by unit tests, and inside e2e servers via e2e_settings."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from execapp.engine import Engine, HandlerTimeout
+
+#: Set while a /slow handler of this process is sleeping (unit tests look at it).
+slow_running = threading.Event()
+#: Set by unit-test teardown to cut every sleeping /slow short (never set in e2e servers).
+slow_release = threading.Event()
+
+
+def ping(ctx: Any) -> str:
+    return "pong"
+
+
+def slow(ctx: Any) -> str:
+    ms = int(ctx.args or "100")
+    slow_running.set()
+    try:
+        slow_release.wait(ms / 1000)
+    finally:
+        slow_running.clear()
+    return f"slept {ms}"
+
+
+def echo(ctx: Any) -> str:
+    return ctx.args
+
+
+def multi(ctx: Any) -> None:
+    for i in range(int(ctx.args or "3")):
+        ctx.reply(f"part {i}", {"i": i})
+
+
+def boom(ctx: Any) -> None:
+    raise RuntimeError("boom: the handler failed on purpose")
+
+
+def late(ctx: Any) -> None:
+    raise HandlerTimeout("handler ran past its 10 ms budget (test)")
+
+
+def register(engine: Engine) -> None:
+    """Register the test commands on ``engine``."""
+    for name, handler in (("ping", ping), ("slow", slow), ("echo", echo), ("multi", multi), ("boom", boom),
+                          ("late", late)):
+        engine.add(engine.make_matcher("command", name, handler, plugin="test"))
+    engine.add(engine.make_matcher("event", "tick", lambda ctx: {"seen": ctx.event.data}, plugin="test"))
+
+class _Installed:
+    """A do-nothing service: its factory's side effect (registering handlers) is the point."""
+
+    interval = 3600.0
+
+    def tick(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def install(worker: Any) -> _Installed:
+    """Service factory used by e2e_settings: registers the test commands when the worker starts."""
+    register(worker.engine)
+    return _Installed()

@@ -1,0 +1,66 @@
+"""loadplugins and runplugin, as an operator runs them."""
+from __future__ import annotations
+
+import json
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from plugins.models import Plugin, RegistryState
+
+pytestmark = pytest.mark.django_db
+
+
+def run(*args: str) -> str:
+    out = StringIO()
+    call_command(*args, stdout=out)
+    return out.getvalue().strip()
+
+
+def test_loadplugins_is_idempotent() -> None:
+    assert "7 created" in run("loadplugins")
+    version = RegistryState.current()
+    assert "7 unchanged" in run("loadplugins")
+    assert RegistryState.current() == version  # nothing saved, no refresh triggered
+    assert sorted(Plugin.objects.values_list("name", flat=True)) == [
+        "add", "counter", "echo", "guard", "ping", "slow", "upper"]
+    Plugin.objects.filter(name="ping").update(source='function ping(e) return "x" end')
+    assert "1 updated" in run("loadplugins")
+    assert run("runplugin", "ping", "ping", '{"text": "/ping"}') == "pong"
+
+
+@pytest.mark.parametrize("plugin,handler,event,reply", [
+    ("ping", "ping", {"text": "/ping"}, "pong"),
+    ("echo", "echo", {"text": "/echo some text"}, "some text"),
+    ("slow", "slow", {"text": "/slow 10"}, "slept 10"),
+    ("upper", "upper", {"text": "/upper abc"}, "ABC"),
+    ("add", "add", {"text": "/add 19 23"}, "42"),
+    ("counter", "count", {"text": "/count"}, "1"),
+    ("guard", "guard", {"text": "this is forbidden"}, "blocked"),
+])
+def test_runplugin_prints_each_examples_reply(plugin: str, handler: str, event: dict, reply: str) -> None:
+    run("loadplugins")
+    assert run("runplugin", plugin, handler, json.dumps(event)) == reply
+
+
+def test_runplugin_reports_errors_with_their_code() -> None:
+    run("loadplugins")
+    with pytest.raises(CommandError, match=r"\[handler_error\] plugin 'ping' handler 'nope'"):
+        run("runplugin", "ping", "nope", "{}")
+    with pytest.raises(CommandError, match="no plugin 'ghost'"):
+        run("runplugin", "ghost", "x", "{}")
+    with pytest.raises(CommandError, match="not JSON"):
+        run("runplugin", "ping", "ping", "{oops")
+
+
+def test_loadplugins_refuses_a_broken_plugin_with_the_runtime_message(tmp_path: Path) -> None:
+    (tmp_path / "bad.js").write_text("function hello(ev) { return 'x' ")
+    (tmp_path / "manifest.json").write_text(json.dumps({"plugins": [
+        {"name": "bad", "runtime": "js", "file": "bad.js",
+         "bindings": [{"kind": "command", "pattern": "hello", "handler": "hello"}]}]}))
+    with pytest.raises(CommandError) as info:
+        run("loadplugins", "--dir", str(tmp_path))
+    assert "[plugin_invalid] plugin 'bad'" in str(info.value) and "SyntaxError" in str(info.value)
+    assert not Plugin.objects.filter(name="bad").exists()

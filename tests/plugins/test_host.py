@@ -1,0 +1,113 @@
+"""The host API: permissions, the HTTP allowlist with a real local server, caps and deadlines."""
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from execapp.engine import HandlerError, HandlerTimeout
+from plugins.errors import HostDenied
+from plugins.host import HTTP_MAX_BYTES, Host, HostCallError, host_allowed
+from plugins.loaded import LoadedPlugin
+from plugins.spec import PluginSpec
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path == "/big":
+            body = b"x" * (HTTP_MAX_BYTES + 10)
+        elif self.path == "/redirect":
+            self.send_response(302)
+            self.send_header("Location", "http://elsewhere.invalid/")
+            self.end_headers()
+            return
+        else:
+            body = b"hello from the host"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def http_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def host(permissions=("http",), allow=("127.0.0.1",), timeout=2.0) -> Host:
+    spec = PluginSpec(name="h", runtime="lua", code="", permissions=frozenset(permissions), http_allowlist=allow,
+                      timeout=timeout)
+    return Host(spec, time.monotonic() + timeout)
+
+
+def test_http_get_reaches_an_allowlisted_host(http_server: str) -> None:
+    assert host().http_get(http_server + "/") == "hello from the host"
+
+
+def test_http_get_refuses_hosts_off_the_allowlist(http_server: str) -> None:
+    with pytest.raises(HostDenied, match="not on plugin 'h'"):
+        host(allow=("example.com",)).http_get(http_server + "/")
+    with pytest.raises(HostDenied, match="redirect"):
+        host().http_get(http_server + "/redirect")
+    with pytest.raises(HostDenied, match="no 'http' permission"):
+        host(permissions=("log",)).http_get(http_server + "/")
+
+
+def test_http_get_caps_the_response(http_server: str) -> None:
+    with pytest.raises(HostCallError, match="cap"):
+        host().http_get(http_server + "/big")
+
+
+def test_allowlist_wildcards() -> None:
+    assert host_allowed("api.example.com", ("*.example.com",))
+    assert host_allowed("example.com", ("*.example.com",))
+    assert not host_allowed("evil-example.com", ("*.example.com",))
+    assert not host_allowed("example.com.evil.org", ("example.com",))
+
+
+def test_sleep_respects_the_deadline() -> None:
+    h = host(permissions=("sleep",), timeout=0.2)
+    h.sleep(10)
+    from plugins.errors import GuestTimeout
+    with pytest.raises(GuestTimeout):
+        h.sleep(500)
+    with pytest.raises(HostCallError):
+        h.sleep(-1)
+
+
+@pytest.mark.parametrize("runtime,code", [
+    ("lua", 'function get(ev) return http_get(ev.args) end'),
+    ("js", 'async function get(ev) { return await http_get(ev.args); }'),
+])
+def test_guests_call_http_get(runtime: str, code: str, http_server: str) -> None:
+    loaded = LoadedPlugin(PluginSpec(name="web", runtime=runtime, code=code, permissions=frozenset({"http"}),
+                                     http_allowlist=("127.0.0.1",)))
+    event = {"args": http_server + "/", "text": "", "type": "message", "id": "1", "session": None, "data": {}}
+    assert loaded.call("get", event) == "hello from the host"
+    event["args"] = "http://example.com/"
+    with pytest.raises(HandlerError, match="not on plugin 'web'.s HTTP allowlist"):
+        loaded.call("get", event)
+
+
+def test_guest_log_goes_to_the_plugins_logger(caplog) -> None:
+    loaded = LoadedPlugin(PluginSpec(name="talk", runtime="lua", code='function t(e) log("hi " .. e.args) end'))
+    caplog.set_level("INFO", logger="plugins.guest")
+    assert loaded.call("t", {"args": "there"}) is None
+    assert "[talk] hi there" in caplog.text
+
+
+def test_a_pcall_cannot_swallow_a_sleep_timeout() -> None:
+    code = 'function t(e) while true do pcall(sleep, 5000) end end'
+    loaded = LoadedPlugin(PluginSpec(name="nap", runtime="lua", code=code, timeout=0.2,
+                                     permissions=frozenset({"sleep"})))
+    with pytest.raises(HandlerTimeout, match="sleep"):
+        loaded.call("t", {"args": ""})

@@ -1,0 +1,120 @@
+"""The registry models and the admin: validation on save, uploads, enable/disable, version bumps."""
+from __future__ import annotations
+
+import html
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+
+from plugins.errors import PluginInvalid
+from plugins.models import Binding, Plugin, RegistryState
+from plugins.runtimes.wasm import wat_to_wasm
+
+from .guests import WAT
+
+pytestmark = pytest.mark.django_db
+
+
+def test_saving_broken_code_is_refused_with_the_runtime_message() -> None:
+    with pytest.raises(PluginInvalid) as info:
+        Plugin.objects.create(name="bad", runtime="lua", source="function broken(")
+    assert "plugin 'bad'" in str(info.value) and "<eof>" in str(info.value)
+    assert not Plugin.objects.filter(name="bad").exists()
+
+
+def test_a_binding_to_a_missing_handler_is_refused() -> None:
+    plugin = Plugin.objects.create(name="p", runtime="js", source="function hello(ev) { return 'hi'; }")
+    Binding.objects.create(plugin=plugin, pattern="hello", handler="hello")
+    with pytest.raises(PluginInvalid) as info:
+        Binding.objects.create(plugin=plugin, pattern="bye", handler="bye")
+    assert "plugin 'p': handler 'bye' is not defined" in str(info.value) and "hello" in str(info.value)
+
+
+def test_editing_code_away_from_a_bound_handler_is_refused() -> None:
+    plugin = Plugin.objects.create(name="p", runtime="lua", source="function a(ev) return 'a' end")
+    Binding.objects.create(plugin=plugin, pattern="a", handler="a")
+    plugin.source = "function b(ev) return 'b' end"
+    with pytest.raises(PluginInvalid, match="handler 'a' is not defined"):
+        plugin.save()
+
+
+def test_wat_source_is_compiled_to_a_module_and_versioned() -> None:
+    plugin = Plugin.objects.create(name="w", runtime="wasm", source=WAT)
+    assert bytes(plugin.module) == wat_to_wasm(WAT)
+    first = plugin.version
+    plugin.source = WAT.replace("(i32.const 104)", "(i32.const 72)")
+    plugin.save()
+    assert plugin.version and plugin.version != first
+
+
+def test_every_change_bumps_the_registry_version() -> None:
+    v0 = RegistryState.current()
+    plugin = Plugin.objects.create(name="p", runtime="lua", source="function a(ev) return 'a' end")
+    binding = Binding.objects.create(plugin=plugin, pattern="a", handler="a")
+    binding.delete()
+    plugin.delete()
+    assert RegistryState.current() == v0 + 4
+
+
+@pytest.fixture
+def admin_client(client, django_user_model):
+    user = django_user_model.objects.create_superuser("admin", "admin@example.com", "pw")
+    client.force_login(user)
+    return client
+
+
+def _form(**overrides):
+    data = {"name": "up", "description": "", "runtime": "lua", "enabled": "on", "source": "",
+            "permissions": ["log"], "http_allowlist": "", "timeout_ms": "1000", "memory_mb": "16",
+            "max_concurrency": "8", "strategy": "", "pool_size": "4", "shard_count": "4",
+            "bindings-TOTAL_FORMS": "1", "bindings-INITIAL_FORMS": "0", "bindings-MIN_NUM_FORMS": "0",
+            "bindings-MAX_NUM_FORMS": "1000", "bindings-0-kind": "command", "bindings-0-pattern": "up",
+            "bindings-0-handler": "up", "bindings-0-priority": "0", "bindings-0-enabled": "on"}
+    data.update(overrides)
+    return data
+
+
+def test_admin_shows_the_runtime_message_for_a_syntax_error(admin_client) -> None:
+    response = admin_client.post("/admin/plugins/plugin/add/", _form(source="function up(ev) return end end"))
+    assert response.status_code == 200  # the form again, not a redirect
+    body = html.unescape(response.content.decode())
+    assert "plugin 'up'" in body and "the lua runtime refused the code" in body
+    assert "up:1: <eof> expected near 'end'" in body  # Lua's own message
+    assert not Plugin.objects.filter(name="up").exists()
+
+
+def test_admin_refuses_a_binding_to_a_missing_handler(admin_client) -> None:
+    response = admin_client.post("/admin/plugins/plugin/add/",
+                                 _form(source="function other(ev) return 'x' end"))
+    assert response.status_code == 200
+    assert "handler &#x27;up&#x27; is not defined" in response.content.decode()
+    assert not Plugin.objects.filter(name="up").exists()
+
+
+def test_admin_accepts_an_uploaded_wasm_binary(admin_client) -> None:
+    upload = SimpleUploadedFile("guest.wasm", wat_to_wasm(WAT), content_type="application/wasm")
+    data = _form(name="wup", runtime="wasm", **{"bindings-0-pattern": "hi", "bindings-0-handler": "reply"})
+    data["upload"] = upload
+    response = admin_client.post("/admin/plugins/plugin/add/", data)
+    assert response.status_code == 302, response.content.decode()[:3000]
+    plugin = Plugin.objects.get(name="wup")
+    assert bytes(plugin.module) == wat_to_wasm(WAT) and plugin.source == ""
+    assert list(plugin.bindings.values_list("handler", flat=True)) == ["reply"]
+
+
+def test_admin_accepts_an_uploaded_lua_file_and_lists_it(admin_client) -> None:
+    data = _form(upload=SimpleUploadedFile("up.lua", b"function up(ev) return ev.args:upper() end"))
+    assert admin_client.post("/admin/plugins/plugin/add/", data).status_code == 302
+    listing = admin_client.get("/admin/plugins/plugin/").content.decode()
+    assert "up" in listing and Plugin.objects.get(name="up").version in listing
+
+
+def test_admin_enable_disable_actions(admin_client) -> None:
+    Plugin.objects.create(name="p", runtime="lua", source="function a(ev) return 'a' end")
+    v0 = RegistryState.current()
+    pk = Plugin.objects.get(name="p").pk
+    admin_client.post("/admin/plugins/plugin/", {"action": "disable_plugins", "_selected_action": [pk]})
+    assert not Plugin.objects.get(pk=pk).enabled
+    admin_client.post("/admin/plugins/plugin/", {"action": "enable_plugins", "_selected_action": [pk]})
+    assert Plugin.objects.get(pk=pk).enabled
+    assert RegistryState.current() == v0 + 2

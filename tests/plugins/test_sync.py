@@ -1,0 +1,186 @@
+"""The registry as engine matchers: the bundled examples through Engine, refreshes, stats, the KV store."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from django.core.management import call_command
+from django.test import override_settings
+
+from execapp.engine import Engine, Event
+from plugins import kv, sync
+from plugins.models import Binding, KVEntry, Plugin
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def engine():
+    call_command("loadplugins", verbosity=0)
+    eng = Engine(pool_enabled=False)
+    assert sync.sync_engine(eng) is True
+    yield eng
+    sync.manager.clear()
+
+
+def texts(engine: Engine, text: str, session: str | None = None) -> list[str]:
+    replies = []
+    completion = engine.process_event_sync(Event(text=text, session=session), on_outcome=replies.append)
+    assert completion.errors == (), completion.errors
+    return [r.text if r.text is not None else r.data for r in replies if hasattr(r, "text")]
+
+
+def test_the_bundled_examples_answer_through_the_engine(engine: Engine) -> None:
+    assert texts(engine, "/ping") == ["pong"]
+    assert texts(engine, "/echo hello  world") == ["hello  world"]
+    assert texts(engine, "/slow 20") == ["slept 20"]
+    assert texts(engine, "/upper make me loud") == ["MAKE ME LOUD"]
+    assert texts(engine, "/add 2 40") == ["42"]
+    assert texts(engine, "/add -7 3") == ["-4"]
+    assert texts(engine, "/count") == ["1"]
+    assert texts(engine, "/count") == ["2"]
+    assert texts(engine, "hello") == []
+
+
+def test_guard_blocks_every_other_handler(engine: Engine) -> None:
+    outcomes = []
+    completion = engine.process_event_sync(Event(text="/echo this is forbidden"), on_outcome=outcomes.append)
+    assert [o.text for o in outcomes if hasattr(o, "text")] == ["blocked"]
+    assert completion.blocked_by == "guard.guard" and completion.matched == 1
+    assert texts(engine, "/echo Forbidden!") == ["blocked"]
+    assert texts(engine, "/echo forbiddenness") == ["forbiddenness"]  # not the word
+
+
+def test_matchers_are_named_per_plugin_and_keep_their_profiles(engine: Engine) -> None:
+    names = {m.name: m for m in engine.matchers}
+    assert set(names) == {"ping.ping", "echo.echo", "slow.slow", "upper.upper", "add.add", "counter.count",
+                          "guard.guard"}
+    assert names["ping.ping"].plugin == "ping" and engine.matchers[0].name == "guard.guard"
+    profile = names["ping.ping"].profile
+    assert sync.sync_engine(engine) is False  # registry unchanged: nothing rebuilt
+    assert sync.sync_engine(engine, force=True) is True
+    assert {m.name: m for m in engine.matchers}["ping.ping"].profile is profile
+
+
+def test_an_edited_plugin_takes_effect_on_the_next_event(engine: Engine, django_capture_on_commit_callbacks) -> None:
+    assert texts(engine, "/ping") == ["pong"]
+    plugin = Plugin.objects.get(name="ping")
+    with django_capture_on_commit_callbacks(execute=True):
+        plugin.source = 'function ping(event) return "pong v2" end'
+        plugin.save()
+    assert texts(engine, "/ping") == ["pong v2"]  # no explicit sync: the commit refreshed the engine
+    with django_capture_on_commit_callbacks(execute=True):
+        Binding.objects.create(plugin=plugin, kind="command", pattern="pong", handler="ping")
+    assert texts(engine, "/pong") == ["pong v2"]
+    with django_capture_on_commit_callbacks(execute=True):
+        Plugin.objects.filter(name="echo").update(enabled=False)
+        Plugin.objects.get(name="echo").save()
+    assert texts(engine, "/echo hi") == []
+    assert "echo" not in {row["plugin"] for row in sync.instance_pool_stats()}
+
+
+def test_another_process_sees_the_change_at_its_next_poll(engine: Engine) -> None:
+    other = Engine(pool_enabled=False)  # not tracked: stands for another worker process
+    sync.sync_engine(other)
+    Plugin.objects.filter(name="ping").update(source='function ping(e) return "changed" end')
+    from plugins.models import RegistryState
+    RegistryState.bump()  # what a save in that other process does
+    assert texts(other, "/ping") == ["pong"]
+    service = sync.RegistrySync(type("W", (), {"engine": other})())
+    service.tick()
+    assert texts(other, "/ping") == ["changed"]
+
+
+def test_instance_pool_stats_rows(engine: Engine) -> None:
+    texts(engine, "/add 1 1")
+    rows = {row["plugin"]: row for row in sync.instance_pool_stats()}
+    assert set(rows) == {"ping", "echo", "slow", "upper", "add", "counter", "guard"}
+    add = rows["add"]
+    for key in ("plugin", "runtime", "strategy", "capacity", "busy", "idle", "waiting", "waits_total",
+                "timeouts_total", "errors_total"):
+        assert key in add
+    assert (add["runtime"], add["strategy"], add["capacity"], add["busy"], add["idle"]) == ("wasm", "pooled", 4, 0, 1)
+    assert rows["ping"]["strategy"] == "per_request" and rows["upper"]["strategy"] == "pooled"
+
+
+def test_timeouts_and_errors_reach_the_engine_with_their_codes(engine: Engine) -> None:
+    Plugin.objects.filter(name="slow").update(timeout_ms=100)
+    Plugin.objects.get(name="slow").save()
+    sync.sync_engine(engine)
+    outcomes = []
+    completion = engine.process_event_sync(Event(text="/slow 1000"), on_outcome=outcomes.append)
+    assert [(f.code, f.plugin) for f in completion.errors] == [("timeout", "slow")]
+    assert "plugin 'slow' handler 'slow'" in completion.errors[0].message
+
+
+async def test_inline_handlers_on_the_event_loop_never_wait_for_a_slot(engine: Engine) -> None:
+    # counter allows one call at a time: while a pool thread holds it, an inline call on the
+    # loop is refused with plugin_busy instead of blocking the loop.
+    loaded = sync.manager.get("counter")
+    assert loaded.slots.acquire(True, 1.0)
+    try:
+        matcher = next(m for m in engine.matchers if m.name == "counter.count")
+        for _ in range(40):  # make it "proven fast" so the engine runs it inline
+            matcher.profile.record(0.0001)
+        eng = Engine(pool_enabled=True, max_workers=2)
+        eng.set_matchers([matcher])
+        run = await eng.process_event_async(Event(text="/count"))
+        completion = await run
+        assert [f.code for f in completion.errors] == ["plugin_busy"]
+        assert completion.errors[0].exec_class.value == "sync"
+        eng.shutdown(1)
+    finally:
+        loaded.slots.release()
+
+
+def test_counter_keeps_counting_after_a_restart(engine: Engine) -> None:
+    assert texts(engine, "/count") == ["1"]
+    assert texts(engine, "/count") == ["2"]
+    sync.manager.clear()  # a new process: nothing loaded, nothing cached in memory
+    fresh = Engine(pool_enabled=False)
+    sync.sync_engine(fresh)
+    assert texts(fresh, "/count") == ["3"]
+    assert KVEntry.objects.get(plugin="counter", key="count").value == "3"
+
+
+@pytest.mark.redis
+def test_counter_uses_redis_when_configured(engine: Engine, redis_url: str) -> None:
+    with override_settings(REDIS_URL=redis_url):
+        assert texts(engine, "/count") == ["1"]
+        assert texts(engine, "/count") == ["2"]
+        assert isinstance(kv.kv_store(), kv.RedisKV)
+        assert kv.kv_store().client.hget("execapp:plugins:kv:counter", "count") == "2"
+    assert not KVEntry.objects.filter(plugin="counter").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_kv_from_an_inline_handler_on_the_event_loop(engine: Engine) -> None:
+    # Django refuses ORM calls on a thread running an event loop; the KV store hops off it.
+    async def inline() -> list[str]:
+        return texts(engine, "/count") + texts(engine, "/count")
+
+    assert asyncio.run(inline()) == ["1", "2"]
+
+
+def test_pooled_dispatch_through_the_engine_pool(engine: Engine) -> None:
+    pooled = Engine(max_workers=4)
+    pooled.set_matchers(engine.matchers)
+    replies = []
+    run = pooled.process_event(Event(text="/slow 30"), on_outcome=replies.append)
+    completion = run.wait(5)
+    assert completion is not None and completion.errors == ()
+    assert [r.text for r in replies if hasattr(r, "text")] == ["slept 30"]
+    assert replies[0].exec_class.value == "pool"
+    pooled.shutdown(2)
+
+
+def test_the_worker_runs_the_registry_sync_service() -> None:
+    from execapp.worker import SERVICE_FACTORIES
+    assert "plugins.sync.registry_sync" in SERVICE_FACTORIES
+    eng = Engine(pool_enabled=False)
+    service = sync.registry_sync(type("W", (), {"engine": eng})())
+    assert service.interval == 2.0
+    call_command("loadplugins", verbosity=0)
+    service.tick()
+    assert texts(eng, "/ping") == ["pong"]
+    service.close()
