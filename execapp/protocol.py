@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from . import metrics
 from .engine import Completion, Event, ExecAppError, Failure, Reply
 from .engine.event import Outcome
 
@@ -120,7 +121,8 @@ def _event_from(obj: dict[str, Any]) -> Event:
     if unknown:
         raise ProtocolError("bad_event", f"{unknown[0]}: unknown field; an event has only "
                                          f"{', '.join(FIELDS)}", eid)
-    etype = obj.get("type")
+    # A bare {"text": "/ping"} is a message: "type" defaults to "message" when left out.
+    etype = obj.get("type", "message")
     if not isinstance(etype, str) or not etype or len(etype) > MAX_TYPE_CHARS:
         raise ProtocolError("bad_event", f"type must be a non-empty string of at most {MAX_TYPE_CHARS} characters "
                                          f"(\"message\" or your own event type), got {_show(etype)}", eid)
@@ -309,6 +311,7 @@ class Connection:
                 raise ProtocolError("draining", "this worker is draining for a restart and takes no new events; "
                                                 "reconnect (the load balancer sends you to a live worker)", event.id)
         except ProtocolError as exc:
+            metrics.count_event(exc.code)
             self.outbox.push(error_frame(exc.code, exc.message, exc.event_id))
             return
         self.in_flight[event.id] = event.session
@@ -353,6 +356,7 @@ class Connection:
         done = outcome.__class__ is Completion
         if done:
             self.in_flight.pop(eid, None)
+            metrics.count_event(metrics.completion_outcome(outcome))
         if self.closed:
             if done:
                 self.worker.end_event()

@@ -79,9 +79,10 @@ def test_full_pool_refuses_without_blocking(pools):
     gate = threading.Event()
     accepted = [pool.try_submit(gate.wait) for _ in range(7)]
     assert accepted == [True] * 5 + [False] * 2  # 2 running + 3 queued, then refused
+    # (the two started workers may take a moment to begin their tasks)
+    assert wait_until(lambda: pool.stats()["in_flight"] == 2)
     stats = pool.stats()
-    assert (stats["in_flight"] + stats["queued"], stats["rejected"], stats["submitted"]) == (5, 2, 5)
-    assert stats["in_flight"] <= 2
+    assert (stats["in_flight"], stats["queued"], stats["rejected"], stats["submitted"]) == (2, 3, 2, 5)
     gate.set()
     assert wait_until(lambda: pool.stats()["completed"] == 5)
 
@@ -114,6 +115,8 @@ def test_a_failing_task_is_counted_and_kills_no_worker(pools):
     for _ in range(5):
         assert pool.try_submit(ok)
     assert wait_until(lambda: ran.n == 5)
+    # A task is counted done just after it returns: wait for the count, not only the effect.
+    assert wait_until(lambda: pool.stats()["completed"] == 5)
     stats = pool.stats()
     assert (stats["failed"], stats["completed"], stats["submitted"]) == (1, 5, 6)
     assert len(set(threads)) == 1, "the same lingering worker ran every task after the failure"
@@ -129,7 +132,7 @@ def test_failing_task_notifies_listeners(pools):
 
 
 def test_workers_start_lazily_and_exit_when_idle(pools):
-    pool = pools(4, 4, idle_seconds=0.05)
+    pool = pools(4, 4, idle_seconds=0.5)  # long enough to still see the worker right after its task
     assert pool.stats()["workers"] == 0, "no thread before there is work"
     done = Counter()
     for _ in range(3):
@@ -197,6 +200,7 @@ def test_exit_protocol_bursts_every_accepted_task_runs(pools, idle_seconds, tiny
         if pause:
             time.sleep(pause)
     assert accepted > 1000
+    assert wait_until(lambda: pool.stats()["completed"] == accepted)
     stats = pool.stats()
     # A burst (<= 36 tasks) never exceeds tokens + queue (66): every submission is accepted.
     assert (stats["submitted"], stats["rejected"]) == (accepted, 0)

@@ -379,3 +379,22 @@ async def test_logged_in_staff_may_connect_with_their_session_from_this_site(
     if origin is not None:
         headers.append((b"origin", origin))
     assert (await _handshake("/ws/events/", headers))[0] is allowed
+
+
+# -- metrics --------------------------------------------------------------------------------------
+
+async def test_every_terminal_message_is_counted_in_events_total_by_outcome() -> None:
+    from execapp.metrics import EVENTS
+
+    def count(outcome: str) -> float:
+        return EVENTS.labels(outcome)._value.get()
+
+    before = {o: count(o) for o in ("ok", "bad_json", "bad_event")}
+    async with Client() as c:
+        await c.send(msg("/ping", "m1"))
+        await c.until_done("m1")
+        await c.send("{not json")
+        await c.recv()
+        await c.send('{"id": "m2", "type": "message", "text": 3}')
+        await c.recv()
+    assert {o: count(o) - before[o] for o in before} == {"ok": 1, "bad_json": 1, "bad_event": 1}

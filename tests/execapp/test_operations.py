@@ -89,6 +89,16 @@ class Deployment:
                 pids.append(info["pid"])
         return sorted(pids)
 
+    def status(self) -> dict[str, dict]:
+        """The workers' status answers, asked in-process (no manage.py start-up to wait for)."""
+        from channels_redis.core import RedisChannelLayer
+
+        from execapp.control import RedisRegistry, request
+
+        url, prefix = self.env["REDIS_URL"], self.env["REDIS_PREFIX"]
+        layer = RedisChannelLayer(hosts=[{"address": url, "socket_timeout": 15}], prefix=prefix)
+        return asyncio.run(request("status", layer=layer, registry=RedisRegistry(url, prefix))).answers
+
     def listening(self) -> int:
         """How many sockets listen on our port: one per worker once it is ready (SO_REUSEPORT)."""
         port = f":{self.port:04X}"
@@ -362,7 +372,10 @@ async def test_drain_under_load_loses_nothing_and_undrain_resumes(deployment: De
 async def test_drain_timeout_names_the_straggler(deployment: Deployment, ops_env: dict[str, str]) -> None:
     async with connect(f"{deployment.ws_url}?token={ops_env['TOKEN']}") as ws:
         await ws.send(json.dumps({"id": "straggler", "type": "message", "text": "/slow 3000"}))
-        await asyncio.sleep(0.3)  # in its handler by now
+        deadline = time.monotonic() + WAIT
+        while not any(a["pool"]["in_flight"] for a in (await asyncio.to_thread(deployment.status)).values()):
+            assert time.monotonic() < deadline, "/slow 3000 never started in a worker's pool"
+            await asyncio.sleep(0.05)  # until its handler runs
         try:
             result = await asyncio.to_thread(deployment.manage, "drain", "--timeout", "0.5")
             assert result.returncode == 1, f"{result.stdout}\n{result.stderr}"

@@ -36,6 +36,8 @@ def test_the_server_assigns_an_id_when_the_client_gives_none() -> None:
 
 
 def test_other_event_types_carry_data() -> None:
+    bare = parse_frame('{"text": "/ping"}', None, LIMITS)
+    assert (bare.type, bare.text) == ("message", "/ping")
     event = parse_frame('{"type": "order.created", "data": {"n": 1}}', None, LIMITS)
     assert (event.type, event.text, event.data) == ("order.created", "", {"n": 1})
 
@@ -52,7 +54,8 @@ def test_invalid_json_is_bad_json() -> None:
     ('{"type": "message", "text": "/ping", "id": ""}', "id", None),
     ('{"type": "message", "text": "/ping", "id": "%s"}' % ("x" * 65), "id", None),
     ('{"id": "e", "type": "message", "txt": "/ping"}', "txt", "e"),
-    ('{"id": "e", "text": "/ping"}', "type", "e"),
+    ('{"id": "e", "type": "", "text": "/ping"}', "type", "e"),
+    ('{"id": "e", "type": null, "text": "/ping"}', "type", "e"),
     ('{"id": "e", "type": 7, "text": "/ping"}', "type", "e"),
     ('{"id": "e", "type": "message"}', "text", "e"),
     ('{"id": "e", "type": "message", "text": ["/ping"]}', "text", "e"),
