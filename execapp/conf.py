@@ -18,7 +18,7 @@ DEFAULTS: dict[str, Any] = {
     # Asyncio overflow policy when the pool is full: "wait" (per-client backpressure,
     # then refuse with code "overloaded"), "reject" (refuse at once) or "inline".
     "OVERFLOW_POLICY": "wait",
-    "OVERFLOW_WAIT_SECONDS": 5.0,
+    "OVERFLOW_WAIT_SECONDS": 1.0,
     # WebSocket protocol.
     "MAX_FRAME_BYTES": 64 * 1024,
     "MAX_IN_FLIGHT_PER_CONNECTION": 100,
@@ -49,6 +49,20 @@ def get(name: str) -> Any:
 def redis_url() -> str:
     """The Redis URL shared between workers, or '' for the embedded single-process default."""
     return getattr(settings, "REDIS_URL", "") or ""
+
+
+def redis_prefix() -> str:
+    """The default channel layer's key prefix (REDIS_PREFIX; channels_redis' "asgi" by default)."""
+    from channels import DEFAULT_CHANNEL_LAYER
+
+    layer = (getattr(settings, "CHANNEL_LAYERS", {}) or {}).get(DEFAULT_CHANNEL_LAYER, {})
+    return str((layer.get("CONFIG") or {}).get("prefix", "asgi"))
+
+
+def redis_key(name: str) -> str:
+    """A Redis key namespaced like the channel layer, so two deployments sharing one Redis never
+    see each other's workers, snapshots or plugin data."""
+    return f"{redis_prefix()}:{name}"
 
 
 def require_services() -> bool:

@@ -162,21 +162,12 @@ class LocalRegistry:
             return {i: info for i, (at, info) in self._beats.items() if at >= cutoff}
 
 
-def layer_prefix() -> str:
-    """The default channel layer's key prefix (channels_redis' ``prefix``; "asgi" by default)."""
-    from channels import DEFAULT_CHANNEL_LAYER
-    from django.conf import settings
-
-    layer = (getattr(settings, "CHANNEL_LAYERS", {}) or {}).get(DEFAULT_CHANNEL_LAYER, {})
-    return str((layer.get("CONFIG") or {}).get("prefix", "asgi"))
-
-
 def default_registry() -> Registry | None:
     """The Redis registry when REDIS_URL is set, else None (answers are collected until the deadline)."""
     from . import conf
 
     url = conf.redis_url()
-    return RedisRegistry(url, layer_prefix()) if url else None
+    return RedisRegistry(url, conf.redis_prefix()) if url else None
 
 
 # -- the worker side -------------------------------------------------------------------------------

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from typing import Any, Callable
 
-from .engine.engine import Engine
+from .engine.engine import running_handlers
 from .worker import Worker
 
 log = logging.getLogger("execapp.drain")
@@ -104,26 +103,6 @@ def flush_services(worker: Worker) -> list[str]:
             errors.append(f"{type(service).__name__}: {exc}")
     connections.close_all()  # this thread's connections only: a drain must not leak one per call
     return errors
-
-
-def running_handlers() -> list[str]:
-    """Names of the matchers whose handlers are executing right now, on any thread of the process.
-
-    Read from the threads' stacks (frames inside ``Engine._invoke``) rather than tracked per
-    call: it costs nothing on the event path, sees inline and pooled runs alike, and is only
-    needed when a drain times out. Sorted, one entry per running call.
-    """
-    invoke = Engine._invoke.__code__
-    names: list[str] = []
-    for frame in sys._current_frames().values():
-        f = frame
-        while f is not None:
-            if f.f_code is invoke:
-                matcher = f.f_locals.get("m")
-                names.append(str(getattr(matcher, "name", "?")))
-                break
-            f = f.f_back
-    return sorted(names)
 
 
 def worker_status(worker: Worker) -> dict[str, Any]:

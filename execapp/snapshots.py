@@ -92,10 +92,11 @@ class RedisBackend:
         import redis
 
         self.client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
-        self.workers_key = KEY_PREFIX + "workers"
+        self.key_prefix = conf.redis_key(KEY_PREFIX)
+        self.workers_key = self.key_prefix + "workers"
 
     def _series_key(self, worker_id: str) -> str:
-        return f"{KEY_PREFIX}series:{worker_id}"
+        return f"{self.key_prefix}series:{worker_id}"
 
     def publish(self, snapshot: dict[str, Any], point: list | None) -> None:
         pipe = self.client.pipeline(transaction=False)

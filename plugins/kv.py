@@ -56,17 +56,21 @@ def _with_connection_cleanup(fn):  # type: ignore[no-untyped-def]
 
 
 class RedisKV:
-    """KV in one Redis hash per plugin (``execapp:plugins:kv:<plugin>``), shared by every worker."""
+    """KV in one Redis hash per plugin (``<REDIS_PREFIX>:execapp:plugins:kv:<plugin>``), shared by
+    every worker."""
 
     def __init__(self, url: str) -> None:
         import redis
+
+        from execapp.conf import redis_key
         self.client = redis.Redis.from_url(url, socket_timeout=5, decode_responses=True)
+        self.prefix = redis_key("execapp:plugins:kv:")
 
     def get(self, plugin: str, key: str, timeout: float) -> str | None:
-        return self.client.hget(f"execapp:plugins:kv:{plugin}", key)
+        return self.client.hget(self.prefix + plugin, key)
 
     def set(self, plugin: str, key: str, value: str, timeout: float) -> None:
-        self.client.hset(f"execapp:plugins:kv:{plugin}", key, value)
+        self.client.hset(self.prefix + plugin, key, value)
 
 
 _store: KVStore | None = None

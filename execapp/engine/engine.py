@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import threading
 from functools import partial
 from time import perf_counter
@@ -316,7 +317,7 @@ class Engine:
     def _invoke(self, run: EventRun, ctx: Context) -> None:
         """Run one handler, record its duration in its profile and emit its outcome.
 
-        (execapp.drain.running_handlers finds running handlers by this frame and its local ``m``.)
+        (``running_handlers`` below finds running handlers by this frame and its local ``m``.)
         """
         m: Matcher = ctx.matcher
         started = perf_counter()
@@ -368,6 +369,25 @@ class Engine:
         if self.owns_pool and self.pool is not None:
             return self.pool.drain(timeout)
         return True
+
+
+def running_handlers() -> list[str]:
+    """Names of the matchers whose handlers are executing right now, on any thread of the process.
+
+    Read from the threads' stacks (frames inside ``Engine._invoke``, whose local ``m`` is the
+    matcher) rather than tracked per call: it costs nothing on the event path, sees inline and
+    pooled runs alike, and is only needed when a drain times out. Sorted, one entry per call.
+    """
+    invoke = Engine._invoke.__code__
+    names: list[str] = []
+    for frame in sys._current_frames().values():
+        f = frame
+        while f is not None:
+            if f.f_code is invoke:
+                names.append(str(getattr(f.f_locals.get("m"), "name", "?")))
+                break
+            f = f.f_back
+    return sorted(names)
 
 
 def _as_event(event: Event | Mapping[str, Any]) -> Event:

@@ -80,6 +80,9 @@ class ExecProfile:
         self._n_slow = 0  # samples in the window >= slow_threshold
         self._n_not_fast = 0  # samples in the window >= fast_threshold
         self._fast_streak = 0  # consecutive latest samples < fast_threshold
+        # Samples since the promotion, or since the last outlier while promoted: recovery needs
+        # a whole window of them (the window itself keeps the triggering run, for reporting).
+        self._fresh = 0
         self.state = ProfileState.LEARNING
         self._class = ExecClass.POOL  # what should_pool() returns; written only under the lock
         self.runs = 0
@@ -126,6 +129,7 @@ class ExecProfile:
             else:
                 self._count += 1
             self._ring[i] = elapsed
+            self._fresh += 1
             i += 1
             self._next = 0 if i == self.window else i
             if elapsed < self.fast_threshold:
@@ -137,14 +141,17 @@ class ExecProfile:
                 return
             self._n_not_fast += 1
             self._fast_streak = 0
-            if elapsed > self.promote_after:
-                self._promote()  # one very slow run: at once, whatever the state
-            elif elapsed >= self.slow_threshold:
+            if elapsed >= self.slow_threshold:
                 self._n_slow += 1
-                # Learning, or demoted with a steady drift: p50 >= slow threshold promotes.
-                if (self.state is not _PROMOTED and self._count >= self.min_samples
-                        and self._n_slow >= self._count - self._count // 2):
-                    self._promote()
+            if self.state is _PROMOTED:
+                if elapsed > self.promote_after:
+                    self._fresh = 0  # another outlier: recovery starts counting again
+                return
+            if elapsed > self.promote_after:
+                self._promote(elapsed)  # one very slow run: at once, from learning or demoted
+            elif (elapsed >= self.slow_threshold and self._count >= self.min_samples
+                  and self._n_slow >= self._count - self._count // 2):
+                self._promote(elapsed)  # learning, or demoted with a steady drift: p50 >= threshold
 
     def _push(self, elapsed: float) -> None:
         if self._count == self.window:
@@ -154,6 +161,7 @@ class ExecProfile:
         else:
             self._count += 1
         self._ring[self._next] = elapsed
+        self._fresh += 1
         self._next = (self._next + 1) % self.window
         self._n_slow += elapsed >= self.slow_threshold
         if elapsed >= self.fast_threshold:
@@ -168,18 +176,23 @@ class ExecProfile:
 
     def _may_demote(self) -> bool:
         return (self._count == self.window
+                and self._fresh >= self.window
                 and not self._half_at_least(self._n_not_fast)
                 and self._fast_streak >= self.recent)
 
-    def _promote(self) -> None:
-        if self.state is not ProfileState.PROMOTED:
-            self.promotions += 1
-            self.promoted_at = time.time()
+    def _promote(self, elapsed: float) -> None:
+        """Learning or demoted -> promoted, by the run that took ``elapsed`` seconds."""
+        self.promotions += 1
+        self.promoted_at = time.time()
         self.state = ProfileState.PROMOTED
         self._class = ExecClass.POOL
-        # Recovery is judged only on samples taken after promotion: start a fresh window.
+        # Recovery is judged only on samples taken from the promotion on: a fresh window that
+        # starts with the run that caused it (a promoted handler is not reset again by later
+        # slow runs, so an always-slow handler keeps a full window to report).
         self._ring = [0.0] * self.window
         self._next = self._count = self._n_slow = self._n_not_fast = self._fast_streak = 0
+        self._push(elapsed)
+        self._fresh = 0
 
     def _demote(self) -> None:
         self.state = ProfileState.DEMOTED
@@ -219,17 +232,20 @@ class ExecProfile:
                 "demoted_at": self.demoted_at,
                 "last_error": self.last_error,
                 "updated_at": self.updated_at,
+                "recovery_samples": self._fresh,
             }
 
     def restore(self, state: str, window: list[float], **counters: Any) -> None:
         """Load a persisted profile (warm start): its state, its window and its counters."""
         with self._lock:
             self._ring = [0.0] * self.window
-            self._next = self._count = self._n_slow = self._n_not_fast = self._fast_streak = 0
+            self._next = self._count = self._n_slow = self._n_not_fast = self._fast_streak = self._fresh = 0
             for elapsed in list(window)[-self.window:]:
                 self._push(float(elapsed))
             self.state = ProfileState(state)
             self._class = ExecClass.SYNC if self.state is ProfileState.DEMOTED else ExecClass.POOL
+            if counters.get("recovery_samples") is not None:
+                self._fresh = int(counters["recovery_samples"])
             for name in ("runs", "errors", "timeouts", "promotions", "demotions", "promoted_at",
                          "demoted_at", "last_error", "updated_at"):
                 if name in counters and counters[name] is not None:

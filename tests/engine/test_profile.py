@@ -185,9 +185,17 @@ def test_promoted_profile_window_is_fresh():
     p = ExecProfile()
     feed(p, FAST, 20)
     p.record(OUTLIER)
-    assert p.samples() == [], "promotion starts a fresh window"
+    assert p.samples() == [OUTLIER], "promotion starts a fresh window with the run that caused it"
     p.record(FAST)
-    assert p.samples() == [FAST]
+    assert p.samples() == [OUTLIER, FAST]
+
+
+def test_an_always_slow_promoted_handler_keeps_a_full_window_to_report():
+    p = ExecProfile()
+    feed(p, OUTLIER, 40)
+    assert p.state is ProfileState.PROMOTED and p.promotions == 1
+    snap = p.snapshot()
+    assert snap["window"] == [OUTLIER] * 32 and snap["p50"] == OUTLIER
 
 
 def test_promoted_by_p50_recovers_by_the_same_strict_rule():

@@ -173,20 +173,20 @@ def test_every_worker_of_the_deployment_through_redis(settings: Any, redis_url: 
         import redis
 
         r = redis.Redis.from_url(redis_url)
-        snap = json.loads(r.hget("execapp:obs:workers", "w-one"))
+        snap = json.loads(r.hget("asgi:execapp:obs:workers", "w-one"))
         snap["ts"] -= 20
-        r.hset("execapp:obs:workers", "w-one", json.dumps(snap))
+        r.hset("asgi:execapp:obs:workers", "w-one", json.dumps(snap))
         one_pub = next(s for s in one.services if isinstance(s, snapshots.SnapshotPublisher))
         one.services.remove(one_pub)  # it stops publishing, as a crashed worker would
         snapshots._publishers.discard(one_pub)
         data = snapshots.collect()
         assert [w["stale"] for w in data["workers"] if w["worker"] == "w-one"] == [True]
         snap["ts"] -= 100
-        r.hset("execapp:obs:workers", "w-one", json.dumps(snap))
+        r.hset("asgi:execapp:obs:workers", "w-one", json.dumps(snap))
         data = snapshots.collect()
         assert [w["worker"] for w in data["workers"]] == ["w-two"]  # stopped: shown until it is stale
-        assert not r.hexists("execapp:obs:workers", "w-one")
-        assert not r.exists("execapp:obs:series:w-one")
+        assert not r.hexists("asgi:execapp:obs:workers", "w-one")
+        assert not r.exists("asgi:execapp:obs:series:w-one")
     finally:
         one.stop(timeout=5)
         two.stop(timeout=5)

@@ -216,7 +216,13 @@ async def test_overloaded_when_the_pool_stays_full(server: Server) -> None:
 
 async def test_draining_refuses_new_events_until_undrained(server: Server) -> None:
     if server.layer != "redis":
-        pytest.skip("manage.py drain reaches workers over the channel layer: Redis only (docs/operations.md)")
+        # The in-memory layer cannot reach another process: the command says so and changes nothing.
+        result = manage("drain", "--timeout", "1", env=server.env, timeout=30)
+        assert result.returncode != 0 and "control_unavailable" in result.stdout + result.stderr
+        async with server.connect() as ws:
+            await ws.send(msg("/ping", "still-served"))
+            assert [f["type"] for f in await until_done(ws, "still-served")] == ["reply", "done"]
+        return
     async with server.connect() as ws:
         await ws.send(msg("/slow 400", "running"))
         result = manage("drain", "--timeout", "10", env=server.env, timeout=30)

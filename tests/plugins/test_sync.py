@@ -149,7 +149,7 @@ def test_counter_uses_redis_when_configured(engine: Engine, redis_url: str) -> N
         assert texts(engine, "/count") == ["1"]
         assert texts(engine, "/count") == ["2"]
         assert isinstance(kv.kv_store(), kv.RedisKV)
-        assert kv.kv_store().client.hget("execapp:plugins:kv:counter", "count") == "2"
+        assert kv.kv_store().client.hget("asgi:execapp:plugins:kv:counter", "count") == "2"
     assert not KVEntry.objects.filter(plugin="counter").exists()
 
 
