@@ -44,6 +44,26 @@ class Compiled(Protocol):
     def close(self) -> None: ...
 
 
+class FreshInstanceIsolation:
+    """``Compiled`` defaults for a runtime whose per-request isolation is simply a new instance
+    (the class it is mixed into supplies ``new_instance``)."""
+
+    def call_isolated(self, handler: str, event: dict[str, Any], host: Host) -> Any:
+        """One call on a brand-new instance, closed right after."""
+        inst = self.new_instance()
+        try:
+            return inst.call(handler, event, host)
+        finally:
+            inst.close()
+
+    def idle_isolated(self) -> int:
+        """Nothing is kept warm between isolated calls."""
+        return 0
+
+    def close(self) -> None:
+        """Nothing to release beyond the instances, which close themselves."""
+
+
 def to_reply(value: Any) -> Any:
     """Normalize a guest's return value: None, a str (text reply), or a dict/list (data reply)."""
     if value is None or isinstance(value, (str, dict, list)):

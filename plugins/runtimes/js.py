@@ -30,7 +30,7 @@ import quickjs
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestTimeout
 from ..host import Host
-from .base import to_reply
+from .base import FreshInstanceIsolation, to_reply
 
 if not getattr(quickjs, "_quickjs").__file__.endswith(".abi3.so"):
     # The old `quickjs` 1.19.4 binding (its .so wins over quickjs-ng's when both are installed)
@@ -200,7 +200,7 @@ def _js_error(exc: Exception, spec: Any, started: float) -> GuestError:
     return GuestError(" ".join(line.strip() for line in message.splitlines()[:2]), poison=True)
 
 
-class JsCompiled:
+class JsCompiled(FreshInstanceIsolation):
     """A JS plugin version: source checked by loading it once into a sandboxed Context."""
 
     thread_bound = True
@@ -218,16 +218,3 @@ class JsCompiled:
 
     def new_instance(self) -> JsInstance:
         return JsInstance(self)
-
-    def call_isolated(self, handler: str, event: dict[str, Any], host: Host) -> Any:
-        inst = JsInstance(self)
-        try:
-            return inst.call(handler, event, host)
-        finally:
-            inst.close()
-
-    def idle_isolated(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass

@@ -34,7 +34,7 @@ from wasmtime import _ffi as ffi
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestTimeout
 from ..host import Host
-from .base import MAX_REPLY_BYTES, to_reply
+from .base import MAX_REPLY_BYTES, FreshInstanceIsolation, to_reply
 
 EPOCH_TICK = 0.005
 MEMORY_RESERVATION = 64 << 20
@@ -374,7 +374,7 @@ def _abi_event(event: dict[str, Any]) -> dict[str, Any]:
             "id": event.get("id"), "session": event.get("session"), "data": event.get("data") or {}}
 
 
-class WasmCompiled:
+class WasmCompiled(FreshInstanceIsolation):
     """A WASM plugin version: the module compiled once, linked once (InstancePre), validated."""
 
     thread_bound = False
@@ -407,16 +407,3 @@ class WasmCompiled:
 
     def new_instance(self) -> WasmInstance:
         return WasmInstance(self)
-
-    def call_isolated(self, handler: str, event: dict[str, Any], host: Host) -> Any:
-        inst = WasmInstance(self)
-        try:
-            return inst.call(handler, event, host)
-        finally:
-            inst.close()
-
-    def idle_isolated(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
