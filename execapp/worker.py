@@ -27,17 +27,19 @@ class Service(Protocol):
     def close(self) -> None: ...
 
 
-#: Dotted paths of ``factory(worker) -> Service``, started with the worker in this order.
-SERVICE_FACTORIES: list[str] = []
-# The control listener (manage.py drain/undrain/execstatus over the channel layer; idle with the
-# in-memory layer, which cannot reach other processes). See execapp/control.py.
-SERVICE_FACTORIES.append("execapp.control.control_service")
-# Observability (docs/observability.md): the profile store goes first, so persisted profiles are
-# restored before any matcher runs; then the Prometheus updater and the dashboard's snapshots.
-SERVICE_FACTORIES.insert(0, "execapp.persistence.profile_store")
-SERVICE_FACTORIES += ["execapp.metrics.metrics_updater", "execapp.snapshots.snapshot_publisher"]
-# Plugins: build the engine's matchers from the registry and re-sync on change (plugins/sync.py).
-SERVICE_FACTORIES.append("plugins.sync.registry_sync")
+#: Dotted paths of ``factory(worker) -> Service``, built in this order when a worker starts.
+SERVICE_FACTORIES: list[str] = [
+    # First, so persisted profiles are restored before any matcher runs (docs/observability.md).
+    "execapp.persistence.profile_store",
+    # drain/undrain/execstatus over the channel layer (idle with the in-memory layer, which
+    # cannot reach other processes); see execapp/control.py and docs/operations.md.
+    "execapp.control.control_service",
+    # Prometheus gauges and the dashboard's per-worker snapshots.
+    "execapp.metrics.metrics_updater",
+    "execapp.snapshots.snapshot_publisher",
+    # Build the engine's matchers from the plugin registry and re-sync on change (plugins/sync.py).
+    "plugins.sync.registry_sync",
+]
 
 
 class Worker:
