@@ -14,7 +14,7 @@ from .backpressure import SlotWaiters
 from .errors import ConfigError, ExecAppError, Overloaded, PoolClosed
 from .event import Completion, Context, Event, EventRun, Failure, OutcomeCallback, Reply
 from .matcher import Handler, Matcher, MatcherKind, parse_command
-from .pool import ExecPool
+from .pool import ExecPool, count_value
 from .profile import ExecClass, ExecProfile
 
 log = logging.getLogger("execapp.engine")
@@ -355,8 +355,7 @@ class Engine:
     @property
     def counts(self) -> dict[str, int]:
         """Engine counters: events, inline and pooled runs, fallbacks, overloaded refusals, errors."""
-        # repr(count(5)) == "count(5)": the only way to read an itertools.count without bumping it.
-        return {key: int(repr(c)[6:-1]) for key, c in self._tally.items()}
+        return {key: count_value(c) for key, c in self._tally.items()}
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ Task = Callable[[], Any]
 _STOP = object()  # handed to an idle worker to make it exit (drain)
 
 
-def _value(counter: itertools.count) -> int:
+def count_value(counter: itertools.count) -> int:
+    """The current value of an itertools.count used as a lock-free counter."""
     # repr(count(5)) == "count(5)": the only way to read an itertools.count without bumping it.
     return int(repr(counter)[6:-1])
 
@@ -252,23 +253,23 @@ class ExecPool:
     @property
     def submitted(self) -> int:
         """Tasks accepted so far."""
-        refused = _value(self._refused)
-        return _value(self._attempts) - refused
+        refused = count_value(self._refused)
+        return count_value(self._attempts) - refused
 
     @property
     def completed(self) -> int:
         """Tasks that returned."""
-        return _value(self._completed)
+        return count_value(self._completed)
 
     @property
     def failed(self) -> int:
         """Tasks that raised (logged; their worker went on)."""
-        return _value(self._failed)
+        return count_value(self._failed)
 
     @property
     def rejected(self) -> int:
         """Submissions refused because the pool was full or closed (overflow-wait retries excluded)."""
-        return _value(self._rejected)
+        return count_value(self._rejected)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -298,8 +299,8 @@ class ExecPool:
 
         Counters move while they are read; reading the finished ones before the attempts makes
         the answer an over-estimate, never an under-estimate, so drain() cannot stop early."""
-        finished = _value(self._completed) + _value(self._failed) + _value(self._refused)
-        return _value(self._attempts) - finished
+        finished = count_value(self._completed) + count_value(self._failed) + count_value(self._refused)
+        return count_value(self._attempts) - finished
 
     def _release_idle(self) -> None:
         while True:
@@ -319,10 +320,10 @@ class ExecPool:
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges of this pool, plus scheduling delay (submit -> start) p50/p99."""
-        completed, failed = _value(self._completed), _value(self._failed)
-        running = _value(self._started) - completed - failed
+        completed, failed = count_value(self._completed), count_value(self._failed)
+        running = count_value(self._started) - completed - failed
         queued = len(self._queue)
-        workers = _value(self._spawned) - _value(self._exited)
+        workers = count_value(self._spawned) - count_value(self._exited)
         delays = sorted(self._delay_samples())
         return {
             "capacity": self.max_workers,
