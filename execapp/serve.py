@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from types import FrameType
@@ -248,13 +249,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.workers == 1:
         ExecServer(config, args.grace).run()
         return 0
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Several processes: /metrics must add them up (prometheus_client's multiprocess mode,
+        # docs/observability.md). Set before the workers start, as prometheus_client requires.
+        path = os.path.join(tempfile.gettempdir(), f"execapp-prometheus-{config.port}")
+        os.makedirs(path, exist_ok=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
     import django
 
     django.setup()
     from . import conf
 
     grace = args.grace if args.grace is not None else float(conf.get("SHUTDOWN_GRACE_SECONDS"))
-    log.info("execapp.serve: %d worker processes on %s:%d", config.workers, config.host, config.port)
+    log.info("execapp.serve: %d worker processes on %s:%d (metrics in %s)", config.workers, config.host, config.port,
+             os.environ["PROMETHEUS_MULTIPROC_DIR"])
     reuse_port = hasattr(socket, "SO_REUSEPORT") and not args.shared_socket
     return Supervisor(config, args.grace, stop_timeout=grace + args.close_timeout + 10, reuse_port=reuse_port).run()
 
