@@ -1,21 +1,29 @@
 """Plugin call cost per runtime and strategy, against the bare library doing the same work.
 
-Every "ours" row is ``LoadedPlugin.call`` (concurrency slot, strategy, host object, event
-conversion, sandbox, reply conversion) on a bundled example. Its baseline, measured in the
-same run and interleaved with it, is the bare library doing the same work:
+Every "ours" row is ``LoadedPlugin.call`` (concurrency slot, strategy, instance, deadline,
+event conversion, sandbox, reply conversion, counters) on a bundled example. Its baseline,
+measured in the same run and interleaved with it, is the bare library doing the same work,
+with none of our Python in between:
 
-- Lua: the same sandboxed function called straight through lupa (``_LuaVM.call`` /
-  ``call_fresh``: table_from + the guarded call), so the ratio is our layer's overhead; an
-  unsandboxed lupa call and a fresh-runtime-per-call variant are shown for scale;
+- Lua: lupa calling the same sandbox functions directly (the Lua ``call`` / ``fresh_call``
+  of the sandbox: hook, guarded pcall, fresh environment) with the event built by
+  ``table_from`` and a per-call deadline, then the status check. Our layer is everything in
+  Python from ``LoadedPlugin.call`` to that lupa call. An unsandboxed lupa call and a
+  fresh-runtime-per-call variant are shown for scale;
 - WASM: the public wasmtime-py API on one instance (``Func.__call__`` for alloc and the
   handler, ``Memory.write``/``read``, the same JSON encoding); per request adds
   ``InstancePre.instantiate`` + ``exports()``;
-- JS: a QuickJS Context called with the JSON event (reused), or a new Context with the same
-  limits and source per call (per request). mini-racer (V8) is measured when installed.
+- JS: a QuickJS Context with the same limits and source called with the JSON event
+  (``JSON.stringify(upper(JSON.parse(ev)))``), reused, or new per call (per request).
+  mini-racer (V8) is measured when installed.
+
+Both sides use the same JSON codec (plugins.runtimes.base.to_json / scan_json), so the ratio
+is the layer's overhead, not a difference in JSON code. Every case starts after a
+``gc.collect()`` (outside the timing) so that no case pays for another's garbage.
 """
 from __future__ import annotations
 
-import json
+import gc
 import time
 from typing import Any, Callable
 
@@ -40,22 +48,35 @@ def _examples() -> dict[str, Any]:
 
 def _lua_bare(code: str) -> dict[str, Callable[[], Any]]:
     import lupa.lua54 as lupa
-    from plugins.host import Host
     from plugins.runtimes.lua import _LuaVM, compile_bytecode
 
     spec = _spec("echo", "lua", code, "pooled")
     bytecode = compile_bytecode(spec)
     vm = _LuaVM(spec, bytecode)
     env = vm.load_env(time.monotonic() + 5)
-    host = Host(spec, time.monotonic() + 3600)
     plain = lupa.LuaRuntime(register_eval=False, register_builtins=False)
     plain.execute(code)
     echo = plain.globals().echo
     table_from = plain.table_from
+    sandboxed_call, fresh_call, sandbox_table_from, chunkname = vm._call, vm._fresh, vm._table_from, vm.chunkname
+    now = time.monotonic
+
+    def reused_sandboxed() -> Any:  # lupa + the sandbox's guarded call, no Python of ours
+        status, value = sandboxed_call(env, "echo", sandbox_table_from(EVENT, recursive=True), now() + 5.0)
+        if status:
+            raise RuntimeError(value)
+        return value
+
+    def fresh_env() -> Any:  # lupa + the sandbox's fresh environment + guarded call
+        status, value = fresh_call(bytecode, chunkname, "echo", sandbox_table_from(EVENT, recursive=True),
+                                   now() + 5.0)
+        if status:
+            raise RuntimeError(value)
+        return value
 
     def fresh_runtime() -> Any:  # the seed's per-request D: new runtime + sandbox + load + call
         fresh = _LuaVM(spec, bytecode)
-        return fresh.call(fresh.load_env(time.monotonic() + 5), "echo", EVENT, host)
+        return fresh.call_env(fresh.load_env(now() + 5), "echo", EVENT, now() + 5)
 
     def fresh_bare() -> Any:  # bare lupa: new runtime, load bytecode, one call, no sandbox
         rt = lupa.LuaRuntime(register_eval=False, register_builtins=False)
@@ -63,8 +84,8 @@ def _lua_bare(code: str) -> dict[str, Callable[[], Any]]:
         return rt.globals().echo(rt.table_from(EVENT, recursive=True))
 
     return {
-        "reused_sandboxed": lambda: vm.call(env, "echo", EVENT, host),
-        "fresh_env": lambda: vm.call_fresh("echo", EVENT, host),
+        "reused_sandboxed": reused_sandboxed,
+        "fresh_env": fresh_env,
         "unsandboxed": lambda: echo(table_from(EVENT, recursive=True)),
         "fresh_runtime": fresh_runtime,
         "fresh_bare": fresh_bare,
@@ -73,6 +94,7 @@ def _lua_bare(code: str) -> dict[str, Callable[[], Any]]:
 
 def _wasm_bare(module_bytes: bytes) -> dict[str, Callable[[], Any]]:
     import wasmtime
+    from plugins.runtimes.base import to_json
     from plugins.runtimes.wasm import ENGINE, LINKER, _abi_event
 
     module = wasmtime.Module(ENGINE, module_bytes)
@@ -86,7 +108,7 @@ def _wasm_bare(module_bytes: bytes) -> dict[str, Callable[[], Any]]:
         return store, exports["memory"], exports["alloc"], exports["add"]
 
     def call(store: Any, memory: Any, alloc: Any, add: Any) -> Any:
-        payload = json.dumps(_abi_event(EVENT), separators=(",", ":"), ensure_ascii=False).encode()
+        payload = to_json(_abi_event(EVENT)).encode()
         ptr = alloc(store, len(payload))
         memory.write(store, payload, ptr)
         packed = add(store, ptr, len(payload))
@@ -99,6 +121,7 @@ def _wasm_bare(module_bytes: bytes) -> dict[str, Callable[[], Any]]:
 
 def _js_bare(code: str) -> dict[str, Callable[[], Any]]:
     import quickjs
+    from plugins.runtimes.base import scan_json, to_json
 
     def context() -> Any:
         ctx = quickjs.Context()
@@ -110,8 +133,8 @@ def _js_bare(code: str) -> dict[str, Callable[[], Any]]:
         return ctx.get("__run")
 
     run = context()
-    payload = lambda: json.dumps(EVENT, separators=(",", ":"))  # noqa: E731
-    return {"reused": lambda: json.loads(run(payload())), "fresh": lambda: json.loads(context()(payload()))}
+    return {"reused": lambda: scan_json(run(to_json(EVENT)), 0)[0],
+            "fresh": lambda: scan_json(context()(to_json(EVENT)), 0)[0]}
 
 
 def _mini_racer(code: str) -> dict[str, Callable[[], Any]] | None:
@@ -141,38 +164,42 @@ def run(quick: bool) -> list[dict[str, Any]]:
             for rt in ("lua", "wasm", "js") for s in ("per_request", "pooled", "sharded")}
     for loaded in ours.values():
         loaded.call("echo" if loaded.spec.runtime == "lua" else "upper" if loaded.spec.runtime == "js" else "add",
-                    dict(EVENT))  # warm: per-thread runtimes, pooled instances, shard threads
+                    EVENT)  # warm: per-thread runtimes, pooled instances, shard threads
+
+    def timed(fn: Callable[[], Any], n: int) -> Callable[[], float]:
+        # Collect first (untimed): a case must not pay for the cycles another case left.
+        return lambda: (gc.collect(), per_call_us(fn, n))[1]
 
     def our(rt: str, s: str, n: int) -> Callable[[], float]:
         handler = {"lua": "echo", "js": "upper", "wasm": "add"}[rt]
-        loaded = ours[(rt, s)]
-        return lambda: per_call_us(lambda: loaded.call(handler, dict(EVENT)), n)
+        call = ours[(rt, s)].call  # calls never change the event: no copy per call
+        return timed(lambda: call(handler, EVENT), n)
 
     lua, wasm, js = _lua_bare(code["lua"]), _wasm_bare(code["wasm"]), _js_bare(code["js"])
     cases: dict[str, Callable[[], float]] = {
-        "lua bare unsandboxed": lambda: per_call_us(lua["unsandboxed"], fast_n),
-        "lua bare sandboxed": lambda: per_call_us(lua["reused_sandboxed"], fast_n),
-        "lua bare fresh env": lambda: per_call_us(lua["fresh_env"], fast_n),
-        "lua bare fresh runtime": lambda: per_call_us(lua["fresh_bare"], slow_n),
-        "lua fresh runtime+sandbox": lambda: per_call_us(lua["fresh_runtime"], slow_n),
+        "lua bare unsandboxed": timed(lua["unsandboxed"], fast_n),
+        "lua bare sandboxed": timed(lua["reused_sandboxed"], fast_n),
+        "lua bare fresh env": timed(lua["fresh_env"], fast_n),
+        "lua bare fresh runtime": timed(lua["fresh_bare"], slow_n),
+        "lua fresh runtime+sandbox": timed(lua["fresh_runtime"], slow_n),
         "lua per_request": our("lua", "per_request", fast_n),
         "lua pooled": our("lua", "pooled", fast_n),
         "lua sharded": our("lua", "sharded", fast_n),
-        "wasm bare reused": lambda: per_call_us(wasm["reused"], fast_n),
-        "wasm bare fresh": lambda: per_call_us(wasm["fresh"], slow_n),
+        "wasm bare reused": timed(wasm["reused"], fast_n),
+        "wasm bare fresh": timed(wasm["fresh"], slow_n),
         "wasm per_request": our("wasm", "per_request", slow_n),
         "wasm pooled": our("wasm", "pooled", fast_n),
         "wasm sharded": our("wasm", "sharded", fast_n),
-        "js bare reused": lambda: per_call_us(js["reused"], fast_n),
-        "js bare fresh": lambda: per_call_us(js["fresh"], slow_n),
+        "js bare reused": timed(js["reused"], fast_n),
+        "js bare fresh": timed(js["fresh"], slow_n),
         "js per_request": our("js", "per_request", slow_n),
         "js pooled": our("js", "pooled", fast_n),
         "js sharded": our("js", "sharded", fast_n),
     }
     racer = _mini_racer(code["js"])
     if racer:
-        cases["mini-racer reused"] = lambda: per_call_us(racer["reused"], slow_n // 3)
-        cases["mini-racer fresh"] = lambda: per_call_us(racer["fresh"], 10)
+        cases["mini-racer reused"] = timed(racer["reused"], slow_n // 3)
+        cases["mini-racer fresh"] = timed(racer["fresh"], 10)
     m = interleaved(cases, reps)
     for loaded in ours.values():
         loaded.close()
@@ -196,16 +223,21 @@ def run(quick: bool) -> list[dict[str, Any]]:
     rows = [
         row(BENCH, "lua bare unsandboxed (reused runtime)", m["lua bare unsandboxed"], "us"),
         mk("lua bare sandboxed", "lua bare unsandboxed", overhead=False,
-           label="lua sandbox: hook + guarded call (cost of the sandbox)"),
+           label="lua bare sandboxed: lupa + hook + guarded call (cost of the sandbox)"),
+        row(BENCH, "lua bare fresh env: lupa + sandbox, new env + top level + call", m["lua bare fresh env"], "us"),
         mk("lua pooled", "lua bare sandboxed", 10),
         mk("lua sharded", "lua bare sandboxed", 10),
         mk("lua per_request", "lua bare fresh env", 150, label="lua per_request (fresh env, per-thread runtime)"),
         mk("lua fresh runtime+sandbox", "lua bare fresh runtime", overhead=False,
            label="lua fresh runtime + sandbox per call (not used)"),
         row(BENCH, "lua bare fresh runtime, no sandbox", m["lua bare fresh runtime"], "us"),
+        row(BENCH, "wasm bare reused (public API)", m["wasm bare reused"], "us"),
+        row(BENCH, "wasm bare fresh (public API, new Store+Instance)", m["wasm bare fresh"], "us"),
         mk("wasm pooled", "wasm bare reused", 100, label="wasm pooled (JSON in, reply out)"),
         mk("wasm sharded", "wasm bare reused", 100),
         mk("wasm per_request", "wasm bare fresh", label="wasm per_request (Store+Instance per call)"),
+        row(BENCH, "js bare reused (QuickJS Context, JSON in/out)", m["js bare reused"], "us"),
+        row(BENCH, "js bare fresh (new Context + limits + source)", m["js bare fresh"], "us"),
         mk("js pooled", "js bare reused", 20, label="js pooled (per-thread Context)"),
         mk("js sharded", "js bare reused", overhead=False, label="js sharded (shard thread hop)"),
         mk("js per_request", "js bare fresh", 300, label="js per_request (new Context per call)"),

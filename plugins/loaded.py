@@ -7,9 +7,9 @@ import logging
 import threading
 from typing import Any, Callable, Iterable
 
-from execapp.engine import Context, ExecClass, HandlerError, HandlerTimeout
+from execapp.engine import Context, ExecClass
 
-from .errors import CompileError, GuestError, GuestMemory, GuestTimeout, PluginBusy, PluginInvalid, PluginMemoryExceeded
+from .errors import CompileError, PluginInvalid
 from .runtimes import Compiled, compile_plugin
 from .spec import PluginSpec
 from .strategies import Slots, Strategy, make_strategy
@@ -78,53 +78,36 @@ class LoadedPlugin:
     def __init__(self, spec: PluginSpec, compiled: Compiled | None = None) -> None:
         self.spec = spec
         self.compiled = compiled or compiled_for(spec)
-        self.slots = Slots(spec.max_concurrency)
         self.strategy: Strategy = make_strategy(spec, self.compiled)
-        self._lock = threading.Lock()
-        self.calls_total = 0
-        self.errors_total = 0
-        self.timeouts_total = 0
+        self.slots: Slots = self.strategy.slots
+        # The strategy's call is the whole call path (slot, instance, guest, error mapping);
+        # bound here so that a call through the plugin costs no extra frame.
+        self.call = self.strategy.call  # type: ignore[method-assign]
 
     @property
     def name(self) -> str:
         return self.spec.name
 
-    def call(self, handler: str, event: dict[str, Any], blocking: bool = True) -> Any:
+    def call(self, handler: str, event: dict[str, Any], blocking: bool = True) -> Any:  # noqa: F811
         """Run ``handler`` on ``event`` under the plugin's limits; the reply (str, dict, list or None).
 
         ``blocking=False`` (inline on the event loop) never waits for a slot: PluginBusy at once.
-        Raises HandlerTimeout, HandlerError (PluginMemoryExceeded) or PluginBusy.
+        Raises HandlerTimeout, HandlerError (PluginMemoryExceeded) or PluginBusy. (Documents the
+        strategy's ``call``, which each instance binds in its place.)
         """
-        spec = self.spec
-        wait = spec.timeout  # how long a pool thread may wait for a slot
-        if not self.slots.acquire(blocking, wait):
-            raise PluginBusy(f"plugin {spec.name!r} handler {handler!r}: all {spec.max_concurrency} concurrent "
-                             "calls allowed are running" + (f" after waiting {wait:g} s" if blocking else "")
-                             + "; retry, or raise the plugin's max concurrency")
-        try:
-            result = self.strategy.call(handler, event, blocking, wait)
-        except GuestTimeout as exc:
-            self._count(timeout=True)
-            raise HandlerTimeout(f"plugin {spec.name!r} handler {handler!r}: timeout: {exc}") from None
-        except GuestMemory as exc:
-            self._count(error=True)
-            raise PluginMemoryExceeded(f"plugin {spec.name!r} handler {handler!r}: {exc}") from None
-        except GuestError as exc:
-            self._count(error=True)
-            raise HandlerError(f"plugin {spec.name!r} handler {handler!r}: {spec.runtime} error: {exc}") from None
-        except PluginBusy:
-            self._count()
-            raise
-        finally:
-            self.slots.release()
-        self._count()
-        return result
+        return self.strategy.call(handler, event, blocking)
 
-    def _count(self, error: bool = False, timeout: bool = False) -> None:
-        with self._lock:
-            self.calls_total += 1
-            self.errors_total += error
-            self.timeouts_total += timeout
+    @property
+    def calls_total(self) -> int:
+        return self.strategy.calls_total
+
+    @property
+    def errors_total(self) -> int:
+        return self.strategy.errors_total
+
+    @property
+    def timeouts_total(self) -> int:
+        return self.strategy.timeouts_total
 
     def engine_handler(self, handler: str) -> Callable[[Context], Any]:
         """The ``handler(ctx) -> reply`` the engine calls for a binding of ``handler``."""
@@ -142,11 +125,11 @@ class LoadedPlugin:
         s = self.strategy
         return {
             "plugin": self.spec.name, "runtime": self.spec.runtime, "strategy": s.name, "version": self.spec.version,
-            "capacity": s.capacity(), "busy": self.slots.busy, "idle": s.idle(),
-            "waiting": self.slots.waiting + s.waiting + getattr(getattr(s, "slots", None), "waiting", 0),
-            "max_concurrency": self.spec.max_concurrency, "calls_total": self.calls_total,
-            "waits_total": self.slots.waits_total + getattr(getattr(s, "slots", None), "waits_total", 0),
-            "refused_total": self.slots.refused_total + getattr(getattr(s, "slots", None), "refused_total", 0),
+            "capacity": s.capacity(), "busy": s.busy, "idle": s.idle(),
+            "waiting": s.slots.waiting + s.waiting,
+            "max_concurrency": self.spec.max_concurrency, "calls_total": s.calls_total,
+            "waits_total": s.slots.waits_total + s.waits_total,
+            "refused_total": s.slots.refused_total + s.refused_total,
             "timeouts_total": self.timeouts_total, "errors_total": self.errors_total,
             "instances_created_total": s.created_total, "instances_discarded_total": s.discarded_total,
         }

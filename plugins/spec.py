@@ -8,11 +8,11 @@ RUNTIMES = ("lua", "wasm", "js")
 STRATEGIES = ("per_request", "pooled", "sharded")
 PERMISSIONS = ("log", "kv", "sleep", "http")
 
-#: Each runtime's default strategy, chosen by bench/bench_plugins.py (docs/plugins.md has the table):
-#: Lua: a fresh environment per call on a per-thread runtime costs ~8 us against ~4 us pooled
-#: (a fresh runtime + sandbox per call would be ~130 us), so full isolation is the default.
-#: WASM: a fresh Store+Instance per call is ~80 us against ~21 us pooled, so pooled. JS: a
-#: new QuickJS Context per call is ~200 us against ~10 us reused, so pooled (per-thread
+#: Each runtime's default strategy, chosen by bench/bench_plugins.py (docs/benchmarks.md, Plugins):
+#: Lua: a fresh environment per call on a per-thread runtime costs ~3.8 us against ~2.3 us
+#: pooled (a fresh runtime + sandbox per call would be ~130 us), so full isolation is the
+#: default. WASM: a fresh Store+Instance per call is ~72 us against ~17 us pooled, so pooled.
+#: JS: a new QuickJS Context per call is ~170 us against ~4 us reused, so pooled (per-thread
 #: Contexts, QuickJS being thread-bound).
 DEFAULT_STRATEGY = {"lua": "per_request", "wasm": "pooled", "js": "pooled"}
 

@@ -1,77 +1,94 @@
 """Instance strategies (design.md §3): per_request, pooled and sharded, for every runtime.
 
+A strategy's ``call`` is the whole per-call path of a loaded plugin (LoadedPlugin.call is bound
+to it): the plugin's concurrency slot, the instance, the deadline, the guest call, putting the
+instance back (or replacing it), the counters and the mapping of guest failures to engine
+errors. It is kept flat on purpose: at 2-5 us per bare guest call, every extra frame, lock or
+object shows in bench/bench_plugins.py (docs/benchmarks.md has the per-step costs).
+
 Every acquisition has two modes. ``blocking=False`` is for a handler running inline on the
-event loop: it takes a free instance/shard at once or raises PluginBusy, never waits.
-``blocking=True`` (a pool thread) waits up to ``wait`` seconds, then raises PluginBusy.
+event loop: it takes a free slot/shard at once or raises PluginBusy, never waits.
+``blocking=True`` (a pool thread) waits up to the plugin's timeout, then raises PluginBusy.
 """
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
-import zlib
+import weakref
+from zlib import crc32
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from .errors import GuestError, GuestTimeout, PluginBusy
-from .host import Host
+from execapp.engine import HandlerError, HandlerTimeout
+
+from .errors import GuestError, GuestMemory, GuestTimeout, PluginBusy, PluginMemoryExceeded
 from .runtimes.base import Compiled, Instance
 from .spec import PluginSpec
+
+_Empty = queue.Empty
+_now = time.monotonic
 
 
 class Slots:
     """A counting limit that also reports busy / waiting and counts waits and refusals.
 
-    The fast path is one C-level lock (threading.Semaphore is pure Python and costs ~2.5 us
-    per acquire/release pair here); only a caller that has to wait touches the Condition.
+    The slots are tokens in a ``queue.SimpleQueue`` (C code): taking and giving one back are
+    two C calls with no Python-level lock (a Lock/Condition pair cost ~0.3 us per call, a
+    threading.Semaphore ~2.5 us). Only a caller that has to wait touches the Python lock.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self._tokens: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(capacity):
+            self._tokens.put(None)
+        #: The hot path: ``take()`` raises queue.Empty when no slot is free; ``give(None)``.
+        self.take = self._tokens.get_nowait
+        self.give = self._tokens.put
         self._lock = threading.Lock()
-        self._freed = threading.Condition(self._lock)
-        self.busy = 0
         self.waiting = 0
         self.waits_total = 0
         self.refused_total = 0
 
+    @property
+    def busy(self) -> int:
+        """Slots taken now."""
+        return self.capacity - self._tokens.qsize()
+
     def acquire(self, blocking: bool, wait: float) -> bool:
         """Take a slot: at once, or (``blocking``) within ``wait`` seconds. False if none."""
-        with self._lock:
-            if self.busy < self.capacity:
-                self.busy += 1
-                return True
-            if not blocking:
-                self.refused_total += 1
-                return False
-            self.waiting += 1
-            self.waits_total += 1
-            deadline = time.monotonic() + max(wait, 0.0)
+        try:
+            self.take()
+            return True
+        except _Empty:
+            return self.wait(blocking, wait)
+
+    def wait(self, blocking: bool, wait: float) -> bool:
+        """The slow path once ``take`` found no free slot: wait (``blocking``) or refuse."""
+        if blocking:
+            with self._lock:
+                self.waiting += 1
+                self.waits_total += 1
             try:
-                while self.busy >= self.capacity:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0 or not self._freed.wait(remaining) and self.busy >= self.capacity:
-                        self.refused_total += 1
-                        return False
-                self.busy += 1
+                self._tokens.get(timeout=max(wait, 0.0))
                 return True
+            except _Empty:
+                pass
             finally:
-                self.waiting -= 1
+                with self._lock:
+                    self.waiting -= 1
+        with self._lock:
+            self.refused_total += 1
+        return False
 
     def release(self) -> None:
-        with self._lock:
-            self.busy -= 1
-            if self.waiting:
-                self._freed.notify()
-
-
-def _host(spec: PluginSpec) -> Host:
-    # The deadline starts when the guest is about to run, after any wait for a slot.
-    return Host(spec, time.monotonic() + spec.timeout)
+        self.give(None)
 
 
 class Strategy:
-    """Base: how instances are made, chosen and reused for one loaded plugin."""
+    """Base: how instances are made, chosen and reused for one loaded plugin, and its call path."""
 
     name = ""
 
@@ -80,13 +97,27 @@ class Strategy:
         self.compiled = compiled
         self.closed = False
         self._lock = threading.Lock()
-        self.busy = 0
-        self.waiting = 0
+        #: The plugin's concurrency limit (shared by every engine of the process).
+        self.slots = Slots(self.limit())
+        self._take_slot, self._give_slot = self.slots.take, self.slots.give
+        self._timeout = spec.timeout
+        # next() on itertools.count is one atomic C call: calls are counted without a lock.
+        self._calls = itertools.count()
+        self._count = self._calls.__next__
+        self.errors_total = 0
+        self.timeouts_total = 0
+        self.waiting = 0  # callers waiting for something other than a slot (a shard)
+        self.waits_total = 0
+        self.refused_total = 0
         self.created_total = 0
         self.discarded_total = 0
 
-    def call(self, handler: str, event: dict[str, Any], blocking: bool, wait: float) -> Any:
+    def call(self, handler: str, event: dict[str, Any], blocking: bool = True) -> Any:
         raise NotImplementedError
+
+    def limit(self) -> int:
+        """How many calls may run at once (the slots' capacity)."""
+        return self.spec.max_concurrency
 
     def capacity(self) -> int:
         raise NotImplementedError
@@ -94,9 +125,46 @@ class Strategy:
     def idle(self) -> int:
         raise NotImplementedError
 
+    @property
+    def busy(self) -> int:
+        """Calls in progress now."""
+        return self.slots.busy
+
+    @property
+    def calls_total(self) -> int:
+        # itertools.count has no public getter; its repr is "count(N)".
+        return int(repr(self._calls)[6:-1])
+
     def live(self) -> int:
         """Instances alive now (for leak checks)."""
         return self.created_total - self.discarded_total
+
+    def _no_slot(self, handler: str, blocking: bool) -> None:
+        """Slow path: wait for a slot (pool thread) or raise PluginBusy."""
+        wait = self._timeout
+        if not self.slots.wait(blocking, wait):
+            raise PluginBusy(self._busy_message(handler) + (f" after waiting {wait:g} s" if blocking else "")
+                             + "; " + self._busy_fix())
+
+    def _busy_message(self, handler: str) -> str:
+        return (f"plugin {self.spec.name!r} handler {handler!r}: all {self.spec.max_concurrency} concurrent "
+                "calls allowed are running")
+
+    def _busy_fix(self) -> str:
+        return "retry, or raise the plugin's max concurrency"
+
+    def _failed(self, handler: str, exc: GuestError) -> Exception:
+        """Count a guest failure and turn it into the engine's error naming plugin and handler."""
+        spec = self.spec
+        timeout = isinstance(exc, GuestTimeout)
+        with self._lock:
+            self.errors_total += not timeout
+            self.timeouts_total += timeout
+        if timeout:
+            return HandlerTimeout(f"plugin {spec.name!r} handler {handler!r}: timeout: {exc}")
+        if isinstance(exc, GuestMemory):
+            return PluginMemoryExceeded(f"plugin {spec.name!r} handler {handler!r}: {exc}")
+        return HandlerError(f"plugin {spec.name!r} handler {handler!r}: {spec.runtime} error: {exc}")
 
     def _new(self) -> Instance:
         inst = self.compiled.new_instance()
@@ -111,10 +179,6 @@ class Strategy:
             with self._lock:
                 self.discarded_total += 1
 
-    def _busy(self, delta: int) -> None:
-        with self._lock:
-            self.busy += delta
-
     def close(self) -> None:
         self.closed = True
 
@@ -124,12 +188,23 @@ class PerRequest(Strategy):
 
     name = "per_request"
 
-    def call(self, handler: str, event: dict[str, Any], blocking: bool, wait: float) -> Any:
-        self._busy(1)
+    def __init__(self, spec: PluginSpec, compiled: Compiled) -> None:
+        super().__init__(spec, compiled)
+        self._isolated = compiled.call_isolated
+
+    def call(self, handler: str, event: dict[str, Any], blocking: bool = True) -> Any:
         try:
-            return self.compiled.call_isolated(handler, event, _host(self.spec))
+            self._take_slot()
+        except _Empty:
+            self._no_slot(handler, blocking)
+        try:
+            # The deadline starts when the guest is about to run, after any wait for a slot.
+            return self._isolated(handler, event, _now() + self._timeout)
+        except GuestError as exc:
+            raise self._failed(handler, exc) from None
         finally:
-            self._busy(-1)
+            self._give_slot(None)
+            self._count()
 
     def capacity(self) -> int:
         return self.spec.max_concurrency
@@ -142,68 +217,61 @@ class PerRequest(Strategy):
 
 
 class Pooled(Strategy):
-    """``pool_size`` instances behind a semaphore and a free list; poisoned ones are replaced.
+    """``pool_size`` instances on a free list; poisoned ones are replaced.
 
-    Thread-bound runtimes (QuickJS) keep each idle instance on the thread that made it: the
-    free list is per thread, and the semaphore still bounds how many run at once.
+    One slot limit bounds both the plugin's concurrency and the pool: its capacity is
+    ``min(max_concurrency, pool_size)``, so a caller holding a slot always finds or may create
+    an instance and at most that many instances ever exist.
     """
 
     name = "pooled"
 
     def __init__(self, spec: PluginSpec, compiled: Compiled) -> None:
         super().__init__(spec, compiled)
-        self.slots = Slots(spec.pool_size)
         self._free: list[Instance] = []
-        self._local = threading.local()
+        self._pop, self._push = self._free.pop, self._free.append  # atomic under the GIL
 
-    def call(self, handler: str, event: dict[str, Any], blocking: bool, wait: float) -> Any:
-        if not self.slots.acquire(blocking, wait):
-            raise PluginBusy(f"plugin {self.spec.name!r}: all {self.spec.pool_size} pooled instances are busy"
-                             + (f" after waiting {wait:g} s" if blocking else "") + "; raise its pool size")
+    def limit(self) -> int:
+        return min(self.spec.max_concurrency, self.spec.pool_size)
+
+    def _busy_message(self, handler: str) -> str:
+        if self.spec.pool_size < self.spec.max_concurrency:
+            return f"plugin {self.spec.name!r}: all {self.spec.pool_size} pooled instances are busy"
+        return super()._busy_message(handler)
+
+    def _busy_fix(self) -> str:
+        return "raise its pool size" if self.spec.pool_size < self.spec.max_concurrency else super()._busy_fix()
+
+    def call(self, handler: str, event: dict[str, Any], blocking: bool = True) -> Any:
+        try:
+            self._take_slot()
+        except _Empty:
+            self._no_slot(handler, blocking)
         inst: Instance | None = None
         try:
-            inst = self._take()
-            result = inst.call(handler, event, _host(self.spec))
+            try:
+                inst = self._pop()
+            except IndexError:
+                inst = self._new()
+            return inst.call(handler, event, _now() + self._timeout)
         except GuestError as exc:
             if exc.poison and inst is not None:
                 self._discard(inst)
                 inst = None
-            raise
+            raise self._failed(handler, exc) from None
         finally:
             if inst is not None:
-                self._give(inst)
-            self.slots.release()
-        return result
-
-    def _take(self) -> Instance:
-        if self.compiled.thread_bound:
-            inst = getattr(self._local, "idle", None)
-            if inst is not None:
-                self._local.idle = None
-                return inst
-            return self._new()
-        try:
-            return self._free.pop()  # list.pop is atomic under the GIL
-        except IndexError:
-            return self._new()
-
-    def _give(self, inst: Instance) -> None:
-        if self.closed:
-            self._discard(inst)
-        elif self.compiled.thread_bound:
-            if getattr(self._local, "idle", None) is None:
-                self._local.idle = inst
-            else:
-                self._discard(inst)
-        else:
-            self._free.append(inst)
+                if self.closed:
+                    self._discard(inst)
+                else:
+                    self._push(inst)
+            self._give_slot(None)
+            self._count()
 
     def capacity(self) -> int:
         return self.spec.pool_size
 
     def idle(self) -> int:
-        if self.compiled.thread_bound:
-            return max(self.live() - self.slots.busy, 0)
         return len(self._free)
 
     def close(self) -> None:
@@ -213,6 +281,59 @@ class Pooled(Strategy):
                 self._discard(self._free.pop())
             except IndexError:
                 break
+
+
+class PooledPerThread(Pooled):
+    """``pooled`` for a thread-bound runtime (QuickJS): each thread keeps its own idle instance;
+    the slot limit still bounds how many run at once."""
+
+    def __init__(self, spec: PluginSpec, compiled: Compiled) -> None:
+        super().__init__(spec, compiled)
+        self._local = threading.local()
+        # Instances alive now: an idle one leaves with its thread's locals when a pool thread
+        # exits, without passing through _discard, so created - discarded would only grow.
+        self._alive: weakref.WeakSet = weakref.WeakSet()
+
+    def _new(self) -> Instance:
+        inst = super()._new()
+        self._alive.add(inst)
+        return inst
+
+    def _discard(self, inst: Instance) -> None:
+        self._alive.discard(inst)
+        super()._discard(inst)
+
+    def live(self) -> int:
+        return len(self._alive)
+
+    def call(self, handler: str, event: dict[str, Any], blocking: bool = True) -> Any:
+        try:
+            self._take_slot()
+        except _Empty:
+            self._no_slot(handler, blocking)
+        local = self._local
+        inst: Instance | None = getattr(local, "idle", None)
+        local.idle = None
+        try:
+            if inst is None:
+                inst = self._new()
+            return inst.call(handler, event, _now() + self._timeout)
+        except GuestError as exc:
+            if exc.poison and inst is not None:
+                self._discard(inst)
+                inst = None
+            raise self._failed(handler, exc) from None
+        finally:
+            if inst is not None:
+                if self.closed or local.idle is not None:
+                    self._discard(inst)
+                else:
+                    local.idle = inst
+            self._give_slot(None)
+            self._count()
+
+    def idle(self) -> int:
+        return max(self.live() - self.slots.busy, 0)
 
 
 class _Shard:
@@ -229,7 +350,9 @@ class Sharded(Strategy):
     """``shard_count`` instances; the event's session (else its id) picks one; serial per shard.
 
     Keeps per-session ordering and warm state. For thread-bound runtimes each shard owns a
-    thread that runs its calls (the caller holds the shard's lock while it waits).
+    thread that runs its calls (the caller holds the shard's lock while it waits). The shard
+    locks already bound running calls to ``shard_count``: the plugin's slot is taken only
+    when ``max_concurrency`` is lower than that.
     """
 
     name = "sharded"
@@ -237,43 +360,82 @@ class Sharded(Strategy):
     def __init__(self, spec: PluginSpec, compiled: Compiled) -> None:
         super().__init__(spec, compiled)
         self.shards = [_Shard() for _ in range(spec.shard_count)]
+        self._n = len(self.shards)
+        self._limited = spec.max_concurrency < spec.shard_count
+        self._thread_bound = compiled.thread_bound
+
+    @property
+    def busy(self) -> int:
+        return sum(1 for s in self.shards if s.lock.locked())
 
     def shard_for(self, event: dict[str, Any]) -> int:
         key = event.get("session") or event.get("id") or ""
-        return zlib.crc32(str(key).encode()) % len(self.shards)
+        return crc32(key.encode() if key.__class__ is str else str(key).encode()) % self._n
 
-    def call(self, handler: str, event: dict[str, Any], blocking: bool, wait: float) -> Any:
-        index = self.shard_for(event)
-        shard = self.shards[index]
-        got = shard.lock.acquire(blocking=False)
-        if not got and blocking:
+    def call(self, handler: str, event: dict[str, Any], blocking: bool = True) -> Any:
+        limited = self._limited
+        if limited:
+            try:
+                self._take_slot()
+            except _Empty:
+                self._no_slot(handler, blocking)
+        try:
+            key = event.get("session") or event.get("id") or ""  # shard_for inlined
+            shard = self.shards[crc32(key.encode() if key.__class__ is str else str(key).encode()) % self._n]
+            if not shard.lock.acquire(False):
+                self._wait_shard(shard, event, blocking)
+        except BaseException:
+            if limited:
+                self._give_slot(None)
+            raise
+        try:
+            if self._thread_bound:
+                return self._on_shard_thread(shard, lambda: self._run(shard, handler, event))
+            inst = shard.instance  # _run inlined: one frame less on the hot path
+            if inst is None:
+                inst = shard.instance = self._new()
+            try:
+                return inst.call(handler, event, _now() + self._timeout)
+            except GuestError as exc:
+                if exc.poison:
+                    shard.instance = None
+                    self._discard(inst)
+                raise
+        except GuestError as exc:
+            raise self._failed(handler, exc) from None
+        finally:
+            shard.lock.release()
+            if limited:
+                self._give_slot(None)
+            self._count()
+
+    def _wait_shard(self, shard: _Shard, event: dict[str, Any], blocking: bool) -> None:
+        """Slow path: the shard is busy; wait for it (pool thread) or raise PluginBusy."""
+        wait = self._timeout
+        if blocking:
             with self._lock:
                 self.waiting += 1
+                self.waits_total += 1
             try:
-                got = shard.lock.acquire(timeout=max(wait, 0.0))
+                if shard.lock.acquire(timeout=max(wait, 0.0)):
+                    return
             finally:
                 with self._lock:
                     self.waiting -= 1
-        if not got:
-            raise PluginBusy(f"plugin {self.spec.name!r}: shard {index} is busy with an earlier event of the same "
-                             "session" + (f" after waiting {wait:g} s" if blocking else ""))
-        self._busy(1)
-        try:
-            if self.compiled.thread_bound:
-                return self._on_shard_thread(shard, lambda: self._run(shard, handler, event))
-            return self._run(shard, handler, event)
-        finally:
-            self._busy(-1)
-            shard.lock.release()
+        with self._lock:
+            self.refused_total += 1
+        raise PluginBusy(f"plugin {self.spec.name!r}: shard {self.shard_for(event)} is busy with an earlier event "
+                         "of the same session" + (f" after waiting {wait:g} s" if blocking else ""))
 
     def _run(self, shard: _Shard, handler: str, event: dict[str, Any]) -> Any:
-        if shard.instance is None:
-            shard.instance = self._new()
+        inst = shard.instance
+        if inst is None:
+            inst = shard.instance = self._new()
         try:
-            return shard.instance.call(handler, event, _host(self.spec))
+            return inst.call(handler, event, _now() + self._timeout)
         except GuestError as exc:
             if exc.poison:
-                inst, shard.instance = shard.instance, None
+                shard.instance = None
                 self._discard(inst)
             raise
 
@@ -326,5 +488,7 @@ STRATEGIES: dict[str, type[Strategy]] = {"per_request": PerRequest, "pooled": Po
 
 
 def make_strategy(spec: PluginSpec, compiled: Compiled) -> Strategy:
-    """The strategy object for ``spec.strategy``."""
+    """The strategy object for ``spec.strategy`` (and the runtime's thread rules)."""
+    if spec.strategy == "pooled" and compiled.thread_bound:
+        return PooledPerThread(spec, compiled)
     return STRATEGIES[spec.strategy](spec, compiled)

@@ -28,9 +28,11 @@ from typing import Any
 
 import quickjs
 
+get_ident = threading.get_ident
+
 from ..errors import CompileError, GuestError, GuestMemory, GuestTimeout
 from ..host import Host
-from .base import FreshInstanceIsolation, to_reply
+from .base import FreshInstanceIsolation, scan_json, to_json, to_reply
 
 if not getattr(quickjs, "_quickjs").__file__.endswith(".abi3.so"):
     # The old `quickjs` 1.19.4 binding (its .so wins over quickjs-ng's when both are installed)
@@ -44,6 +46,9 @@ MAX_STEPS = 10_000
 _PRELUDE = r"""
 (function () {
   const g = globalThis;
+  // Captured before the plugin's code runs: a guest that replaces JSON or Object.assign
+  // cannot break the protocol with the host.
+  const stringify = JSON.stringify, parse = JSON.parse, assign = Object.assign;
   let queue = [], seq = 0, waiting = new Map(), done = null, loading = true;
   const errstr = (e) => {
     if (e instanceof Error) {
@@ -68,23 +73,29 @@ _PRELUDE = r"""
   define("http_get", (url) => request("http_get", [url]));
   const step = () => {
     const q = queue; queue = [];
-    return JSON.stringify(done ? Object.assign({q}, done) : {s: "wait", q});
+    return stringify(done ? assign({q}, done) : {s: "wait", q});
   };
   define("__execapp_run", (name, event) => {
-    loading = false; done = null; queue = []; waiting.clear();
+    // Reset only what a previous call left (this runs on every call).
+    loading = false; done = null;
+    if (queue.length) queue = [];
+    if (waiting.size) waiting.clear();
     const f = g[name];
-    if (typeof f !== "function") return JSON.stringify({s: "err", e: "no handler function '" + name + "'", q: []});
+    if (typeof f !== "function") return stringify({s: "err", e: "no handler function '" + name + "'", q: []});
     let r;
-    try { r = f(JSON.parse(event)); } catch (e) { done = {s: "err", e: errstr(e)}; return step(); }
+    try { r = f(parse(event)); } catch (e) { done = {s: "err", e: errstr(e)}; return step(); }
     if (r !== null && typeof r === "object" && typeof r.then === "function") {
       r.then(v => { done = {s: "ok", v: v === undefined ? null : v}; }, e => { done = {s: "err", e: errstr(e)}; });
       return step();
     }
+    // The common case, a plain value and no host call queued: "o" + the value's JSON (a
+    // value JSON cannot represent, like a function, is null).
+    if (queue.length === 0) return "o" + (stringify(r === undefined ? null : r) ?? "null");
     done = {s: "ok", v: r === undefined ? null : r};
     return step();
   });
   define("__execapp_resume", (results) => {
-    for (const [id, ok, v] of JSON.parse(results)) {
+    for (const [id, ok, v] of parse(results)) {
       const w = waiting.get(id);
       waiting.delete(id);
       if (w) { if (ok) w[0](v); else w[1](new Error(v)); }
@@ -92,11 +103,17 @@ _PRELUDE = r"""
     return step();
   });
   define("__execapp_step", step);
-  define("__execapp_functions", (before) => {
-    const skip = new Set(JSON.parse(before));
-    return JSON.stringify(Object.getOwnPropertyNames(g).filter(k => !skip.has(k) && typeof g[k] === "function"));
-  });
 })();
+"""
+
+# Only for validation (list_functions): kept out of _PRELUDE because QuickJS compiles every
+# character of the prelude into each new Context (~40 ns/char: the prelude is most of a
+# per_request call's cost).
+_LIST_FUNCTIONS = r"""
+Object.defineProperty(globalThis, "__execapp_functions", {value: (before) => {
+  const skip = new Set(JSON.parse(before));
+  return JSON.stringify(Object.getOwnPropertyNames(globalThis).filter(k => !skip.has(k) && typeof globalThis[k] === "function"));
+}});
 """
 
 
@@ -113,7 +130,10 @@ class JsInstance:
         started = time.monotonic()
         try:
             ctx.eval(_PRELUDE)
-            before = ctx.eval("JSON.stringify(Object.getOwnPropertyNames(globalThis))") if list_functions else None
+            before = None
+            if list_functions:
+                ctx.eval(_LIST_FUNCTIONS)
+                before = ctx.eval("JSON.stringify(Object.getOwnPropertyNames(globalThis))")
             ctx.eval(spec.code)
             self.functions = frozenset(json.loads(ctx.get("__execapp_functions")(before))) if before else frozenset()
         except quickjs.JSException as exc:
@@ -122,44 +142,57 @@ class JsInstance:
         self._resume = ctx.get("__execapp_resume")
         self._step = ctx.get("__execapp_step")
 
-    def call(self, handler: str, event: dict[str, Any], host: Host) -> Any:
-        if threading.get_ident() != self.thread:
+    def call(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
+        if get_ident() != self.thread:
             raise GuestError("a QuickJS context was used off the thread that made it", poison=True)
-        ctx = self.ctx
-        payload = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
+        payload = to_json(event)
         started = time.monotonic()
-        remaining = host.deadline - started
-        if remaining <= 0:
+        if started >= deadline:
             raise GuestTimeout()
-        ctx.set_time_limit(remaining)
+        self.ctx.set_time_limit(deadline - started)
         try:
             out = self._run(handler, payload)
-            for _ in range(MAX_STEPS):
-                state = json.loads(out)
-                results = self._host_requests(state["q"], host)
-                status = state["s"]
-                if status == "ok":
-                    return to_reply(state["v"])
-                if status == "err":
-                    raise _guest_error(state["e"], self.spec)
-                # Waiting on host calls or on promise jobs: run them, then look again.
-                remaining = host.deadline - time.monotonic()
-                if remaining <= 0:
-                    raise GuestTimeout(f"ran past its {self.spec.timeout * 1000:g} ms timeout")
-                ctx.set_time_limit(remaining)
-                if results:
-                    self._resume(json.dumps(results))
-                ran = False
-                while ctx.execute_pending_job():
-                    ran = True
-                out = self._step()
-                if not results and not ran:
-                    raise GuestError("the handler's promise never settled")
-            raise GuestError(f"the handler did not finish within {MAX_STEPS} host round trips")
+            if out[0] == "o":  # a plain value and no host call: the hot path
+                value = scan_json(out, 1)[0]
+                return value if value.__class__ is str else to_reply(value)
+            return self._steps(out, deadline)
         except quickjs.JSException as exc:
             raise _js_error(exc, self.spec, started) from None
         except quickjs.StackOverflow as exc:
             raise GuestError(f"stack overflow: {exc}", poison=True) from None
+        except (StopIteration, ValueError, TypeError, KeyError, IndexError) as exc:  # a broken protocol reply
+            raise GuestError(f"the plugin broke the host protocol ({type(exc).__name__})", poison=True) from None
+
+    def _steps(self, out: str, deadline: float) -> Any:
+        """The general case: host calls, promises and errors, one JSON state per step."""
+        ctx = self.ctx
+        host: Host | None = None
+        for _ in range(MAX_STEPS):
+            state = json.loads(out)
+            queued = state["q"]
+            results: list = []
+            if queued:
+                host = host or Host(self.spec, deadline)
+                results = self._host_requests(queued, host)
+            status = state["s"]
+            if status == "ok":
+                return to_reply(state.get("v"))
+            if status == "err":
+                raise _guest_error(state["e"], self.spec)
+            # Waiting on host calls or on promise jobs: run them, then look again.
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise GuestTimeout(f"ran past its {self.spec.timeout * 1000:g} ms timeout")
+            ctx.set_time_limit(remaining)
+            if results:
+                self._resume(json.dumps(results))
+            ran = False
+            while ctx.execute_pending_job():
+                ran = True
+            out = self._step()
+            if not results and not ran:
+                raise GuestError("the handler's promise never settled")
+        raise GuestError(f"the handler did not finish within {MAX_STEPS} host round trips")
 
     def _host_requests(self, queue: list, host: Host) -> list:
         results = []

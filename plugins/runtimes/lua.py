@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any
 
 import lupa.lua54 as lupa
@@ -216,6 +217,37 @@ def _load_text(rt: Any, spec: PluginSpec) -> tuple[Any, bytes | None]:
     return (fn or None), err
 
 
+class _HostGate:
+    """The ``py_host`` function a VM's sandbox calls for the host API (``name, *args``).
+
+    It holds the deadline of the VM's current call and makes the call's Host only when the
+    guest uses the host API (most calls never do). It is not the VM itself so that the Lua
+    runtime holds no reference back to the VM: a dropped VM, and its runtime of up to
+    ``memory_bytes``, is freed at once rather than at the next cyclic GC. No guest code runs
+    between calls, so the deadline is simply left as it was after a call.
+    """
+
+    __slots__ = ("spec", "deadline")
+
+    def __init__(self, spec: PluginSpec) -> None:
+        self.spec = spec
+        self.deadline: float | None = None
+
+    def __call__(self, name: str, *args: Any) -> tuple[bool, Any]:
+        # Called from Lua: never raise into Lua (the guest would see a Python object); return
+        # (ok, value-or-message) and let the Lua wrapper raise a plain string error.
+        if self.deadline is None:
+            return False, f"{name}: no host call in progress"
+        try:
+            return True, getattr(Host(self.spec, self.deadline), name)(*args)
+        except GuestTimeout as exc:
+            return False, f"{TIMEOUT_MSG}: {exc}"
+        except (HostCallError, TypeError, ValueError) as exc:
+            return False, str(exc)
+        except Exception as exc:  # HostDenied, database or Redis errors: the guest sees the message
+            return False, str(exc)
+
+
 class _LuaVM:
     """One sandboxed lupa runtime of one plugin version (used by one thread at a time)."""
 
@@ -223,30 +255,15 @@ class _LuaVM:
         self.spec = spec
         self.bytecode = bytecode
         self.chunkname = f"={spec.name}"
-        self.host: Host | None = None
+        self.gate = _HostGate(spec)
         try:
             self.rt = lupa.LuaRuntime(register_eval=False, register_builtins=False, unpack_returned_tuples=True,
                                       attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
             self._new_env, self._call, self._fresh, self._functions = self.rt.execute(
-                _SANDBOX, time.monotonic, self._host_call, HOOK_COUNT, TIMEOUT_MSG)
+                _SANDBOX, time.monotonic, self.gate, HOOK_COUNT, TIMEOUT_MSG)
         except lupa.LuaMemoryError:
             raise CompileError(f"the memory cap of {spec.memory_bytes} bytes is too small for the Lua sandbox") from None
         self._table_from = self.rt.table_from
-
-    def _host_call(self, name: str, *args: Any) -> tuple[bool, Any]:
-        # Called from Lua: never raise into Lua (the guest would see a Python object); return
-        # (ok, value-or-message) and let the Lua wrapper raise a plain string error.
-        host = self.host
-        if host is None:
-            return False, f"{name}: no host call in progress"
-        try:
-            return True, getattr(host, name)(*args)
-        except GuestTimeout as exc:
-            return False, f"{TIMEOUT_MSG}: {exc}"
-        except (HostCallError, TypeError, ValueError) as exc:
-            return False, str(exc)
-        except Exception as exc:  # HostDenied, database or Redis errors: the guest sees the message
-            return False, str(exc)
 
     def load_env(self, deadline: float) -> Any:
         """Run the plugin's top level in a new environment; the environment, or raise."""
@@ -263,34 +280,36 @@ class _LuaVM:
     def functions(self, env: Any) -> frozenset[str]:
         return frozenset(self._functions(env).values())
 
-    def call(self, env: Any, handler: str, event: dict[str, Any], host: Host) -> Any:
-        self.host = host
+    # The two call paths below are the hot path (see plugins/strategies.py): the event becomes
+    # a Lua table in one C call (no JSON), a str reply comes back as is.
+
+    def call_env(self, env: Any, handler: str, event: dict[str, Any], deadline: float) -> Any:
+        """``handler`` of ``env`` (an environment of this runtime) on ``event``."""
+        self.gate.deadline = deadline
         try:
-            status, value = self._call(env, handler, self._table_from(event, recursive=True), host.deadline)
-        except lupa.LuaMemoryError:
-            raise GuestMemory(f"memory cap of {self.spec.memory_bytes} bytes exceeded") from None
+            status, value = self._call(env, handler, self._table_from(event, recursive=True), deadline)
         except lupa.LuaError as exc:  # raised outside the guest's pcall, e.g. by a __tostring
-            raise GuestTimeout() if host.remaining() <= 0 else GuestError(str(exc), poison=True) from None
-        finally:
-            self.host = None
+            raise self._lua_error(exc, deadline) from None
         if status:
             _raise(status, value, self.spec)
-        return to_reply(_to_python(value))
+        return value if value.__class__ is str else to_reply(_to_python(value))
 
-    def call_fresh(self, handler: str, event: dict[str, Any], host: Host) -> Any:
-        self.host = host
+    def call_fresh(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
+        """``handler`` on ``event`` in a fresh environment (the plugin's top level runs first)."""
+        self.gate.deadline = deadline
         try:
             status, value = self._fresh(self.bytecode, self.chunkname, handler,
-                                        self._table_from(event, recursive=True), host.deadline)
-        except lupa.LuaMemoryError:
-            raise GuestMemory(f"memory cap of {self.spec.memory_bytes} bytes exceeded") from None
+                                        self._table_from(event, recursive=True), deadline)
         except lupa.LuaError as exc:
-            raise GuestTimeout() if host.remaining() <= 0 else GuestError(str(exc), poison=True) from None
-        finally:
-            self.host = None
+            raise self._lua_error(exc, deadline) from None
         if status:
             _raise(status, value, self.spec)
-        return to_reply(_to_python(value))
+        return value if value.__class__ is str else to_reply(_to_python(value))
+
+    def _lua_error(self, exc: Exception, deadline: float) -> GuestError:
+        if isinstance(exc, lupa.LuaMemoryError):
+            return GuestMemory(f"memory cap of {self.spec.memory_bytes} bytes exceeded")
+        return GuestTimeout() if time.monotonic() >= deadline else GuestError(str(exc), poison=True)
 
 
 def _raise(status: int, message: Any, spec: PluginSpec) -> None:
@@ -317,19 +336,28 @@ def _to_python(value: Any, depth: int = 0) -> Any:
     return {str(k): _to_python(v, depth + 1) for k, v in items}
 
 
-class LuaInstance:
+class LuaInstance(_LuaVM):
     """A pooled/sharded instance: its own runtime and one environment that persists (warm)."""
 
     def __init__(self, compiled: "LuaCompiled") -> None:
-        self.vm = _LuaVM(compiled.spec, compiled.bytecode)
-        self.env = self.vm.load_env(time.monotonic() + compiled.spec.timeout)
+        super().__init__(compiled.spec, compiled.bytecode)
+        self.env = self.load_env(time.monotonic() + compiled.spec.timeout)
 
-    def call(self, handler: str, event: dict[str, Any], host: Host) -> Any:
-        return self.vm.call(self.env, handler, event, host)
+    def call(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
+        # _LuaVM.call_env inlined (one frame less on the hot path).
+        self.gate.deadline = deadline
+        try:
+            status, value = self._call(self.env, handler, self._table_from(event, recursive=True), deadline)
+        except lupa.LuaError as exc:
+            raise self._lua_error(exc, deadline) from None
+        if status:
+            _raise(status, value, self.spec)
+        return value if value.__class__ is str else to_reply(_to_python(value))
 
     def close(self) -> None:
         self.env = None
-        self.vm = None  # type: ignore[assignment]
+        self._new_env = self._call = self._fresh = self._functions = self._table_from = None
+        self.rt = None
 
 
 class LuaCompiled:
@@ -347,31 +375,31 @@ class LuaCompiled:
             raise CompileError(f"the top level failed: {exc}") from None
         self.handlers = vm.functions(env)
         self._local = threading.local()  # per-thread VM for call_isolated
-        self._vms = 0
-        self._vms_lock = threading.Lock()
+        # The per-thread VMs alive now: a VM goes with its thread's locals when a pool thread
+        # exits, so a counter bumped at creation would only grow.
+        self._live: weakref.WeakSet = weakref.WeakSet()
 
     def new_instance(self) -> LuaInstance:
         return LuaInstance(self)
 
-    def call_isolated(self, handler: str, event: dict[str, Any], host: Host) -> Any:
+    def call_isolated(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         # One runtime per thread (a lupa runtime serializes threads on its lock); a fresh
         # environment per call. A VM whose call timed out or hit the memory cap is dropped.
-        vm = getattr(self._local, "vm", None)
-        if vm is None:
-            vm = self._local.vm = _LuaVM(self.spec, self.bytecode)
-            with self._vms_lock:
-                self._vms += 1
         try:
-            return vm.call_fresh(handler, event, host)
+            vm = self._local.vm
+        except AttributeError:
+            vm = self._local.vm = _LuaVM(self.spec, self.bytecode)
+            self._live.add(vm)
+        try:
+            return vm.call_fresh(handler, event, deadline)
         except GuestError as exc:
             if exc.poison:
-                self._local.vm = None
-                with self._vms_lock:
-                    self._vms -= 1
+                del self._local.vm
+                self._live.discard(vm)
             raise
 
     def idle_isolated(self) -> int:
-        return self._vms
+        return len(self._live)
 
     def close(self) -> None:
         self._local = threading.local()

@@ -34,7 +34,7 @@ from wasmtime import _ffi as ffi
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestTimeout
 from ..host import Host
-from .base import MAX_REPLY_BYTES, FreshInstanceIsolation, to_reply
+from .base import MAX_REPLY_BYTES, FreshInstanceIsolation, to_json, to_reply
 
 EPOCH_TICK = 0.005
 MEMORY_RESERVATION = 64 << 20
@@ -289,17 +289,17 @@ class WasmInstance:
             func = _export(store, self.instance, name)
             self.handlers[name] = _Call(store, func, 2, "i64")
 
-    def call(self, handler: str, event: dict[str, Any], host: Host) -> Any:
+    def call(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         fn = self.handlers.get(handler)
         if fn is None:
             raise GuestError(f"no handler export '{handler}' with the type (i32, i32) -> i64")
-        payload = json.dumps(_abi_event(event), separators=(",", ":"), ensure_ascii=False).encode()
+        payload = to_json(_abi_event(event)).encode()
         store = self.store
-        remaining = host.deadline - time.monotonic()
+        remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise GuestTimeout()
         store.set_epoch_deadline(_ticks(remaining))
-        _tls.host, _tls.host_error = host, None
+        _tls.host, _tls.host_error = Host(self.spec, deadline), None
         try:
             ptr = self.alloc(len(payload))
             if ptr <= 0 or ptr + len(payload) > self.memory.data_len(store):

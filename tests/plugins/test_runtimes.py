@@ -260,3 +260,32 @@ def test_a_busy_shard_refuses_inline_calls() -> None:
         plugin.call("reply", event("x", session="a"), blocking=False)
     t.join()
     assert plugin.call("reply", event("x", session="a"), blocking=False) == "hi x"
+
+
+def test_lua_per_thread_runtimes_are_counted_only_while_their_thread_lives() -> None:
+    plugin = make("lua", "per_request")
+    try:
+        for _ in range(5):  # five short-lived threads, as lingering pool workers come and go
+            t = threading.Thread(target=plugin.call, args=("reply", event("x")))
+            t.start()
+            t.join()
+        plugin.call("reply", event("x"))  # this thread keeps its runtime
+        assert plugin.compiled.idle_isolated() == 1
+    finally:
+        plugin.close()
+
+
+def test_js_pooled_instances_of_exited_threads_are_not_counted_as_live() -> None:
+    import gc
+
+    plugin = make("js", "pooled")
+    try:
+        for _ in range(3):
+            t = threading.Thread(target=plugin.call, args=("reply", event("x")))
+            t.start()
+            t.join()
+        plugin.call("reply", event("x"))
+        gc.collect()
+        assert plugin.strategy.live() == 1 and plugin.strategy.idle() == 1
+    finally:
+        plugin.close()
