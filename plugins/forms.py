@@ -68,11 +68,8 @@ class BindingFormSet(BaseInlineFormSet):
         try:
             plugin.prepare_code()
             plugin.check_fields()
-            spec = plugin.to_spec()
-            validate(spec, [])
-        except PluginInvalid:
-            return  # the plugin form shows the compile error; don't repeat it here
-        try:
-            validate(spec, handlers)
+            # Names the plugin, the bound handlers and the runtime's own message, whether the
+            # code does not compile or a bound handler is missing from it.
+            validate(plugin.to_spec(), handlers)
         except PluginInvalid as exc:
             raise ValidationError(str(exc)) from None

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
@@ -62,11 +64,10 @@ def server(request: pytest.FixtureRequest, e2e_db: dict[str, str]) -> Iterator[S
     env = {**e2e_db, "DJANGO_SETTINGS_MODULE": "tests.execapp.e2e_settings",
            "EXECAPP_TEST_SETTINGS": json.dumps(SERVER_SETTINGS)}
     if request.param == "redis":
-        url = require_service("Redis", REDIS_TEST_URL)
-        import redis
-
-        redis.Redis.from_url(url).flushdb()
-        env["REDIS_URL"] = url
+        # Its own key prefix: `manage.py drain` reaches every worker of a prefix, and another
+        # test run sharing this Redis must neither be drained nor drain this server.
+        env["REDIS_URL"] = require_service("Redis", REDIS_TEST_URL)
+        env["REDIS_PREFIX"] = f"e2ews{os.getpid()}x{uuid.uuid4().hex[:6]}"
     else:
         env["REDIS_URL"] = ""
     token = _token(env, f"e2e-{request.param}")

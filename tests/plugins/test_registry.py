@@ -80,6 +80,7 @@ def test_admin_shows_the_runtime_message_for_a_syntax_error(admin_client) -> Non
     body = html.unescape(response.content.decode())
     assert "plugin 'up'" in body and "the lua runtime refused the code" in body
     assert "up:1: <eof> expected near 'end'" in body  # Lua's own message
+    assert "plugin 'up' (handlers up): the lua runtime refused" in body  # names the bound handler
     assert not Plugin.objects.filter(name="up").exists()
 
 
