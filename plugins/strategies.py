@@ -293,6 +293,8 @@ class PooledPerThread(Pooled):
         # Instances alive now: an idle one leaves with its thread's locals when a pool thread
         # exits, without passing through _discard, so created - discarded would only grow.
         self._alive: weakref.WeakSet = weakref.WeakSet()
+        # Pooled.call takes and returns instances through these two: per thread here.
+        self._pop, self._push = self._pop_local, self._push_local
 
     def _new(self) -> Instance:
         inst = super()._new()
@@ -306,31 +308,22 @@ class PooledPerThread(Pooled):
     def live(self) -> int:
         return len(self._alive)
 
-    def call(self, handler: str, event: dict[str, Any], blocking: bool = True) -> Any:
-        try:
-            self._take_slot()
-        except _Empty:
-            self._no_slot(handler, blocking)
+    def _pop_local(self) -> Instance:
+        """This thread's idle instance (IndexError when it has none, like list.pop)."""
         local = self._local
-        inst: Instance | None = getattr(local, "idle", None)
+        inst = getattr(local, "idle", None)
+        if inst is None:
+            raise IndexError("no idle instance on this thread")
         local.idle = None
-        try:
-            if inst is None:
-                inst = self._new()
-            return inst.call(handler, event, _now() + self._timeout)
-        except GuestError as exc:
-            if exc.poison and inst is not None:
-                self._discard(inst)
-                inst = None
-            raise self._failed(handler, exc) from None
-        finally:
-            if inst is not None:
-                if self.closed or local.idle is not None:
-                    self._discard(inst)
-                else:
-                    local.idle = inst
-            self._give_slot(None)
-            self._count()
+        return inst
+
+    def _push_local(self, inst: Instance) -> None:
+        """Keep ``inst`` as this thread's idle instance (one per thread; a second is closed)."""
+        local = self._local
+        if getattr(local, "idle", None) is not None:
+            self._discard(inst)
+        else:
+            local.idle = inst
 
     def idle(self) -> int:
         return max(self.live() - self.slots.busy, 0)

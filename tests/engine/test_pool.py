@@ -15,16 +15,7 @@ import pytest
 
 from execapp.engine import ConfigError, ExecPool
 
-LIVENESS = 10.0  # seconds: how long a test waits for work that must happen before calling it lost
-
-
-def wait_until(predicate, timeout: float = LIVENESS) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
+from .helpers import LIVENESS, wait_until
 
 
 class Counter:
