@@ -12,6 +12,7 @@ event loop: it takes a free slot/shard at once or raises PluginBusy, never waits
 """
 from __future__ import annotations
 
+import abc
 import itertools
 import queue
 import threading
@@ -87,7 +88,7 @@ class Slots:
         self.give(None)
 
 
-class Strategy:
+class Strategy(abc.ABC):
     """Base: how instances are made, chosen and reused for one loaded plugin, and its call path."""
 
     name = ""
@@ -112,18 +113,21 @@ class Strategy:
         self.created_total = 0
         self.discarded_total = 0
 
+    @abc.abstractmethod
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True) -> Any:
-        raise NotImplementedError
+        """Run ``handler`` on an instance chosen by this strategy, under the plugin's limits."""
 
     def limit(self) -> int:
         """How many calls may run at once (the slots' capacity)."""
         return self.spec.max_concurrency
 
+    @abc.abstractmethod
     def capacity(self) -> int:
-        raise NotImplementedError
+        """How many instances this strategy may keep."""
 
+    @abc.abstractmethod
     def idle(self) -> int:
-        raise NotImplementedError
+        """Instances alive and not running a call now."""
 
     @property
     def busy(self) -> int:
