@@ -63,21 +63,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class AsgiServer:
+class ServerProcess:
+    """A server subprocess (``python -m <args> --port <free port>``) with its own log file."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_name: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(f"/tmp/execapp-{log_name}-{self.port}.log")
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", *args, "--port", str(self.port)], cwd=ROOT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        """The end of the server's output, for failure messages."""
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, as a container stop would; kill only if it outlives ``timeout``."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+class AsgiServer(ServerProcess):
     """A real uvicorn process serving config.asgi, for end-to-end tests."""
 
     def __init__(self, env: dict[str, str], workers: int = 1) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(["uvicorn", "config.asgi:application", "--host", "127.0.0.1", "--workers", str(workers),
+                          "--ws-per-message-deflate", "false", "--lifespan", "off", "--log-level", "warning"],
+                         env, "e2e")
         self.ws_url = f"ws://127.0.0.1:{self.port}"
-        self.log_path = Path(env.get("EXECAPP_TEST_LOG", f"/tmp/execapp-e2e-{self.port}.log"))
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "config.asgi:application", "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", str(workers), "--ws-per-message-deflate", "false",
-             "--lifespan", "off", "--log-level", "warning"],
-            cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
@@ -91,21 +114,6 @@ class AsgiServer:
             except OSError:
                 time.sleep(0.1)
         raise RuntimeError(f"server did not listen within {timeout}s: {self.log()}")
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
 
 
 def manage(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -13,7 +13,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ import pytest
 import websockets
 from websockets.asyncio.client import connect
 
-from tests.conftest import POSTGRES_TEST_URL, REDIS_TEST_URL, ROOT, free_port, manage, require_service
+from tests.conftest import POSTGRES_TEST_URL, REDIS_TEST_URL, ServerProcess, manage, require_service
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.postgres]
 
@@ -53,22 +52,17 @@ def ops_redis_url() -> str:
     return urlunparse(urlparse(base)._replace(path=f"/{OPS_REDIS_DB}"))
 
 
-class Deployment:
+class Deployment(ServerProcess):
     """`python -m execapp.serve --workers N` as an operator starts it, plus the operator's commands."""
 
     def __init__(self, env: dict[str, str], workers: int = 2, grace: float | None = None) -> None:
         self.env = env
         self.workers = workers
-        self.port = free_port()
-        self.ws_url = f"ws://127.0.0.1:{self.port}/ws/events/"
-        self.log_path = Path(f"/tmp/execapp-ops-{self.port}.log")
-        self._log = open(self.log_path, "wb")
-        args = [sys.executable, "-m", "execapp.serve", "--workers", str(workers), "--port", str(self.port),
-                "--log-level", "warning", "--no-access-log"]
+        args = ["execapp.serve", "--workers", str(workers), "--log-level", "warning", "--no-access-log"]
         if grace is not None:
             args += ["--grace", str(grace)]
-        self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+        super().__init__(args, env, "ops")
+        self.ws_url = f"ws://127.0.0.1:{self.port}/ws/events/"
         try:
             self.wait_ready()
         except BaseException:
@@ -119,21 +113,6 @@ class Deployment:
 
     def manage(self, *args: str) -> subprocess.CompletedProcess:
         return manage(*args, env=self.env, timeout=90)
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
