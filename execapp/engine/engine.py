@@ -90,6 +90,7 @@ class Engine:
         # Copy-on-write: dispatch iterates a tuple that registration replaces, never mutates.
         self._matchers: tuple[Matcher, ...] = ()
         self._register_lock = threading.Lock()
+        self._naming_lock = threading.Lock()
         self._seq = itertools.count()
         self._observers: list[RunObserver] = []
         # Counters bumped from the loop and from pool threads without a lock: next() on an
@@ -117,7 +118,11 @@ class Engine:
 
     def make_matcher(self, kind: MatcherKind | str, pattern: str, handler: Handler, *, priority: int = 0,
                      block: bool = False, name: str | None = None, plugin: str | None = None) -> Matcher:
-        """Build a matcher with its profile (not yet registered; see ``add`` and ``set_matchers``)."""
+        """Build a matcher with its profile (not yet registered; see ``add`` and ``set_matchers``).
+
+        ``name`` keys the profile (and its persisted record); the default is ``kind:pattern``,
+        so rebuilding the same registration (a refresh) finds the profile it learned.
+        """
         kind = MatcherKind(kind)
         name = name or f"{kind.value}:{pattern}"
         return Matcher(kind=kind, pattern=pattern, handler=handler, profile=self.profile_for(name), name=name,
@@ -140,20 +145,33 @@ class Engine:
         return self._matchers
 
     def on_command(self, name: str, handler: Handler, *, priority: int = 0, block: bool = False,
-                   **options: Any) -> Matcher:
+                   matcher_name: str | None = None, plugin: str | None = None) -> Matcher:
         """Run ``handler`` for ``/name ...`` messages; ``ctx.args`` is the text after the name."""
-        return self.add(self.make_matcher(MatcherKind.COMMAND, name, handler, priority=priority, block=block, **options))
+        return self._register(MatcherKind.COMMAND, name, handler, priority, block, matcher_name, plugin)
 
     def on_regex(self, pattern: str, handler: Handler, *, priority: int = 0, block: bool = False,
-                 **options: Any) -> Matcher:
+                 matcher_name: str | None = None, plugin: str | None = None) -> Matcher:
         """Run ``handler`` for messages whose text matches ``pattern`` (re.search)."""
-        return self.add(self.make_matcher(MatcherKind.REGEX, pattern, handler, priority=priority, block=block, **options))
+        return self._register(MatcherKind.REGEX, pattern, handler, priority, block, matcher_name, plugin)
 
     def on_event(self, event_type: str, handler: Handler, *, priority: int = 0, block: bool = False,
-                 **options: Any) -> Matcher:
+                 matcher_name: str | None = None, plugin: str | None = None) -> Matcher:
         """Run ``handler`` for every event of ``event_type``."""
-        return self.add(self.make_matcher(MatcherKind.EVENT, event_type, handler, priority=priority, block=block,
-                                          **options))
+        return self._register(MatcherKind.EVENT, event_type, handler, priority, block, matcher_name, plugin)
+
+    def _register(self, kind: MatcherKind, pattern: str, handler: Handler, priority: int, block: bool,
+                  name: str | None, plugin: str | None) -> Matcher:
+        # A second on_* handler of the same pattern gets its own default name (``#2``, ...): two
+        # handlers must not share a profile, or one slow handler would pool the other. Naming
+        # and adding share a lock so two registrations cannot pick the same name.
+        with self._naming_lock:
+            if name is None:
+                base = f"{kind.value}:{pattern}"
+                taken = {m.name for m in self._matchers}
+                name = base if base not in taken else next(
+                    f"{base}#{n}" for n in itertools.count(2) if f"{base}#{n}" not in taken)
+            return self.add(self.make_matcher(kind, pattern, handler, priority=priority, block=block, name=name,
+                                              plugin=plugin))
 
     def add_observer(self, fn: RunObserver) -> None:
         """Call ``fn`` after every handler run (metrics); it must be cheap and must not raise."""

@@ -465,3 +465,14 @@ def test_stats_count_events_and_placements(engines):
 def test_unknown_overflow_policy_is_refused():
     with pytest.raises(ConfigError, match="overflow"):
         Engine(overflow="drop")
+
+
+def test_two_handlers_of_one_command_learn_separately(engines):
+    engine = engines()
+    fast = engine.on_command("cmd", lambda ctx: None)
+    slow = engine.on_command("cmd", lambda ctx: None)
+    assert (fast.name, slow.name) == ("command:cmd", "command:cmd#2")
+    promote(slow)
+    assert slow.profile is not fast.profile and fast.profile.state is ProfileState.LEARNING
+    named = engine.on_command("cmd", lambda ctx: None, matcher_name="mine", plugin="p")
+    assert (named.name, named.plugin, named.profile) == ("mine", "p", engine.profile_for("mine"))

@@ -82,7 +82,7 @@ def test_a_run_completes_once_after_its_last_hold():
 def test_emit_counts_replies_and_failures():
     engine = Engine(pool_enabled=False)
     engine.on_event("x", lambda ctx: ctx.reply("a") or ctx.reply("b"))
-    engine.on_event("x", lambda ctx: 1 / 0, name="bad")
+    engine.on_event("x", lambda ctx: 1 / 0, matcher_name="bad")
     completion = engine.process_event_sync({"type": "x"})
     assert completion.replies == 2 and [f.matcher for f in completion.errors] == ["bad"]
     assert completion.matched == 2 and completion.elapsed >= 0
