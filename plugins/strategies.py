@@ -214,7 +214,8 @@ class PerRequest(Strategy):
         return self.spec.max_concurrency
 
     def idle(self) -> int:
-        return self.compiled.idle_isolated()
+        # Warm per-thread runtimes (Lua) not running a call now; a busy call holds its thread's.
+        return max(self.compiled.idle_isolated() - self.slots.busy, 0)
 
     def live(self) -> int:
         return 0

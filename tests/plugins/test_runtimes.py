@@ -17,6 +17,18 @@ from .guests import CODE, LOOPS, SYNTAX_ERRORS
 RUNTIMES = ["lua", "wasm", "js"]
 
 
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` until it holds (a liveness bound, not a timing assertion)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
 def make(runtime: str, strategy: str, **limits) -> LoadedPlugin:
     options = {"timeout": 0.15, "memory_bytes": 8 << 20, "pool_size": 2, "shard_count": 2, "max_concurrency": 8,
                "permissions": frozenset({"log", "sleep"}), **limits}
@@ -270,7 +282,13 @@ def test_lua_per_thread_runtimes_are_counted_only_while_their_thread_lives() -> 
             t.start()
             t.join()
         plugin.call("reply", event("x"))  # this thread keeps its runtime
-        assert plugin.compiled.idle_isolated() == 1
+        assert plugin.compiled.idle_isolated() == 1 and plugin.strategy.idle() == 1
+        napping = threading.Thread(target=plugin.call, args=("nap", event("100")))
+        napping.start()  # a second thread's runtime, busy in host sleep: live but not idle
+        # (its slot is taken before its runtime is made: wait for both)
+        assert wait_for(lambda: plugin.slots.busy == 1 and plugin.compiled.idle_isolated() == 2)
+        assert plugin.strategy.idle() == 1
+        napping.join()
     finally:
         plugin.close()
 
