@@ -86,7 +86,6 @@ class ExecPool:
         self._attempts = itertools.count()  # try_submit calls
         self._refused = itertools.count()  # ...that returned False (rejected + uncounted retries)
         self._rejected = itertools.count()
-        self._started = itertools.count()  # tasks that began running
         self._completed = itertools.count()
         self._failed = itertools.count()
         self._spawned = itertools.count()  # worker threads started
@@ -227,7 +226,6 @@ class ExecPool:
         fn, submitted_at = task
         delay = perf_counter() - submitted_at
         self._delays.append(delay)
-        next(self._started)
         if self._listeners:
             self._notify("delay", delay)
         try:
@@ -338,9 +336,13 @@ class ExecPool:
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges of this pool, plus scheduling delay (submit -> start) p50/p99."""
-        completed, failed = count_value(self._completed), count_value(self._failed)
-        running = count_value(self._started) - completed - failed
         queued = len(self._queue)
+        completed, failed = count_value(self._completed), count_value(self._failed)
+        # In flight: accepted, not waiting in the bounded queue, not finished. That includes a
+        # task on its way to a worker (an idle worker's slot, or the hand-off deque while its
+        # thread starts): it already holds a worker, and counting only tasks whose function has
+        # begun would under-report a pool that is in fact full.
+        running = self.submitted - completed - failed - queued
         workers = count_value(self._spawned) - count_value(self._exited)
         delays = sorted(self._delay_samples())
         return {

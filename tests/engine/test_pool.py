@@ -331,6 +331,29 @@ def test_busy_counts_accepted_unfinished_tasks(pools):
     assert wait_until(lambda: pool.busy() == 0)
 
 
+def test_in_flight_counts_tasks_handed_to_a_worker_before_they_start(pools):
+    # A task that holds a worker is in flight even before its thread reaches it (here the new
+    # threads are held back at their start, as a loaded machine may hold them): stats must not
+    # report a full pool as half empty. The rest are queued.
+    go = threading.Event()
+
+    class SlowStartPool(ExecPool):
+        def _work(self, task):
+            go.wait(LIVENESS)
+            return super()._work(task)
+
+    pool = SlowStartPool(2, 1)
+    try:
+        for _ in range(3):
+            assert pool.try_submit(lambda: None)
+        stats = pool.stats()
+        assert (stats["in_flight"], stats["queued"], stats["saturation"]) == (2, 1, 1.0)
+    finally:
+        go.set()
+    assert wait_until(lambda: pool.stats()["in_flight"] == 0 and pool.stats()["completed"] == 3)
+    pool.drain(LIVENESS)
+
+
 @pytest.mark.parametrize("kwargs", [{"max_workers": 0}, {"queue_size": -1}, {"idle_seconds": -1}])
 def test_impossible_settings_are_refused(kwargs):
     with pytest.raises(ConfigError):
