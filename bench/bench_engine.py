@@ -146,6 +146,7 @@ def bench_pool(quick: bool) -> list[dict[str, Any]]:
     tpe = ThreadPoolExecutor(max_workers=workers)
     pool = ExecPool(workers, queue_size=n_pipe)  # room for the whole pipelined batch, as TPE's queue
     cold = ExecPool(workers, queue_size=n_pipe, idle_seconds=0.0)
+    tpe2, pool2 = ThreadPoolExecutor(max_workers=2), ExecPool(2, queue_size=n_pipe)
     try:
         for submit in (tpe.submit, pool.try_submit):  # warm both: threads exist before timing
             _pipelined_us(submit, 200)
@@ -161,15 +162,22 @@ def bench_pool(quick: bool) -> list[dict[str, Any]]:
         # Bursty arrivals: one task every 2 ms. With no linger each one starts a thread.
         gap = _paired(_round_trips_us({"linger": pool.try_submit, "cold": cold.try_submit}, n_cold * reps,
                                       gap=0.002), "linger", "cold")
+        # Two workers each: the round trip without thread starts (no token is ever free while
+        # no worker is idle), which isolates the hand-off itself from the 64-thread ramp.
+        rt2 = _paired(_round_trips_us({"tpe": tpe2.submit, "pool": pool2.try_submit}, n_rt * reps), "tpe", "pool")
     finally:
         tpe.shutdown(wait=True)
-        pool.drain(timeout=5)
-        cold.drain(timeout=5)
+        tpe2.shutdown(wait=True)
+        for p in (pool, cold, pool2):
+            p.drain(timeout=5)
     bench = "pool hand-off"
     return [
         row(bench, "ThreadPoolExecutor round trip (baseline)", rt[0], "us"),
         row(bench, "ExecPool round trip", rt[1], "us", baseline="ThreadPoolExecutor (paired)", ratio=rt[2],
             target="<= 1.0x", ok=rt[2] <= 1.0),
+        row(bench, "ThreadPoolExecutor round trip, 2 workers (baseline)", rt2[0], "us"),
+        row(bench, "ExecPool round trip, 2 workers", rt2[1], "us", baseline="ThreadPoolExecutor 2 workers (paired)",
+            ratio=rt2[2]),
         row(bench, "ThreadPoolExecutor pipelined, per task (baseline)", pipe["tpe"], "us"),
         row(bench, "ExecPool pipelined, per task", pipe["pool"], "us", baseline="ThreadPoolExecutor",
             ratio=pipe["pool"] / pipe["tpe"], target="<= 1.0x", ok=pipe["pool"] <= pipe["tpe"]),

@@ -367,6 +367,7 @@ class Sharded(Strategy):
         return sum(1 for s in self.shards if s.lock.locked())
 
     def shard_for(self, event: dict[str, Any]) -> int:
+        """The shard of an event: crc32 of its session (else its id), stable across processes."""
         key = event.get("session") or event.get("id") or ""
         return crc32(key.encode() if key.__class__ is str else str(key).encode()) % self._n
 
@@ -378,8 +379,7 @@ class Sharded(Strategy):
             except _Empty:
                 self._no_slot(handler, blocking)
         try:
-            key = event.get("session") or event.get("id") or ""  # shard_for inlined
-            shard = self.shards[crc32(key.encode() if key.__class__ is str else str(key).encode()) % self._n]
+            shard = self.shards[self.shard_for(event)]
             if not shard.lock.acquire(False):
                 self._wait_shard(shard, event, blocking)
         except BaseException:
@@ -389,16 +389,7 @@ class Sharded(Strategy):
         try:
             if self._thread_bound:
                 return self._on_shard_thread(shard, lambda: self._run(shard, handler, event))
-            inst = shard.instance  # _run inlined: one frame less on the hot path
-            if inst is None:
-                inst = shard.instance = self._new()
-            try:
-                return inst.call(handler, event, _now() + self._timeout)
-            except GuestError as exc:
-                if exc.poison:
-                    shard.instance = None
-                    self._discard(inst)
-                raise
+            return self._run(shard, handler, event)
         except GuestError as exc:
             raise self._failed(handler, exc) from None
         finally:
@@ -426,6 +417,7 @@ class Sharded(Strategy):
                          "of the same session" + (f" after waiting {wait:g} s" if blocking else ""))
 
     def _run(self, shard: _Shard, handler: str, event: dict[str, Any]) -> Any:
+        """One call on the shard's instance (made on first use, replaced after a poisoning error)."""
         inst = shard.instance
         if inst is None:
             inst = shard.instance = self._new()

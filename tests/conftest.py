@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 import pytest
@@ -28,6 +28,20 @@ def _reachable(url: str) -> bool:
             return True
     except OSError:
         return False
+
+
+#: Seconds a test waits for work that must happen before calling it lost (a liveness bound, not a timing).
+LIVENESS = 10.0
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = LIVENESS) -> bool:
+    """Poll ``predicate`` until it holds; False if it never did within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def require_service(name: str, url: str) -> str:

@@ -44,12 +44,11 @@ class ExecPool:
     docs/benchmarks.md), a submit-to-completion round trip with ``idle_seconds=0`` cost
     1.6-2.6x a lingering worker's back to back (59 vs 26 us in one run) and 3.5-5.7x with one
     task every 2 ms (168 vs 38 us), the bursty case. An idle lingering worker blocks on its
-    own queue and costs no CPU. Against ThreadPoolExecutor on the same task: round trip
-    0.86-0.92x, pipelined 0.18-0.24x per task (no Future, no lock on the hot path). A task that
-    takes a token goes to a hand-off deque that its new worker checks first, so a worker just
-    finishing can run it before the new thread is up: handing the task to the new thread
-    itself made a quiet machine's round trip 1.2x ThreadPoolExecutor's (the thread start, ~94 us,
-    on the critical path of every round trip that found no idle worker).
+    own queue and costs no CPU. Against ThreadPoolExecutor on the same task: round trip about
+    parity (0.71-1.2x across runs), pipelined 0.18-0.24x per task (no Future, no lock on the
+    hot path). A task that takes a token goes to a hand-off deque that its new worker checks
+    first, so a worker just finishing can run it before the new thread is up, and the thread
+    start (~94 us) is not on that task's critical path.
 
     Exit protocol (design.md §2): a worker about to exit takes ``_exit_lock``, makes a last
     non-blocking check of the queue and only if it is empty returns its token; a submitter

@@ -2,18 +2,15 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 from execapp.engine import Completion, Engine, ExecPool, Failure, Matcher, Reply
-
-LIVENESS = 10.0  # seconds to wait for work that must happen before calling it lost (not a timing)
+from tests.conftest import LIVENESS, wait_until  # noqa: F401  (re-exported for the engine tests)
 
 
 def add_cmd(engine: Engine, handler: Any, *, name: str, priority: int = 0, block: bool = False,
             pattern: str = "cmd") -> Matcher:
-    """Register a command matcher with its own name, hence its own profile (``on_command`` names
-    every matcher of one command alike, so they would share a profile)."""
+    """Register a command matcher under an explicit name (hence profile), as plugins do."""
     return engine.add(engine.make_matcher("command", pattern, handler, name=name, priority=priority, block=block))
 
 
@@ -77,11 +74,3 @@ class Gate:
     def open(self) -> None:
         self.event.set()
 
-
-def wait_until(predicate, timeout: float = LIVENESS) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True

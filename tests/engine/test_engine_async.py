@@ -36,6 +36,20 @@ def make_engine(pool: ExecPool, overflow: str, overflow_wait: float = LIVENESS) 
     return engine, ran
 
 
+async def refused_and_never_run(engine: Engine, ran: dict, pool: ExecPool, gate: Gate) -> Completion:
+    """Dispatch /cmd on the full pool: the slow handler is refused with ``overloaded`` and never
+    runs, not even once the pool frees; the rest of the event runs and the event completes."""
+    out = Outcomes()
+    run = await engine.process_event_async(Event(text="/cmd"), out)
+    completion = await asyncio.wait_for(run, LIVENESS)
+    assert [f.code for f in completion.errors] == ["overloaded"] and out.completions == [completion]
+    assert ran["slow"] == [] and len(ran["after"]) == 1, "refused handler never runs; the rest still do"
+    gate.open()
+    assert wait_until(lambda: pool.busy() == 0)
+    assert ran["slow"] == [], "a refused handler does not run later either"
+    return completion
+
+
 async def test_inline_handlers_run_on_the_loop_and_pooled_ones_in_threads():
     engine = Engine()
     try:
@@ -57,16 +71,9 @@ async def test_inline_handlers_run_on_the_loop_and_pooled_ones_in_threads():
 async def test_policy_reject_refuses_at_once_and_the_event_completes(full_pool):
     pool, gate = full_pool
     engine, ran = make_engine(pool, "reject")
-    out = Outcomes()
-    run = await engine.process_event_async(Event(text="/cmd"), out)
-    completion = await asyncio.wait_for(run, LIVENESS)
-    assert [f.code for f in completion.errors] == ["overloaded"]
+    completion = await refused_and_never_run(engine, ran, pool, gate)
     assert "'slow'" in completion.errors[0].message and "retry" in completion.errors[0].message
-    assert ran["slow"] == [] and len(ran["after"]) == 1, "refused handler never runs; the rest still do"
     assert engine.stats()["overloaded"] == 1
-    gate.open()
-    assert wait_until(lambda: pool.busy() == 0)
-    assert ran["slow"] == [], "a refused handler does not run later either"
 
 
 async def test_policy_wait_gets_its_slot_when_one_frees_without_blocking_the_loop(full_pool):
@@ -103,15 +110,7 @@ async def test_policy_wait_gets_its_slot_when_one_frees_without_blocking_the_loo
 async def test_policy_wait_refuses_after_overflow_wait_and_the_event_completes(full_pool):
     pool, gate = full_pool
     engine, ran = make_engine(pool, "wait", overflow_wait=0.05)
-    out = Outcomes()
-    run = await engine.process_event_async(Event(text="/cmd"), out)
-    completion = await asyncio.wait_for(run, LIVENESS)
-    assert [f.code for f in completion.errors] == ["overloaded"]
-    assert out.completions == [completion]
-    assert ran["slow"] == [] and len(ran["after"]) == 1
-    gate.open()
-    assert wait_until(lambda: pool.busy() == 0)
-    assert ran["slow"] == [], "a handler refused after waiting is not run later"
+    await refused_and_never_run(engine, ran, pool, gate)
 
 
 async def test_policy_inline_runs_on_the_loop(full_pool):

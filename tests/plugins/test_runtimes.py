@@ -12,21 +12,11 @@ from plugins.loaded import LoadedPlugin, validate
 from plugins.spec import STRATEGIES, PluginSpec
 from plugins.runtimes.wasm import wat_to_wasm
 
+from tests.conftest import wait_until
+
 from .guests import CODE, LOOPS, SYNTAX_ERRORS
 
 RUNTIMES = ["lua", "wasm", "js"]
-
-
-def wait_for(predicate, timeout: float = 5.0) -> bool:
-    """Poll ``predicate`` until it holds (a liveness bound, not a timing assertion)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.002)
-    return True
 
 
 def make(runtime: str, strategy: str, **limits) -> LoadedPlugin:
@@ -286,7 +276,7 @@ def test_lua_per_thread_runtimes_are_counted_only_while_their_thread_lives() -> 
         napping = threading.Thread(target=plugin.call, args=("nap", event("100")))
         napping.start()  # a second thread's runtime, busy in host sleep: live but not idle
         # (its slot is taken before its runtime is made: wait for both)
-        assert wait_for(lambda: plugin.slots.busy == 1 and plugin.compiled.idle_isolated() == 2)
+        assert wait_until(lambda: plugin.slots.busy == 1 and plugin.compiled.idle_isolated() == 2)
         assert plugin.strategy.idle() == 1
         napping.join()
     finally:
