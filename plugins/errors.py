@@ -5,9 +5,18 @@ from execapp.engine.errors import ExecAppError, HandlerError
 
 
 class PluginInvalid(ExecAppError):
-    """A plugin or binding was refused at save: it does not compile, or a handler is missing."""
+    """A plugin or binding was refused at save: it does not compile, or a handler is missing.
+
+    ``code`` is ``plugin_invalid`` unless the runtime said why more precisely (``timeout``: the
+    top level ran past the plugin's budget; ``memory_limit``).
+    """
 
     code = "plugin_invalid"
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
 
 
 class PluginBusy(ExecAppError):
@@ -65,4 +74,12 @@ class GuestMemory(GuestError):
 
 
 class CompileError(Exception):
-    """The plugin's code does not compile, instantiate or run its top level (runtime's message)."""
+    """The plugin's code does not compile, instantiate or run its top level (runtime's message).
+
+    ``code`` is the protocol code the refusal carries: ``plugin_invalid``, or ``timeout`` when
+    the top level ran past the plugin's budget (``memory_limit`` when it hit the memory cap).
+    """
+
+    def __init__(self, message: str, code: str = "plugin_invalid") -> None:
+        super().__init__(message)
+        self.code = code

@@ -62,7 +62,8 @@ def validate(spec: PluginSpec, handlers: Iterable[str] = ()) -> Compiled:
         compiled = compiled_for(spec)
     except CompileError as exc:
         bound = f" (handlers {', '.join(handlers)})" if handlers else ""
-        raise PluginInvalid(f"plugin {spec.name!r}{bound}: the {spec.runtime} runtime refused the code: {exc}") from None
+        raise PluginInvalid(f"plugin {spec.name!r}{bound}: the {spec.runtime} runtime refused the code: {exc}",
+                            code=exc.code) from None
     for handler in handlers:
         if handler not in compiled.handlers:
             defined = ", ".join(sorted(compiled.handlers)) or "none"
