@@ -263,7 +263,7 @@ Dispatch = Callable[[bool], Awaitable[bool]]  # dispatch(slow) -> ran (False: re
 class _AlwaysPool(ExecProfile):
     """A profile that never demotes: every run goes to the pool (the always-pool strategy)."""
 
-    def should_pool(self) -> ExecClass:
+    def should_pool(self, size: int = 0) -> ExecClass:
         return ExecClass.POOL
 
 

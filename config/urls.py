@@ -1,18 +1,20 @@
 """URL routes: the admin (with the execapp dashboard) and Prometheus metrics."""
 from django.contrib import admin
-from django.urls import include, path
+from django.urls import path
 
 from execapp.metrics import metrics_view
 
 urlpatterns = [
     path("admin/", admin.site.urls),
-    # django-prometheus's exporter, wrapped: refreshes this process's app metrics and shares the
-    # multiprocess compaction lock (execapp/metrics.py); listed first so it wins over the include.
+    # django-prometheus's exporter, wrapped: only for allowed clients (execapp/metrics_access.py),
+    # refreshes this process's app metrics and shares the multiprocess compaction lock
+    # (execapp/metrics.py). django_prometheus.urls is not included: its unguarded exporter would
+    # be a second way in.
     path("metrics", metrics_view, name="metrics"),
-    path("", include("django_prometheus.urls")),
 ]
 
-# Readiness probe: 503 while this worker drains (docs/operations.md).
+# Readiness probe: 503 while this worker starts or drains, or its database/Redis is unreachable
+# (docs/operations.md).
 from execapp.health import healthz  # noqa: E402
 
 urlpatterns.append(path("healthz", healthz, name="healthz"))

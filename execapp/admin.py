@@ -16,9 +16,9 @@ from .models import ApiToken, hash_token
 class ApiTokenAdmin(admin.ModelAdmin):
     """API tokens for WebSocket clients: the raw token is shown once, when it is created."""
 
-    list_display = ("name", "prefix", "created_at", "last_used_at", "revoked_at", "active")
-    list_filter = (("revoked_at", admin.EmptyFieldListFilter),)
-    search_fields = ("name", "prefix")
+    list_display = ("name", "tenant", "prefix", "created_at", "last_used_at", "revoked_at", "active")
+    list_filter = (("revoked_at", admin.EmptyFieldListFilter), "tenant")
+    search_fields = ("name", "tenant", "prefix")
     readonly_fields = ("prefix", "created_at", "last_used_at", "revoked_at")
     actions = ("revoke_tokens",)
 
@@ -38,7 +38,8 @@ class ApiTokenAdmin(admin.ModelAdmin):
         super().save_model(request, obj, form, change)
         messages.warning(request, f"Token for {obj.name!r}: {raw}  (copy it now: only its hash is stored)")
 
-    @admin.action(description="Revoke selected tokens")
+    # Revoking is a change: hidden from (and refused to) a user without change_apitoken.
+    @admin.action(description="Revoke selected tokens", permissions=["change"])
     def revoke_tokens(self, request: HttpRequest, queryset: QuerySet[ApiToken]) -> None:
         count = queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
         self.message_user(request, f"Revoked {count} token(s); their open connections close when they disconnect.")

@@ -1,16 +1,35 @@
-"""Handshake authentication for WebSockets: an API token, else a logged-in staff session, else HTTP 403."""
+"""Handshake authentication for WebSockets: an API token, else a logged-in staff session, else HTTP 403.
+
+Each authenticated client gets an *owner* (``scope['execapp_auth']['owner']``): the namespace of
+its session groups (docs/protocol.md, "Owners"). A token's owner is its tenant, a staff
+session's owner is its user.
+"""
 from __future__ import annotations
 
+import io
 import logging
 from typing import Any, Awaitable, Callable
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs
 
 from channels.auth import AuthMiddlewareStack
 from channels.db import database_sync_to_async
-from channels.security.websocket import OriginValidator
-from django.conf import settings
+from django.core.handlers.asgi import ASGIRequest
+from django.db import Error as DatabaseError
+from django.middleware.csrf import CsrfViewMiddleware
+
+from .engine.ratelog import RateLimitedLog
 
 log = logging.getLogger("execapp.auth")
+#: A database outage fails every handshake: one log line per cause per minute, with a count.
+_rare = RateLimitedLog(log, 60.0)
+
+#: WebSocket close codes of a handshake that could not be judged (RFC 6455 / IANA registry).
+CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_INTERNAL_ERROR = 1011
+#: A close frame's reason is at most 123 bytes of UTF-8.
+_MAX_REASON_BYTES = 123
+#: Scope key of the marker _SessionGate sets once it runs (see TokenAuthMiddleware).
+_GATE_REACHED = "execapp_gate_reached"
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
@@ -49,14 +68,40 @@ async def deny(scope: Scope, receive: Callable[[], Awaitable[dict]], send: Calla
     await send({"type": "websocket.close"})
 
 
+def close_reason(text: str) -> str:
+    """``text`` cut to what a WebSocket close frame can carry (123 bytes of UTF-8)."""
+    return text.encode("utf-8", "replace")[:_MAX_REASON_BYTES].decode("utf-8", "ignore")
+
+
+async def refuse_unavailable(receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]],
+                             code: int, reason: str) -> None:
+    """Refuse a handshake that could not be judged, with a close code and a reason the client sees.
+
+    A close before accept is an HTTP 403 without a reason, so the socket is accepted and closed
+    at once. Call it only before anything of this socket was received or sent."""
+    first = await receive()
+    if first.get("type") != "websocket.connect":
+        return
+    await send({"type": "websocket.accept"})
+    await send({"type": "websocket.close", "code": code, "reason": close_reason(reason)})
+
+
+def database_unavailable(path: Any, exc: BaseException) -> str:
+    """Log a handshake refused for a database error (once per cause per minute); the close reason."""
+    _rare.warning(("database", type(exc).__name__), "refused WebSocket %s: the database is unavailable: %s", path, exc)
+    # The details (hosts, ports, the driver's message) stay in the log: the client is not trusted yet.
+    return "database unavailable: the server cannot check credentials now; try again later"
+
+
 class _SessionGate:
     """Inside Channels' AuthMiddlewareStack: lets through active staff from an allowed Origin."""
 
     def __init__(self, inner: ASGIApp) -> None:
         self.inner = inner
-        self.origins = OriginValidator(inner, _allowed_origins())
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        # From here on the socket may be read or answered: TokenAuthMiddleware must not refuse it again.
+        scope.get(_GATE_REACHED, []).append(True)
         user = scope.get("user")
         if user is None or not user.is_authenticated:
             return await deny(scope, receive, send, "auth_required",
@@ -67,11 +112,13 @@ class _SessionGate:
                               f"user {user.get_username()!r} is not active staff; use an API token")
         # Session cookies ride along on any page's request: only pages of our own hosts may use
         # them (cross-site WebSocket hijacking). Token clients are exempt: a token is never ambient.
-        if not self.origins.valid_origin(_origin(scope)):
+        if not origin_allowed(scope):
             return await deny(scope, receive, send, "bad_origin",
-                              "a session-authenticated WebSocket must come from a page of this site "
-                              "(Origin must match ALLOWED_HOSTS or CSRF_TRUSTED_ORIGINS)")
-        scope["execapp_auth"] = {"kind": "session", "name": user.get_username()}
+                              f"Origin {_header(scope, b'origin')!r} is not this site: a session-authenticated "
+                              "WebSocket must come from a page of this site (Origin equal to the request's scheme "
+                              "and Host, the Host in ALLOWED_HOSTS; or an origin listed in CSRF_TRUSTED_ORIGINS)")
+        # A staff session is its own owner: its user (never a tenant of tokens; docs/protocol.md).
+        scope["execapp_auth"] = {"kind": "session", "name": user.get_username(), "owner": f"user:{user.pk}"}
         return await self.inner(scope, receive, send)
 
 
@@ -89,28 +136,64 @@ class TokenAuthMiddleware:
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "websocket":
             return await self.inner(scope, receive, send)
+        # Token and session lookups need the database: without it no client can be judged, so
+        # the handshake is closed with 1013 "try again later" instead of failing as HTTP 500.
+        # (Only while nothing of the socket was read yet; the consumer covers its own part.)
         raw = token_from_scope(scope)
         if raw is None:
-            return await self.session_app(scope, receive, send)
-        token = await _authenticate(raw)
+            reached: list[bool] = []  # shared through Channels' scope copies; set by _SessionGate
+            try:
+                return await self.session_app({**scope, _GATE_REACHED: reached}, receive, send)
+            except DatabaseError as exc:  # the session or user lookup, before the gate
+                if reached:
+                    raise
+                return await refuse_unavailable(receive, send, CLOSE_TRY_AGAIN_LATER,
+                                                database_unavailable(scope.get("path"), exc))
+        try:
+            token = await _authenticate(raw)
+        except DatabaseError as exc:
+            return await refuse_unavailable(receive, send, CLOSE_TRY_AGAIN_LATER,
+                                            database_unavailable(scope.get("path"), exc))
         if token is None:
             return await deny(scope, receive, send, "bad_token",
                               "the API token is unknown or revoked; create one with "
                               "`python manage.py create_token <name>`")
-        scope = {**scope, "execapp_auth": {"kind": "token", "name": token.name}}
+        scope = {**scope, "execapp_auth": {"kind": "token", "name": token.name, "owner": token.owner}}
         return await self.inner(scope, receive, send)
 
 
-def _origin(scope: Scope) -> Any:
-    for name, value in scope.get("headers", []):
-        if name == b"origin":
-            try:
-                return urlparse(value.decode("latin-1"))
-            except ValueError:
-                return None
+def _header(scope: Scope, name: bytes) -> str | None:
+    """The first value of header ``name`` (lowercase), or None."""
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return value.decode("latin-1")
     return None
 
 
-def _allowed_origins() -> list[str]:
-    hosts = list(settings.ALLOWED_HOSTS) or (["localhost", "127.0.0.1", "[::1]"] if settings.DEBUG else [])
-    return hosts + list(getattr(settings, "CSRF_TRUSTED_ORIGINS", []))
+#: The HTTP scheme a browser puts in the Origin of a page that opens a ws:// or wss:// socket.
+_HTTP_SCHEME = {"ws": "http", "wss": "https", "http": "http", "https": "https"}
+
+
+def _no_response(request: Any) -> None:
+    return None
+
+
+def origin_allowed(scope: Scope) -> bool:
+    """Whether the handshake's ``Origin`` passes Django's CSRF origin check.
+
+    That is: the Origin equals ``<scheme>://<Host>`` of this request (scheme, host and port all
+    compared; the Host must be in ALLOWED_HOSTS, DEBUG's defaults included), or it is listed in
+    CSRF_TRUSTED_ORIGINS (``https://*.example.com`` allows subdomains). Reuses Django's own
+    check (``CsrfViewMiddleware._origin_verified``) on a request built from the scope, so
+    SECURE_PROXY_SSL_HEADER and USE_X_FORWARDED_HOST apply as they do to the admin's forms.
+    A missing Origin is refused: browsers always send one on a WebSocket handshake.
+    """
+    if _header(scope, b"origin") is None:
+        return False
+    try:
+        request = ASGIRequest({**scope, "method": "GET",
+                               "scheme": _HTTP_SCHEME.get(scope.get("scheme") or "ws", "http")}, io.BytesIO())
+        return bool(CsrfViewMiddleware(_no_response)._origin_verified(request))
+    except Exception:  # a malformed header: not an origin we can vouch for
+        log.debug("origin check failed on a malformed handshake", exc_info=True)
+        return False

@@ -11,11 +11,15 @@ from asgiref.sync import sync_to_async
 from channels.exceptions import StopConsumer
 from channels.generic.websocket import AsyncWebsocketConsumer
 from channels.layers import get_channel_layer
+from django.db import Error as DatabaseError
 
 from . import worker as worker_module
-from .protocol import Connection, Limits, ProtocolError, check_session, group_name
+from .auth import CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, close_reason, database_unavailable
+from .engine.ratelog import RateLimitedLog
+from .protocol import Connection, Limits, ProtocolError, check_session, group_name, owner_digest
 
 log = logging.getLogger("execapp.consumers")
+_rare = RateLimitedLog(log, 60.0)
 
 #: How long a disconnect waits, per attempt, for the channel-layer reader to stop.
 _READER_STOP_SECONDS = 0.5
@@ -44,6 +48,8 @@ class EventConsumer(AsyncWebsocketConsumer):
     """
 
     conn: Connection | None = None
+    owner = ""
+    owner_tag = ""
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         self.scope = scope
@@ -75,14 +81,45 @@ class EventConsumer(AsyncWebsocketConsumer):
             raise ValueError(f"no handler for message type {kind!r}")
 
     async def connect(self) -> None:
-        if "execapp_auth" not in self.scope:  # the auth middleware is missing from the stack
+        """Set the connection up; a failure on the way is a close frame with a reason, never HTTP 500."""
+        self._accepted = False
+        try:
+            await self._connect()
+        except DatabaseError as exc:  # the first connection builds the worker, whose services may query it
+            await self._refuse(CLOSE_TRY_AGAIN_LATER, database_unavailable(self.scope.get("path"), exc))
+        except Exception as exc:
+            _rare.exception(("connect", type(exc).__name__), "WebSocket %s failed to connect: %r",
+                            self.scope.get("path"), exc)
+            await self._refuse(CLOSE_INTERNAL_ERROR, f"internal error ({type(exc).__name__}); see the server log")
+
+    async def _refuse(self, code: int, reason: str) -> None:
+        """Close with ``code`` and ``reason``, accepting first if needed (a close before accept is a bare 403)."""
+        if self.conn is not None:
+            self.conn.close()
+        if not self._accepted:
+            await self.accept()
+        await self.close(code, close_reason(reason))
+
+    async def accept(self, subprotocol: str | None = None, headers: Any = None) -> None:
+        """Accept the socket, remembering that it was (for ``_refuse``)."""
+        await super().accept(subprotocol, headers)
+        self._accepted = True
+
+    async def _connect(self) -> None:
+        """The connection's setup: its owner, its protocol state, the URL's sessions; then accept."""
+        auth = self.scope.get("execapp_auth")
+        if auth is None:  # the auth middleware is missing from the stack
             await self.close()
             return
+        # The namespace of this client's session groups (execapp.auth sets it; a scope built by
+        # hand without one still gets a namespace of its own identity, never a shared one).
+        self.owner = auth.get("owner") or f"{auth.get('kind')}:{auth.get('name')}"
+        self.owner_tag = owner_digest(self.owner)
         worker = await aget_worker()
         has_layer = self.channel_layer is not None
         self.conn = Connection(worker.engine, worker, Limits.from_settings(), self._send_text,
                                publish=self._publish if has_layer else None,
-                               join=self._join if has_layer else None)
+                               join=self._join if has_layer else None, owner=self.owner)
         # Join the URL's sessions before accepting, so a client is a member once it is connected.
         problems = []
         query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
@@ -103,18 +140,18 @@ class EventConsumer(AsyncWebsocketConsumer):
         if self.channel_name is not None:
             for session in self.conn.sessions:
                 try:
-                    await self.channel_layer.group_discard(group_name(session), self.channel_name)
+                    await self.channel_layer.group_discard(group_name(self.owner, session), self.channel_name)
                 except Exception:  # the layer is down: its group expiry cleans up
                     log.warning("leaving session %s failed", session, exc_info=True)
 
     async def _send_text(self, text: str) -> None:
         await self.base_send({"type": "websocket.send", "text": text})
 
-    async def _join(self, session: str) -> None:
+    async def _join(self, group: str) -> None:
         if self.channel_name is None:
             self.channel_name = await self.channel_layer.new_channel()
             self._reader = asyncio.get_running_loop().create_task(self._read_layer(), name="execapp-ws-layer")
-        await self.channel_layer.group_add(group_name(session), self.channel_name)
+        await self.channel_layer.group_add(group, self.channel_name)
 
     async def _read_layer(self) -> None:
         """Hand this connection's channel-layer messages (session frames) to dispatch."""
@@ -134,13 +171,17 @@ class EventConsumer(AsyncWebsocketConsumer):
             await asyncio.wait({task}, timeout=_READER_STOP_SECONDS)
         log.warning("the channel-layer reader of %s did not stop; abandoning it", self.channel_name)
 
-    async def _publish(self, session: str, frame: str) -> None:
-        await self.channel_layer.group_send(group_name(session),
-                                            {"type": "session.frame", "frame": frame, "sender": self.channel_name})
+    async def _publish(self, group: str, frame: str) -> None:
+        await self.channel_layer.group_send(group, {"type": "session.frame", "frame": frame,
+                                                    "sender": self.channel_name, "owner": self.owner_tag})
 
     async def session_frame(self, message: dict[str, Any]) -> None:
-        """A frame of another member of one of this client's sessions (the sender has its own)."""
-        if message.get("sender") != self.channel_name and self.conn is not None and not self.conn.closed:
+        """A frame of another member of one of this client's sessions (the sender has its own).
+
+        Group names already separate owners; the owner tag is checked again here so that nothing
+        else publishing on a shared channel layer can reach a client of another owner."""
+        if (message.get("sender") != self.channel_name and message.get("owner") == self.owner_tag
+                and self.conn is not None and not self.conn.closed and isinstance(message.get("frame"), str)):
             self.conn.outbox.push(message["frame"])
 
 

@@ -27,7 +27,8 @@ def drain_worker(worker: Worker, timeout: float, *, flush: bool = True,
     1. ``set_draining(True)``: consumers refuse new events with code ``draining``;
     2. wait until every admitted event has sent its `done` (its inline and pooled handlers,
        queued ones included, have all finished by then);
-    3. drain the pool (closes it, so nothing else starts; ``undrain`` reopens it);
+    3. drain the pool (closes it, so nothing else starts; ``undrain`` reopens it), not waiting
+       for threads stuck past their deadline (their events were answered with `timeout`);
     4. flush the worker's services that can (persisted execution profiles).
     On timeout the pool stays open, so the stragglers' queued handlers still run and their
     events still complete; the report names the handlers still running.
@@ -52,7 +53,7 @@ def drain_worker(worker: Worker, timeout: float, *, flush: bool = True,
     elif not worker.draining:  # an undrain arrived while we waited: leave the pool open
         reason = "undrained during the drain"
     else:
-        ok = pool.drain(max(0.0, deadline - time.monotonic()))
+        ok = drain_pool(pool, max(0.0, deadline - time.monotonic()))
         if not ok:
             reason = "timeout"
     still_running = [] if ok else running_handlers()
@@ -68,10 +69,31 @@ def drain_worker(worker: Worker, timeout: float, *, flush: bool = True,
         "still_running": still_running,
         "events_in_flight": max(0, worker.events_in_flight),
         "tasks_queued": pool.stats()["queued"],
+        # Pool threads still running past their deadline: their events already ended with
+        # `timeout`, so the drain does not wait for them (execapp.watchdog recycles such workers).
+        "stuck_threads": int(pool.stats().get("stuck") or 0),
         "flush_errors": flush_errors,
     }
     log.info("drain of %s: %s", worker.id, json.dumps(report))
     return report
+
+
+def drain_pool(pool: Any, timeout: float) -> bool:
+    """Close ``pool`` and wait up to ``timeout`` for its tasks, except those stuck past their deadline.
+
+    A stuck thread (a handler that ignored its deadline) may never return; its event was
+    answered with `timeout` when the deadline passed, so there is nothing left to wait for.
+    True once every other task has finished.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if pool.drain(min(0.05, max(0.0, deadline - time.monotonic()))):
+            return True
+        stuck = int(pool.stats().get("stuck") or 0)
+        if stuck and pool.busy() <= stuck:
+            return True
+        if time.monotonic() >= deadline:
+            return False
 
 
 def undrain_worker(worker: Worker) -> dict[str, Any]:

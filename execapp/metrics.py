@@ -40,8 +40,8 @@ DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 DELAY_BUCKETS = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                  0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 #: Outcomes of events a client was told about (execapp_events_total); anything else is "other".
-EVENT_OUTCOMES = ("ok", "error", "overloaded", "draining", "bad_json", "bad_event", "too_large", "rate_limited",
-                  "unauthorized")
+EVENT_OUTCOMES = ("ok", "error", "overloaded", "draining", "bad_json", "bad_event", "too_large", "too_deep",
+                  "rate_limited", "internal_error", "unauthorized")
 COMPACT_SECONDS = 60.0
 
 # Gauges are summed over live processes ("livesum"): a dead worker's pool leaves the total.
@@ -53,6 +53,11 @@ POOL_QUEUE_CAPACITY = Gauge("execapp_pool_queue_capacity", "Pool queue slots of 
                             multiprocess_mode="livesum")
 POOL_THREADS = Gauge("execapp_pool_threads", "Live pool threads (running or lingering idle).",
                      multiprocess_mode="livesum")
+POOL_STUCK = Gauge("execapp_pool_stuck_threads", "Pool threads running a handler past its deadline now (the "
+                   "handler ignored it; past EXECAPP['STUCK_THREADS_LIMIT'] the worker is recycled).",
+                   multiprocess_mode="livesum")
+POOL_STUCK_TOTAL = Counter("execapp_pool_stuck_total", "Pooled handler runs that overran their deadline and "
+                           "held their thread after it (each was answered with `timeout`).")
 POOL_SUBMITTED = Counter("execapp_pool_submitted_total", "Handlers accepted by a pool.")
 POOL_COMPLETED = Counter("execapp_pool_completed_total", "Pooled handlers finished without a pool-level failure.")
 POOL_FAILED = Counter("execapp_pool_failed_total", "Pool tasks that raised (a bug: handlers report their errors).")
@@ -85,7 +90,7 @@ _PROFILE_COUNTERS = (("promotions", PROMOTIONS), ("demotions", DEMOTIONS))
 _PLUGIN_COUNTERS = (("timeouts_total", PLUGIN_TIMEOUTS), ("errors_total", PLUGIN_ERRORS),
                     ("waits_total", PLUGIN_WAITS))
 _POOL_COUNTERS = (("submitted", POOL_SUBMITTED), ("completed", POOL_COMPLETED), ("failed", POOL_FAILED),
-                  ("rejected", POOL_REJECTED))
+                  ("rejected", POOL_REJECTED), ("stuck_total", POOL_STUCK_TOTAL))
 _ENGINE_COUNTERS = (("fallbacks", POOL_FALLBACKS), ("overloaded", POOL_OVERLOADED), ("events", EVENTS_DISPATCHED))
 
 
@@ -194,6 +199,7 @@ class MetricsUpdater:
             POOL_CAPACITY.set(pool["capacity"])
             POOL_QUEUE_CAPACITY.set(pool["queue_capacity"])
             POOL_THREADS.set(pool["workers"])
+            POOL_STUCK.set(pool.get("stuck") or 0)
             for key, counter in _POOL_COUNTERS:
                 self._deltas.inc(counter, ("pool", key), pool.get(key))
         for key, counter in _ENGINE_COUNTERS:
@@ -222,7 +228,7 @@ class MetricsUpdater:
         self.tick()
         self._closed = True
         _updaters.discard(self)
-        for gauge in (POOL_IN_FLIGHT, POOL_QUEUED, POOL_CAPACITY, POOL_QUEUE_CAPACITY, POOL_THREADS):
+        for gauge in (POOL_IN_FLIGHT, POOL_QUEUED, POOL_CAPACITY, POOL_QUEUE_CAPACITY, POOL_THREADS, POOL_STUCK):
             gauge.set(0)
 
 
@@ -388,9 +394,15 @@ def _mark_dead(pid: int) -> None:
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
     """GET /metrics: django-prometheus's exporter, after refreshing this process's metrics and,
-    in multiprocess mode, while holding the compaction lock shared."""
+    in multiprocess mode, while holding the compaction lock shared. Only for the clients that
+    execapp.metrics_access admits (allowed networks, bearer token); 403 with what to set otherwise."""
     from django_prometheus.exports import ExportToDjangoView
 
+    from .metrics_access import refusal
+
+    refused = refusal(request)
+    if refused is not None:  # before any work: a refused client costs no refresh and no file read
+        return HttpResponse(refused, status=403, content_type="text/plain; charset=utf-8")
     refresh_local()
     path = multiprocess_dir()
     if not path:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from typing import Any
 
 from django.db import models
 from django.utils import timezone
@@ -17,6 +18,10 @@ class ApiToken(models.Model):
     """A revocable bearer token for WebSocket clients; only its hash is stored."""
 
     name = models.CharField(max_length=100, unique=True)
+    tenant = models.CharField(
+        max_length=100, blank=True,
+        help_text="The owner of this token's sessions: tokens of one tenant share session names, other tenants "
+                  "never see them. Blank: the token's name (the token is its own owner).")
     token_hash = models.CharField(max_length=64, unique=True, editable=False)
     prefix = models.CharField(max_length=8, editable=False, help_text="First characters, to tell tokens apart.")
     created_at = models.DateTimeField(auto_now_add=True)
@@ -30,11 +35,22 @@ class ApiToken(models.Model):
     def __str__(self) -> str:
         return f"{self.name} ({self.prefix}…{' revoked' if self.revoked_at else ''})"
 
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """Save; a blank tenant becomes the token's name (the admin's add form may leave it blank)."""
+        self.tenant = self.tenant.strip() or self.name
+        super().save(*args, **kwargs)
+
+    @property
+    def owner(self) -> str:
+        """The owner key of this token's sessions (see execapp.protocol.group_name)."""
+        return f"tenant:{self.tenant or self.name}"
+
     @classmethod
-    def issue(cls, name: str) -> tuple["ApiToken", str]:
-        """Create a token called ``name``; returns the row and the raw token (shown once)."""
+    def issue(cls, name: str, tenant: str = "") -> tuple["ApiToken", str]:
+        """Create a token called ``name`` owned by ``tenant`` (blank: its own name); returns the row and
+        the raw token (shown once)."""
         raw = secrets.token_urlsafe(32)
-        token = cls.objects.create(name=name, token_hash=hash_token(raw), prefix=raw[:8])
+        token = cls.objects.create(name=name, tenant=tenant, token_hash=hash_token(raw), prefix=raw[:8])
         return token, raw
 
     @classmethod
@@ -75,6 +91,12 @@ class ExecProfileRecord(models.Model):
     demoted_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True, default="")
     updated_at = models.DateTimeField(default=timezone.now)
+    proven_size = models.BigIntegerField(
+        default=0, help_text="Largest event size (characters) of a fast, successful run since the last promotion; "
+                             "a demoted handler takes inline only events up to 4x this (at least 1 KiB).")
+    quarantined = models.TextField(
+        blank=True, default="", help_text="Why this matcher is pinned to the pool (it stalled a worker's loop, or "
+                                          "an operator said so); blank: not quarantined.")
 
     class Meta:
         verbose_name = "execution profile"

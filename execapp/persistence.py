@@ -17,6 +17,12 @@ Merge rule (several workers flushing the same matcher; docs/observability.md):
   writer whose transition is older than the row's adds its counters but not its samples.
 - p50/p99 are recomputed from the merged window; ``last_error`` is the latest writer's when
   it reports new errors.
+- ``proven_size`` (what inline was earned on) follows the window's regime rule: a newer
+  regime's writer replaces it, a writer of the same regime raises it to the larger of the
+  two, an outdated writer leaves it.
+- ``quarantined``: a writer whose quarantine changed since its previous flush (set or
+  released here) writes it; the others leave the row's (so one worker's release is not
+  undone by workers that still hold the old pin in memory until they restart).
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ log = logging.getLogger("execapp.persistence")
 
 COUNTERS = ("runs", "errors", "timeouts", "promotions", "demotions")
 _FIELDS = ["plugin", "state", "window", "p50_seconds", "p99_seconds", *COUNTERS, "promoted_at", "demoted_at",
-           "last_error", "updated_at"]
+           "last_error", "updated_at", "proven_size", "quarantined"]
 _SAME_TIME = 0.001  # seconds: timestamps round-trip through the database at microsecond precision
 BATCH = 100
 T = TypeVar("T")
@@ -47,10 +53,12 @@ T = TypeVar("T")
 
 @dataclass
 class _Flushed:
-    """What this worker last wrote for one profile: its version and counters (the delta base)."""
+    """What this worker last wrote for one profile: its version and counters (the delta base),
+    and its quarantine (written again only when it changes)."""
 
     version: int
     counters: dict[str, int]
+    quarantined: str | None = None
 
 
 def off_loop(fn: Callable[[], T]) -> T:
@@ -102,21 +110,28 @@ def _pct(ordered: list[float], q: float) -> float | None:
 
 
 def merge_into(row: ExecProfileRecord, snap: dict[str, Any], deltas: dict[str, int], new_samples: list[float],
-               window: int, plugin: str | None) -> None:
-    """Apply one worker's flush of one profile to its (locked) row: the merge rule above."""
+               window: int, plugin: str | None, *, quarantine_changed: bool = True) -> None:
+    """Apply one worker's flush of one profile to its (locked) row: the merge rule above.
+
+    ``quarantine_changed``: this writer's quarantine differs from what it last flushed or
+    loaded, so its value (``snap["quarantined"]``, None: released) replaces the row's."""
     row_promoted, row_demoted = _epoch(row.promoted_at), _epoch(row.demoted_at)
     row_transition = _latest(row_promoted, row_demoted)
     local_transition = _latest(snap["promoted_at"], snap["demoted_at"])
     promoted = _latest(row_promoted, snap["promoted_at"])
     demoted = _latest(row_demoted, snap["demoted_at"])
 
+    local_size = int(snap.get("proven_size") or 0)
     if local_transition is not None and (row_transition is None or local_transition > row_transition + _SAME_TIME):
         samples = list(snap["window"])  # this writer moved to a newer regime: its window replaces
+        proven = local_size
     elif (row_transition is None) == (local_transition is None) and (
             row_transition is None or abs(row_transition - local_transition) <= _SAME_TIME):  # type: ignore[operator]
         samples = (list(row.window or []) + list(new_samples))  # same regime: the most recent samples
+        proven = max(row.proven_size or 0, local_size)
     else:
         samples = list(row.window or [])  # an outdated regime: counters only
+        proven = row.proven_size or 0
     samples = [float(s) for s in samples[-window:]]
 
     if promoted is None and demoted is None:
@@ -136,6 +151,9 @@ def merge_into(row: ExecProfileRecord, snap: dict[str, Any], deltas: dict[str, i
     row.demoted_at = _ts(demoted)
     if deltas["errors"] > 0 and snap["last_error"]:
         row.last_error = snap["last_error"]
+    row.proven_size = proven
+    if quarantine_changed:
+        row.quarantined = snap.get("quarantined") or ""
     row.updated_at = timezone.now()
 
 
@@ -162,13 +180,15 @@ class ProfileStore:
             profile.restore(row.state, list(row.window or []), runs=row.runs, errors=row.errors,
                             timeouts=row.timeouts, promotions=row.promotions, demotions=row.demotions,
                             promoted_at=_epoch(row.promoted_at), demoted_at=_epoch(row.demoted_at),
-                            last_error=row.last_error, updated_at=_epoch(row.updated_at))
+                            last_error=row.last_error, updated_at=_epoch(row.updated_at),
+                            proven_size=row.proven_size, quarantined=row.quarantined or None)
             with self._lock:
-                self._flushed[row.matcher] = _Flushed(profile.version, {c: getattr(row, c) for c in COUNTERS})
+                self._flushed[row.matcher] = _Flushed(profile.version, {c: getattr(row, c) for c in COUNTERS},
+                                                      row.quarantined or None)
             restored += 1
         return restored
 
-    def _pending(self) -> list[tuple[str, int, dict[str, Any], dict[str, int], list[float]]]:
+    def _pending(self) -> list[tuple[str, int, dict[str, Any], dict[str, int], list[float], bool]]:
         """Profiles whose version moved since their last flush, with deltas and new samples."""
         pending = []
         for name, profile in dict(self.engine.profiles).items():
@@ -181,7 +201,8 @@ class ProfileStore:
             deltas = {c: snap[c] - base[c] for c in COUNTERS}
             window = snap["window"]
             fresh = window[len(window) - min(max(deltas["runs"], 0), len(window)):]
-            pending.append((name, version, snap, deltas, fresh))
+            changed = snap["quarantined"] != (done.quarantined if done else None)
+            pending.append((name, version, snap, deltas, fresh, changed))
         return pending
 
     def flush(self) -> int:
@@ -195,14 +216,14 @@ class ProfileStore:
             for start in range(0, len(pending), BATCH):
                 batch = sorted(pending[start:start + BATCH], key=lambda p: p[0])
                 self._write(batch, plugins)
-                for name, version, snap, _, _ in batch:
-                    self._flushed[name] = _Flushed(version, {c: snap[c] for c in COUNTERS})
+                for name, version, snap, *_ in batch:
+                    self._flushed[name] = _Flushed(version, {c: snap[c] for c in COUNTERS}, snap["quarantined"])
                 written += len(batch)
             self.flushes += 1
             self.rows_written += written
             return written
 
-    def _write(self, batch: list[tuple[str, int, dict[str, Any], dict[str, int], list[float]]],
+    def _write(self, batch: list[tuple[str, int, dict[str, Any], dict[str, int], list[float], bool]],
                plugins: dict[str, str | None]) -> None:
         names = [p[0] for p in batch]
         with transaction.atomic():
@@ -211,8 +232,9 @@ class ProfileStore:
                                                   ignore_conflicts=True)
             rows = {r.matcher: r for r in
                     ExecProfileRecord.objects.select_for_update().filter(matcher__in=names).order_by("matcher")}
-            for name, _, snap, deltas, fresh in batch:
-                merge_into(rows[name], snap, deltas, fresh, self.window, plugins.get(name))
+            for name, _, snap, deltas, fresh, changed in batch:
+                merge_into(rows[name], snap, deltas, fresh, self.window, plugins.get(name),
+                           quarantine_changed=changed)
             ExecProfileRecord.objects.bulk_update(list(rows.values()), _FIELDS)
 
     def tick(self) -> None:

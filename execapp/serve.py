@@ -1,33 +1,44 @@
-"""The server entry point: uvicorn with N worker processes and a drain before every shutdown.
+"""The server entry point: a supervisor, N uvicorn worker processes, a drain before every shutdown.
 
     python -m execapp.serve --workers 2 --host 0.0.0.0 --port 8000
 
 uvicorn's own shutdown closes every WebSocket (code 1012) before it waits for anything, which
 would cut accepted events before their `done`. ``ExecServer`` runs the worker's drain first
 (execapp.drain, bounded by EXECAPP['SHUTDOWN_GRACE_SECONDS']) and only then lets uvicorn close
-the connections. With ``--workers N`` a small supervisor binds the socket once, runs N spawned
-processes that share it (one Worker, ExecPool and engine each), forwards SIGTERM/SIGINT to
-them, restarts one that dies, and waits for their drains. See docs/operations.md.
+the connections. A ``Supervisor`` runs every worker, ``--workers 1`` included, as a spawned
+process (one Worker, ExecPool and engine each): it forwards SIGTERM/SIGINT, restarts a process
+that dies, waits for the drains, and is the watchdog (execapp.watchdog): it kills and replaces a
+worker whose event loop stalls past EXECAPP['LOOP_STALL_SECONDS'], quarantining the matcher it
+was running inline on every worker, and recycles (replacement first, then a drain) a worker with
+EXECAPP['STUCK_THREADS_LIMIT'] pool threads stuck. Bare uvicorn or daphne have no watchdog.
+See docs/operations.md.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import faulthandler
 import functools
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any, Sequence
 
 import uvicorn
 from uvicorn._subprocess import get_subprocess
 from uvicorn.config import STARTUP_FAILURE
+
+from . import watchdog
 
 log = logging.getLogger("execapp.serve")
 
@@ -36,41 +47,93 @@ DEFAULT_APP = "config.asgi:application"
 DEFAULT_CLOSE_TIMEOUT = 5
 #: Longest wait at start for the worker's first round of service ticks (plugins loaded).
 STARTUP_READY_SECONDS = 30
+#: How often the supervisor reads the workers' slots (heartbeats, recycle requests, exits).
+POLL_SECONDS = 0.1
+#: How long a stalled worker gets to write its threads' stacks (SIGUSR1) before its SIGKILL.
+STACK_DUMP_SECONDS = 0.5
+#: The close a WebSocket client gets when it connects to a worker that is shutting down.
+DRAINING_CLOSE = (1012, "draining: this worker is restarting; reconnect")
+
+
+class DrainGate:
+    """ASGI wrapper: once its server shuts down, a new WebSocket handshake is accepted and closed
+    at once with 1012 and a reason (reconnect), instead of joining a worker about to close it."""
+
+    def __init__(self, app: Any, server: "ExecServer") -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket" and self.server.refusing:
+            message = await receive()
+            if message["type"] == "websocket.connect":
+                await send({"type": "websocket.accept"})
+                await send({"type": "websocket.close", "code": DRAINING_CLOSE[0], "reason": DRAINING_CLOSE[1]})
+            return
+        await self.app(scope, receive, send)
 
 
 class ExecServer(uvicorn.Server):
-    """uvicorn's server with the process's Worker started before listening and drained before closing."""
+    """uvicorn's server with the process's Worker started before listening and drained before closing.
+
+    Under the supervisor it also beats its watchdog slot from the loop and reports its state
+    there (starting, ready, draining, exiting).
+    """
 
     def __init__(self, config: uvicorn.Config, grace: float | None = None) -> None:
         super().__init__(config)
         self.grace = grace
         self.worker: Any = None
         self.drain_report: dict[str, Any] | None = None
+        self.watch = watchdog.WorkerWatch.from_env()
+        self.refusing = False  # set at shutdown: DrainGate closes new WebSockets with 1012
+        self.handed_over = False  # the listener closed at once: sibling workers serve its clients
+        self._heartbeat: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         from . import worker as worker_module
 
+        if self.watch is not None:
+            # First of all: from here on the supervisor sees this loop beat (or stall).
+            self.watch.slot.state = watchdog.STATE_STARTING
+            self._heartbeat = self.watch.start_heartbeat()
+        self.config.loaded_app = DrainGate(self.config.loaded_app, self)
         # Built off the loop (its services may touch the database) and before the socket
         # listens, so the control listener is up and the plugins' matchers are installed (the
-        # housekeeper's first round of ticks) before the first client arrives: a new worker of a
-        # rolling deploy never answers an event with `matched: 0` because it was still starting.
+        # housekeeper's first round of ticks, which also applies the watchdog's quarantine list)
+        # before the first client arrives: a new worker of a rolling deploy never answers an
+        # event with `matched: 0` because it was still starting.
         self.worker = await asyncio.to_thread(worker_module.get_worker)
         if not await asyncio.to_thread(self.worker.ready.wait, STARTUP_READY_SECONDS):
             log.warning("worker %s: services not ready after %d s; serving anyway", self.worker.id,
                         STARTUP_READY_SECONDS)
         await super().startup(sockets)
+        if self.watch is not None and self.started and not self.should_exit:
+            self.watch.slot.state = watchdog.STATE_READY  # listening: the supervisor may retire a predecessor
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        # 1. No new connections to this process: siblings (or the next deploy) take them.
-        for server in getattr(self, "servers", []):
-            server.close()
+        # 1. New clients. If sibling workers serve (a recycle, or one worker stopped alone), close
+        #    the listener now: the kernel sends new connections and probes to them. If this is the
+        #    last worker serving (one worker, or the supervisor stops them all), keep listening
+        #    through the drain, so a probe gets /healthz 503 `draining` instead of a refused
+        #    connection; new WebSocket clients are closed with 1012 (DrainGate) meanwhile.
+        self.refusing = True
+        if self.watch is not None:
+            self.watch.slot.state = watchdog.STATE_DRAINING
+            self.handed_over = (not self.watch.supervisor_stopping
+                                and self.watch.slots.serving_siblings(self.watch.slot.index) > 0)
+        if self.handed_over:
+            for server in getattr(self, "servers", []):
+                server.close()
         # 2. Drain in a thread: the loop must keep running to send the `done` frames waited for.
         if self.worker is not None and not self.force_exit:
             from . import conf
             from .drain import drain_worker
 
+            self.worker.set_draining(True)  # /healthz says `draining` from this moment
             grace = float(self.grace if self.grace is not None else conf.get("SHUTDOWN_GRACE_SECONDS"))
-            log.info("draining worker %s before shutdown (grace %.1f s)", self.worker.id, grace)
+            log.info("draining worker %s before shutdown (grace %.1f s, %s)", self.worker.id, grace,
+                     "listener handed over to sibling workers" if self.handed_over else "still listening")
             self.drain_report = await asyncio.to_thread(drain_worker, self.worker, grace,
                                                         abort=lambda: self.force_exit)
             if self.drain_report["ok"]:
@@ -82,11 +145,15 @@ class ExecServer(uvicorn.Server):
                           self.worker.id, self.drain_report["reason"], self.drain_report["elapsed_seconds"],
                           ", ".join(self.drain_report["still_running"]) or "-",
                           self.drain_report["events_in_flight"])
-        # 3. uvicorn's own sequence: close connections (1012), wait for them, then the tasks.
+        # 3. uvicorn's own sequence: close the listener, close connections (1012), wait for them.
         await super().shutdown(sockets)
         # 4. Stop the worker: final profile flush, leave the control group and registry.
         if self.worker is not None:
             await asyncio.to_thread(self.worker.stop, 1.0)
+        if self.watch is not None:
+            self.watch.slot.state = watchdog.STATE_EXITING  # the heartbeat ends with the loop: no stall
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
 
 
 def reuse_port_socket(config: uvicorn.Config, listen: bool = True) -> socket.socket:
@@ -109,8 +176,15 @@ def reuse_port_socket(config: uvicorn.Config, listen: bool = True) -> socket.soc
     return sock
 
 
-def _run_child(config: uvicorn.Config, grace: float | None, reuse_port: bool, sockets: list[socket.socket]) -> None:
+def _run_child(config: uvicorn.Config, grace: float | None, reuse_port: bool, watch_dir: str, slot: int,
+               sockets: list[socket.socket]) -> None:
     """Body of one spawned worker process (picklable: the supervisor hands it to multiprocessing)."""
+    # The worker learns its watchdog slot from the environment (execapp.watchdog.WorkerWatch).
+    os.environ[watchdog.ENV_DIR] = watch_dir
+    os.environ[watchdog.ENV_SLOT] = str(slot)
+    # The supervisor sends SIGUSR1 before it kills a stalled worker: faulthandler writes every
+    # thread's stack to stderr from the signal handler itself, even while the loop is stuck in C.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     server = ExecServer(config, grace)
     if reuse_port:
         # Bound now but listening only once the worker is ready (ExecServer.startup), so the
@@ -119,34 +193,71 @@ def _run_child(config: uvicorn.Config, grace: float | None, reuse_port: bool, so
     server.run(sockets=sockets)
 
 
+@dataclass(eq=False)
+class Child:
+    """One worker process of the supervisor and its watchdog slot."""
+
+    process: Any
+    slot: watchdog.Slot
+    #: The process started to take this one's place (a recycle), until this one is gone.
+    replacement: "Child | None" = None
+    #: The process this one is to replace, until it takes over.
+    replaces: "Child | None" = None
+    retiring: bool = False  # SIGTERMed by the supervisor once its replacement listened
+    killed: bool = False  # SIGKILLed by the watchdog
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid)
+
+
 class Supervisor:
-    """Runs N ExecServer processes on one port; forwards stop signals and waits for the drains.
+    """Runs N ExecServer processes on one port: restarts, recycles, stops them, and watches their loops.
 
     ``reuse_port``: each worker listens on its own SO_REUSEPORT socket (Linux; even spread of
-    connections). Otherwise the workers share one socket bound here.
+    connections). Otherwise the workers share one socket bound here. ``stall_limit``: seconds
+    without a heartbeat after which a worker is killed and replaced (LOOP_STALL_SECONDS).
+    ``watch_dir``: where the watchdog's slots and quarantine list live (a fresh temporary
+    directory, removed at exit, when None).
     """
 
     def __init__(self, config: uvicorn.Config, grace: float | None, stop_timeout: float,
-                 reuse_port: bool = False) -> None:
+                 reuse_port: bool = False, stall_limit: float = 5.0, watch_dir: str | None = None) -> None:
         self.config = config
         self.grace = grace
         self.stop_timeout = stop_timeout
         self.reuse_port = reuse_port
+        self.stall_limit = stall_limit
+        self.watch_dir = watch_dir
         self.should_exit = threading.Event()
         self.signals: list[int] = []
-        self.processes: list[Any] = []
+        self.children: list[Child] = []
         self.exit_code = 0
+        self.slots: watchdog.SlotFile | None = None
+        self._free: collections.deque[int] = collections.deque()
+        self._sock: socket.socket | None = None
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         self.signals.append(sig)
         self.should_exit.set()
 
-    def _spawn(self, sock: socket.socket) -> Any:
-        target = functools.partial(_run_child, self.config, self.grace, self.reuse_port)
-        process = get_subprocess(self.config, target, [] if self.reuse_port else [sock])
+    def _spawn(self, replaces: Child | None = None) -> Child | None:
+        assert self.slots is not None and self._sock is not None
+        if not self._free:
+            log.error("no free watchdog slot for a new worker process (%d in use); retrying", self.slots.count)
+            return None
+        # The slot released longest ago: a killed worker's slot (its last heartbeat and inline
+        # mark, for a post-mortem) is reused as late as possible.
+        slot = self.slots.slot(self._free.popleft())
+        slot.clear()
+        target = functools.partial(_run_child, self.config, self.grace, self.reuse_port, self.watch_dir, slot.index)
+        process = get_subprocess(self.config, target, [] if self.reuse_port else [self._sock])
         process.start()
-        log.info("started worker process [%s]", process.pid)
-        return process
+        slot.pid = process.pid
+        child = Child(process, slot, replaces=replaces)
+        self.children.append(child)
+        log.info("started worker process [%s] (watchdog slot %d)", process.pid, slot.index)
+        return child
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; return the exit code (3 when a worker cannot start)."""
@@ -161,46 +272,142 @@ class Supervisor:
             # Listen here, not only in the workers: a client arriving while they start waits in
             # the backlog for the first ready worker instead of being refused.
             sock.listen(self.config.backlog)
+        self._sock = sock
+        own_dir = self.watch_dir is None
+        if own_dir:
+            self.watch_dir = tempfile.mkdtemp(prefix=f"execapp-watchdog-{self.config.port}-")
+        assert self.watch_dir is not None
+        os.makedirs(self.watch_dir, exist_ok=True)
+        # Room for every worker and a replacement of each (a recycle runs both for a while).
+        count = 2 * self.config.workers + 2
+        self.slots = watchdog.SlotFile.create(Path(self.watch_dir) / watchdog.SLOTS_FILE, count)
+        self._free.extend(range(count))
+        log.info("watchdog: slots and quarantine list in %s (loop stall limit %g s)", self.watch_dir,
+                 self.stall_limit)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        self.processes = [self._spawn(sock) for _ in range(self.config.workers)]
-        while not self.should_exit.wait(0.5):
-            self._keep_alive(sock)
-        self._stop_all()
-        sock.close()
+        try:
+            for _ in range(self.config.workers):
+                self._spawn()
+            while not self.should_exit.wait(POLL_SECONDS):
+                self._tick()
+            self._stop_all()
+        finally:
+            sock.close()
+            if own_dir:
+                shutil.rmtree(self.watch_dir, ignore_errors=True)
         return self.exit_code
 
-    def _keep_alive(self, sock: socket.socket) -> None:
-        for i, process in enumerate(self.processes):
-            if process.is_alive() or self.should_exit.is_set():
+    def _tick(self) -> None:
+        """One round of supervision: reap exits, catch stalls, run recycles."""
+        missing = self.config.workers - sum(1 for c in self.children if c.replaces is None)
+        for _ in range(max(0, missing)):  # a spawn that found no free slot last round
+            self._spawn()
+        for child in list(self.children):
+            if not child.process.is_alive():
+                self._reap(child)
                 continue
-            process.join()
-            if process.exitcode == STARTUP_FAILURE:
-                log.error("worker process [%s] failed to start; stopping (see its log above)", process.pid)
-                self.exit_code = STARTUP_FAILURE
-                self.should_exit.set()
+            self._watch(child)
+            if self.should_exit.is_set():
                 return
-            log.warning("worker process [%s] died with exit code %s; starting another", process.pid,
-                        process.exitcode)
-            self.processes[i] = self._spawn(sock)
+            if child.slot.state == watchdog.STATE_RECYCLE and child.replacement is None and not child.retiring:
+                log.warning("worker process [%s] asks to be recycled (%d pool threads stuck past their deadline): "
+                            "starting its replacement", child.pid, child.slot.stuck)
+                child.replacement = self._spawn(replaces=child)
+            new = child.replacement
+            if new is not None and not child.retiring and new.slot.state == watchdog.STATE_READY:
+                log.warning("worker process [%s] listens: draining worker process [%s] (SIGTERM)", new.pid,
+                            child.pid)
+                child.retiring = True
+                os.kill(child.pid, signal.SIGTERM)
+
+    def _reap(self, child: Child) -> None:
+        """A worker process has exited: free its slot and decide whether to start another."""
+        child.process.join()
+        self.children.remove(child)
+        self._free.append(child.slot.index)
+        code = child.process.exitcode
+        if code == STARTUP_FAILURE:
+            log.error("worker process [%s] failed to start; stopping (see its log above)", child.pid)
+            self.exit_code = STARTUP_FAILURE
+            self.should_exit.set()
+            return
+        if self.should_exit.is_set():
+            return
+        if child.retiring:
+            log.info("worker process [%s] recycled (exit code %s); [%s] serves in its place", child.pid, code,
+                     child.replacement.pid if child.replacement else "?")
+            if child.replacement is not None:
+                child.replacement.replaces = None
+            return
+        if child.replaces is not None:  # a replacement died before taking over: the original serves on
+            log.warning("replacement worker process [%s] died with exit code %s before it listened", child.pid, code)
+            child.replaces.replacement = None
+            return
+        if child.replacement is not None:  # it died while its replacement starts: that one takes over
+            log.warning("worker process [%s] died with exit code %s; its replacement [%s] takes over", child.pid,
+                        code, child.replacement.pid)
+            child.replacement.replaces = None
+            return
+        if not child.killed:
+            log.warning("worker process [%s] died with exit code %s; starting another", child.pid, code)
+        self._spawn()
+
+    def _watch(self, child: Child) -> None:
+        """Kill and replace ``child`` if its loop has not beaten for ``stall_limit`` seconds."""
+        if child.killed or child.slot.state in (watchdog.STATE_EXITING, watchdog.STATE_EMPTY):
+            return
+        beat = child.slot.heartbeat
+        if beat <= 0:
+            return  # not beating yet: still importing (no loop to watch)
+        stalled = time.monotonic() - beat
+        if stalled <= self.stall_limit or time.monotonic() - child.slot.heartbeat <= self.stall_limit:
+            return  # (read twice: an 8-byte read racing the write could be torn)
+        child.killed = True
+        name, truncated = child.slot.mark()
+        if name:
+            reason = (f"stalled the event loop of worker process {child.pid} for {stalled:.1f} s while running "
+                      f"inline (EXECAPP['LOOP_STALL_SECONDS'] is {self.stall_limit:g})")
+            assert self.watch_dir is not None
+            watchdog.append_quarantine(self.watch_dir, name, truncated, reason)
+            log.error("worker process [%s]: event loop stalled for %.1f s (limit %g s) running matcher %s inline: "
+                      "quarantined on every worker (it runs in the pool only from now on); killing the worker "
+                      "and starting another", child.pid, stalled, self.stall_limit, name + ("..." if truncated else ""))
+        else:
+            log.error("worker process [%s]: event loop stalled for %.1f s (limit %g s) outside any inline handler "
+                      "(server code, or a pooled handler holding the GIL: the threads' stacks follow); killing the "
+                      "worker and starting another", child.pid, stalled, self.stall_limit)
+        try:
+            os.kill(child.pid, signal.SIGUSR1)
+            time.sleep(STACK_DUMP_SECONDS)
+            child.process.kill()
+        except ProcessLookupError:
+            pass
 
     def _stop_all(self) -> None:
         # SIGTERM each worker: it drains (bounded by the grace), closes its connections with
-        # 1012 and exits. A SIGINT from a terminal reached them already; a second SIGINT (or a
-        # second signal here) forces them, as uvicorn does.
+        # 1012 and exits. The STOPPING flag tells each that it is not being replaced: it keeps
+        # listening through its drain, so probes get 503. A SIGINT from a terminal reached them
+        # already; a second SIGINT (or a second signal here) forces them, as uvicorn does.
+        assert self.slots is not None
+        self.slots.flags = self.slots.flags | watchdog.FLAG_STOPPING
         forced = len(self.signals) > 1
-        for process in self.processes:
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGINT if forced else signal.SIGTERM)
+        for child in self.children:
+            if child.process.is_alive():
+                os.kill(child.pid, signal.SIGINT if forced else signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout
-        for process in self.processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                log.error("worker process [%s] still running %.0f s after SIGTERM; killing it", process.pid,
+        while time.monotonic() < deadline and any(c.process.is_alive() for c in self.children):
+            for child in self.children:
+                if child.process.is_alive():
+                    self._watch(child)  # a drain that stalls its loop is a stall too
+            time.sleep(POLL_SECONDS)
+        for child in self.children:
+            if child.process.is_alive():
+                log.error("worker process [%s] still running %.0f s after SIGTERM; killing it", child.pid,
                           self.stop_timeout)
-                process.kill()
-                process.join()
-            log.info("worker process [%s] exited (%s)", process.pid, process.exitcode)
+                child.process.kill()
+            child.process.join()
+            log.info("worker process [%s] exited (%s)", child.pid, child.process.exitcode)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,16 +448,14 @@ def make_config(args: argparse.Namespace) -> uvicorn.Config:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the server: in this process for one worker, under a Supervisor for several."""
+    """Run the server: a Supervisor (the watchdog) over ``--workers`` spawned worker processes, one included."""
     args = build_parser().parse_args(argv)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
     sys.path.insert(0, os.getcwd())
     config = make_config(args)
-    if config.workers == 1:
-        ExecServer(config, args.grace).run()
-        return 0
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        # Several processes: /metrics must add them up (prometheus_client's multiprocess mode,
+        # Several processes (a recycle runs a replacement beside its predecessor even with one
+        # worker): /metrics must add them up (prometheus_client's multiprocess mode,
         # docs/observability.md). Set before the workers start, as prometheus_client requires.
         path = os.path.join(tempfile.gettempdir(), f"execapp-prometheus-{config.port}")
         os.makedirs(path, exist_ok=True)
@@ -261,10 +466,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from . import conf
 
     grace = args.grace if args.grace is not None else float(conf.get("SHUTDOWN_GRACE_SECONDS"))
-    log.info("execapp.serve: %d worker processes on %s:%d (metrics in %s)", config.workers, config.host, config.port,
-             os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    log.info("execapp.serve: %d worker process%s on %s:%d (metrics in %s)", config.workers,
+             "" if config.workers == 1 else "es", config.host, config.port, os.environ["PROMETHEUS_MULTIPROC_DIR"])
     reuse_port = hasattr(socket, "SO_REUSEPORT") and not args.shared_socket
-    return Supervisor(config, args.grace, stop_timeout=grace + args.close_timeout + 10, reuse_port=reuse_port).run()
+    return Supervisor(config, args.grace, stop_timeout=grace + args.close_timeout + 10, reuse_port=reuse_port,
+                      stall_limit=float(conf.get("LOOP_STALL_SECONDS")),
+                      watch_dir=os.environ.get(watchdog.ENV_DIR) or None).run()
 
 
 if __name__ == "__main__":

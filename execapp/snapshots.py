@@ -325,7 +325,8 @@ def _aggregate_matchers(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                             "kind": m.get("kind"), "pattern": m.get("pattern"), "classes": {},
                                             "states": {}, "p50": None, "p99": None, "runs": 0, "errors": 0,
                                             "timeouts": 0, "promotions": 0, "demotions": 0, "promoted_at": None,
-                                            "demoted_at": None, "last_error": "", "workers": 0}
+                                            "demoted_at": None, "last_error": "", "workers": 0,
+                                            "quarantined": None}
             row["workers"] += 1
             row["classes"][m["exec_class"]] = row["classes"].get(m["exec_class"], 0) + 1
             row["states"][m["state"]] = row["states"].get(m["state"], 0) + 1
@@ -336,6 +337,8 @@ def _aggregate_matchers(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     row[k] = m[k]
             if m.get("last_error"):
                 row["last_error"] = m["last_error"]
+            if m.get("quarantined"):  # pinned to the pool on some worker (the watchdog's reason)
+                row["quarantined"] = m["quarantined"]
     for row in rows.values():
         row["exec_class"] = "/".join(sorted(row["classes"]))
         row["state"] = "/".join(sorted(row["states"]))
@@ -345,13 +348,14 @@ def _aggregate_matchers(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _total(live: list[dict[str, Any]]) -> dict[str, Any]:
     total: dict[str, Any] = {"workers": len(live)}
     for key in ("capacity", "in_flight", "queued", "queue_capacity", "workers", "idle_workers", "submitted",
-                "completed", "failed", "rejected"):
+                "completed", "failed", "rejected", "stuck", "stuck_total"):
         total["threads" if key == "workers" else key] = sum((w["pool"] or {}).get(key, 0) for w in live)
     for key in ("events", "inline", "pooled", "fallbacks", "overloaded", "errors"):
         total[key] = sum(w["counts"].get(key, 0) for w in live)
     room = total["capacity"] + total["queue_capacity"]
     total["saturation"] = (total["in_flight"] + total["queued"]) / room if room else 0.0
     total["events_per_second"] = sum(w.get("events_per_second", 0.0) for w in live)
+    total["recycling"] = sum(1 for w in live if w.get("recycling"))
     for key in ("delay_p50", "delay_p99"):
         values = [(w["pool"] or {}).get(key) for w in live if (w["pool"] or {}).get(key) is not None]
         total[key] = max(values) if values else None

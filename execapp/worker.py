@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from . import conf
 from .engine import Engine, ExecPool, ExecProfile
+from .watchdog import WorkerWatch
 
 log = logging.getLogger("execapp.worker")
 
@@ -39,6 +40,9 @@ SERVICE_FACTORIES: list[str] = [
     "execapp.snapshots.snapshot_publisher",
     # Build the engine's matchers from the plugin registry and re-sync on change (plugins/sync.py).
     "plugins.sync.registry_sync",
+    # The supervisor's watchdog: applies its quarantine list (after the sync, so a new worker's
+    # first round of ticks pins the offenders before it listens) and watches stuck pool threads.
+    "execapp.watchdog.watchdog_service",
 ]
 
 
@@ -54,10 +58,18 @@ class Worker:
             pool=self.pool,
             overflow=conf.get("OVERFLOW_POLICY"),
             overflow_wait=conf.get("OVERFLOW_WAIT_SECONDS"),
+            inline_timeout=conf.get("INLINE_TIMEOUT_SECONDS"),
             profile_factory=partial(ExecProfile, window=conf.get("PROFILE_WINDOW"),
                                     slow_threshold=conf.get("SLOW_THRESHOLD_SECONDS")),
         )
         self.draining = False
+        #: Set once this worker asked its supervisor for a replacement (too many stuck pool threads).
+        self.recycling = False
+        # Under the execapp.serve supervisor: this process's watchdog slot. The engine marks every
+        # inline run in it, so a loop stalled in a handler is named from outside after a SIGKILL.
+        self.watch = WorkerWatch.from_env()
+        if self.watch is not None:
+            self.engine.set_inline_slot(self.watch.slot.mark_buffer())
         # Events accepted by this process's consumers whose `done` is not yet sent. Counted under
         # the same lock that flips `draining`, so an event is either refused or counted: a drain
         # never misses one accepted just as it started (see begin_event; docs/operations.md).
@@ -113,6 +125,7 @@ class Worker:
     def status(self) -> dict[str, Any]:
         """This worker's identity, drain state, engine counters and pool stats."""
         return {"worker": self.id, "pid": os.getpid(), "started_at": self.started_at, "draining": self.draining,
+                "recycling": self.recycling,
                 "events_in_flight": self.events_in_flight, "events_finished": self.events_finished,
                 **self.engine.stats()}
 

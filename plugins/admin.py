@@ -7,7 +7,7 @@ from django.contrib import admin, messages
 from django.db import transaction
 
 from .forms import BindingFormSet, PluginForm
-from .models import Binding, KVEntry, Plugin, RegistryState
+from .models import QUOTA_FIELDS, Binding, KVEntry, Plugin, RegistryState
 
 
 class BindingInline(admin.TabularInline):
@@ -25,7 +25,7 @@ class PluginAdmin(admin.ModelAdmin):
                     "max_concurrency", "binding_count", "updated_at"]
     list_filter = ["runtime", "enabled", "strategy"]
     search_fields = ["name", "description"]
-    readonly_fields = ["version", "module_size", "created_at", "updated_at"]
+    readonly_fields = ["version", "module_size", "kv_stored", "created_at", "updated_at"]
     actions = ["enable_plugins", "disable_plugins"]
     fieldsets = [
         (None, {"fields": ["name", "description", "runtime", "enabled", "version"]}),
@@ -35,6 +35,10 @@ class PluginAdmin(admin.ModelAdmin):
         ("Permissions", {"fields": ["permissions", "http_allowlist"]}),
         ("Limits and instances", {"fields": ["timeout_ms", "memory_mb", "max_concurrency", "strategy", "pool_size",
                                              "shard_count"]}),
+        ("Host quotas", {"fields": [*QUOTA_FIELDS, "kv_stored"],
+                         "description": "A KV or HTTP quota ends the call with its code (quota_kv, "
+                                        "quota_kv_writes, quota_http); log lines past a log quota are dropped "
+                                        "and counted in one summary line. 0 allows none; empty: the default."}),
         ("History", {"fields": ["created_at", "updated_at"]}),
     ]
 
@@ -48,6 +52,17 @@ class PluginAdmin(admin.ModelAdmin):
     @admin.display(description="bindings")
     def binding_count(self, obj: Plugin) -> int:
         return len(obj.bindings.all())
+
+    @admin.display(description="KV stored now")
+    def kv_stored(self, obj: Plugin) -> str:
+        if not obj.pk:
+            return "-"
+        from .kv import kv_store
+        try:
+            keys, total = kv_store().usage(obj.name)
+        except Exception as exc:  # the admin page must open even when Redis is down
+            return f"unavailable ({type(exc).__name__}: {exc})"
+        return f"{keys} keys, {total} bytes"
 
     @admin.display(description="WASM module")
     def module_size(self, obj: Plugin) -> str:
@@ -65,11 +80,13 @@ class PluginAdmin(admin.ModelAdmin):
             transaction.on_commit(refresh_tracked_engines)
         self.message_user(request, f"{count} plugin(s) {'enabled' if enabled else 'disabled'}.", messages.SUCCESS)
 
-    @admin.action(description="Enable selected plugins")
+    # allowed_permissions: Django hides the action from a user without change_plugin and answers
+    # "No action selected" to a forged POST naming it (tests/execapp/test_admin_permissions.py).
+    @admin.action(description="Enable selected plugins", permissions=["change"])
     def enable_plugins(self, request: Any, queryset: Any) -> None:
         self._set_enabled(request, queryset, True)
 
-    @admin.action(description="Disable selected plugins")
+    @admin.action(description="Disable selected plugins", permissions=["change"])
     def disable_plugins(self, request: Any, queryset: Any) -> None:
         self._set_enabled(request, queryset, False)
 

@@ -9,11 +9,11 @@ from django.db import transaction
 
 from . import spec as specs
 from .errors import PluginInvalid
-from .models import Binding, Plugin
+from .models import QUOTA_FIELDS, Binding, Plugin
 
 EXAMPLES_DIR = Path(__file__).resolve().parent / "examples"
 _FIELDS = ("description", "runtime", "enabled", "permissions", "http_allowlist", "timeout_ms", "memory_mb",
-           "max_concurrency", "strategy", "pool_size", "shard_count")
+           "max_concurrency", "strategy", "pool_size", "shard_count", *QUOTA_FIELDS)
 
 
 def _defaults(entry: dict[str, Any], source: str) -> dict[str, Any]:
@@ -26,6 +26,8 @@ def _defaults(entry: dict[str, Any], source: str) -> dict[str, Any]:
         "max_concurrency": entry.get("max_concurrency", specs.DEFAULT_MAX_CONCURRENCY),
         "strategy": entry.get("strategy", ""), "pool_size": entry.get("pool_size", specs.DEFAULT_POOL_SIZE),
         "shard_count": entry.get("shard_count", specs.DEFAULT_SHARD_COUNT),
+        # Host quotas (docs/plugins.md, "Limits and quotas"): a manifest may set any of them.
+        **{field: entry.get(field, Plugin._meta.get_field(field).get_default()) for field in QUOTA_FIELDS},
     }
 
 

@@ -83,3 +83,40 @@ class CompileError(Exception):
     def __init__(self, message: str, code: str = "plugin_invalid") -> None:
         super().__init__(message)
         self.code = code
+
+
+# Host quotas (plugins/host.py, plugins/kv.py). A quota stop ends the call like a timeout: the
+# guest cannot catch it and go on (Lua marks the call failed, JS leaves the host loop, WASM traps).
+
+#: Each quota code a plugin can meet, and what it means (execapp.protocol.ERROR_CODES repeats them).
+QUOTA_CODES: dict[str, str] = {
+    "quota_kv": "a kv_set would take the plugin's stored KV data past its key or byte quota",
+    "quota_kv_writes": "a handler called kv_set more times in one call than its plugin allows",
+    "quota_http": "a handler made more http_get requests, or received more response bytes, in one call "
+                  "than its plugin allows",
+}
+
+
+class GuestQuota(GuestError):
+    """A host call would exceed one of the plugin's quotas; ``code`` names which (QUOTA_CODES).
+
+    Raised by the host inside a guest call; it ends the call (``poison``: the instance is
+    replaced, since the guest was stopped mid-way as by a timeout).
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message, poison=True)
+        self.code = code
+
+
+class QuotaExceeded(HandlerError):
+    """A handler's call was ended because it hit one of its plugin's host quotas.
+
+    ``code`` is the quota's own code (``quota_kv``, ``quota_kv_writes``, ``quota_http``).
+    """
+
+    code = "quota"
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code

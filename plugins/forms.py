@@ -9,7 +9,7 @@ from django.forms.models import BaseInlineFormSet
 
 from .errors import PluginInvalid
 from .loaded import validate
-from .models import Plugin
+from .models import QUOTA_FIELDS, Plugin
 from .spec import PERMISSIONS
 
 MAX_UPLOAD_BYTES = 4 << 20
@@ -27,11 +27,22 @@ class PluginForm(forms.ModelForm):
     class Meta:
         model = Plugin
         fields = ["name", "description", "runtime", "enabled", "source", "upload", "permissions", "http_allowlist",
-                  "timeout_ms", "memory_mb", "max_concurrency", "strategy", "pool_size", "shard_count"]
+                  "timeout_ms", "memory_mb", "max_concurrency", "strategy", "pool_size", "shard_count",
+                  *QUOTA_FIELDS]
         widgets = {"source": forms.Textarea(attrs={"rows": 20, "cols": 100, "style": "font-family: monospace"})}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A quota left empty takes its default (and forms posted before quotas existed still save).
+        for name in QUOTA_FIELDS:
+            if name in self.fields:
+                self.fields[name].required = False
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean()
+        for name in QUOTA_FIELDS:
+            if cleaned.get(name) is None:
+                cleaned[name] = Plugin._meta.get_field(name).get_default()
         upload = cleaned.get("upload")
         if upload:
             if upload.size > MAX_UPLOAD_BYTES:

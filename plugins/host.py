@@ -1,20 +1,30 @@
-"""The host API every runtime exposes to guests, each call checked against the plugin's permissions.
+"""The host API every runtime exposes to guests: one ``Host`` per guest call, checked against the
+plugin's permissions, its deadline and its quotas.
 
 ``log(msg)``, ``kv_get(key)``, ``kv_set(key, value)``, ``sleep(ms)``, ``http_get(url)``. A
 denied or failing call raises here; each runtime turns that into an error inside the guest
-(Lua ``error``, a rejected JS promise, a WASM trap). ``sleep`` and ``http_get`` respect the
-call's deadline: a sleep that would end past it fails at once with a timeout.
+(Lua ``error``, a rejected JS promise, a WASM trap), which the guest may catch.
+
+Two kinds of failure end the call instead, whatever the guest does: GuestTimeout (every call
+first checks the remaining time; ``sleep`` and ``http_get`` get only what is left of it) and
+GuestQuota (a KV or HTTP quota of plugins.spec.Quotas; the runtimes make it uncatchable, like a
+timeout). Log lines past the log quota are dropped, not refused. A denied call is logged once
+per call. The runtime calls ``close()`` when the guest call ends: it writes the one summary
+line of what was dropped or denied.
 """
 from __future__ import annotations
 
+import http.client
 import logging
+import socket
+import ssl
+import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .errors import GuestTimeout, HostDenied
+from .errors import GuestQuota, GuestTimeout, HostDenied
 from .kv import MAX_KEY_CHARS, MAX_VALUE_CHARS, kv_store
 from .spec import PluginSpec
 
@@ -23,8 +33,13 @@ guest_log = logging.getLogger("plugins.guest")
 
 MAX_LOG_CHARS = 2000
 MAX_SLEEP_MS = 60_000
+#: Upper bound of one http_get even when the plugin's budget is longer.
 HTTP_TIMEOUT_SECONDS = 5.0
+#: Body bytes of one response (larger: a failed call the guest sees); the per-call total is a quota.
 HTTP_MAX_BYTES = 64 * 1024
+HTTP_MAX_REDIRECTS = 5
+HTTP_CHUNK = 16 * 1024
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
 class HostCallError(Exception):
@@ -32,41 +47,100 @@ class HostCallError(Exception):
 
 
 class Host:
-    """The host API bound to one call of one plugin (its permissions and its deadline)."""
+    """The host API bound to one call of one plugin: its permissions, deadline and per-call counts.
 
-    __slots__ = ("spec", "deadline", "loading")
+    Made by the runtime for one guest call (lazily, at the call's first host call) and used by
+    that call's thread only, so the counters need no lock.
+    """
+
+    __slots__ = ("spec", "deadline", "loading", "quotas", "kv_writes", "log_lines", "log_bytes", "log_dropped",
+                 "http_requests", "http_bytes", "denied", "closed")
 
     def __init__(self, spec: PluginSpec, deadline: float, loading: bool = False) -> None:
         self.spec = spec
         self.deadline = deadline  # time.monotonic() value
         self.loading = loading  # the plugin's top level is running: no host calls then
+        self.quotas = spec.quotas
+        self.kv_writes = self.log_lines = self.log_bytes = self.log_dropped = 0
+        self.http_requests = self.http_bytes = self.denied = 0
+        self.closed = False
 
     def _check(self, perm: str, call: str) -> None:
         if self.loading:
             raise HostCallError(f"{call}: the host API is not available while the plugin's top level runs; "
                                 "call it from a handler")
+        if time.monotonic() >= self.deadline:
+            raise GuestTimeout(f"{call}: no time left of the plugin's {self.spec.timeout * 1000:g} ms timeout")
         if perm not in self.spec.permissions:
-            log.warning("plugin %r: %s denied (no %r permission)", self.spec.name, call, perm)
-            raise HostDenied(f"{call}: plugin {self.spec.name!r} has no {perm!r} permission; "
+            raise self._deny(f"{call} denied (no {perm!r} permission)",
+                             f"{call}: plugin {self.spec.name!r} has no {perm!r} permission; "
                              f"grant it in the plugin's permissions")
+
+    def _deny(self, what: str, message: str) -> HostDenied:
+        """Count a denied call; only the first of the call is logged (a guest may retry in a loop)."""
+        self.denied += 1
+        if self.denied == 1:
+            log.warning("plugin %r: %s; further denials in this call are counted, not logged",
+                        self.spec.name, what)
+        return HostDenied(message)
 
     def remaining(self) -> float:
         """Seconds left before this call's deadline."""
         return self.deadline - time.monotonic()
 
+    def close(self) -> None:
+        """The guest call ended: write the summary of dropped log lines and denied calls, once."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.log_dropped:
+            q = self.quotas
+            guest_log.warning("plugin %r: %d log lines dropped (limit %d lines and %d bytes per call)",
+                              self.spec.name, self.log_dropped, q.log_lines, q.log_bytes)
+        if self.denied > 1:
+            log.info("plugin %r: %d host calls denied in one call", self.spec.name, self.denied)
+
+    def __del__(self) -> None:
+        # A safety net for a runtime that never called close(): CPython frees the Host when its
+        # call's last reference goes, so the summary is still written, just not by design.
+        try:
+            self.close()
+        except Exception:  # interpreter teardown: logging may be gone
+            pass
+
     def log(self, message: Any) -> None:
-        """Write one line to the 'plugins.guest' logger, tagged with the plugin's name."""
+        """Write one line to the 'plugins.guest' logger, tagged with the plugin's name.
+
+        Past the log quota of the call the line is dropped (and so is every later one).
+        """
         self._check("log", "log")
-        guest_log.info("[%s] %s", self.spec.name, str(message)[:MAX_LOG_CHARS])
+        text = str(message)[:MAX_LOG_CHARS]
+        size = len(text.encode("utf-8", "replace"))
+        q = self.quotas
+        if self.log_dropped or self.log_lines >= q.log_lines or self.log_bytes + size > q.log_bytes:
+            self.log_dropped += 1
+            return
+        self.log_lines += 1
+        self.log_bytes += size
+        guest_log.info("[%s] %s", self.spec.name, text)
 
     def kv_get(self, key: Any) -> str | None:
         """The value stored under ``key`` in this plugin's namespace, or None."""
         self._check("kv", "kv_get")
-        return kv_store().get(self.spec.name, _key(key), self.remaining())
+        key = _key(key)
+        try:
+            return kv_store().get(self.spec.name, key, self.remaining())
+        except TimeoutError:
+            raise GuestTimeout("kv_get: the KV store did not answer before the plugin's deadline") from None
 
     def kv_set(self, key: Any, value: Any) -> None:
         """Store ``value`` (a string; numbers and booleans are converted) under ``key``."""
         self._check("kv", "kv_set")
+        q = self.quotas
+        if self.kv_writes >= q.kv_writes:
+            raise GuestQuota("quota_kv_writes", f"kv_set: plugin {self.spec.name!r} already made {self.kv_writes} "
+                                                f"kv_set calls in this call, its KV writes per call quota is "
+                                                f"{q.kv_writes}; write less per event, or raise the quota")
         if isinstance(value, bool):
             value = "true" if value else "false"
         elif isinstance(value, float) and value.is_integer():
@@ -77,7 +151,12 @@ class Host:
             raise HostCallError(f"kv_set: value must be a string or a number, not {type(value).__name__}")
         if len(value) > MAX_VALUE_CHARS:
             raise HostCallError(f"kv_set: value of {len(value)} chars is over the {MAX_VALUE_CHARS} limit")
-        kv_store().set(self.spec.name, _key(key), value, self.remaining())
+        key = _key(key)
+        self.kv_writes += 1
+        try:
+            kv_store().set(self.spec.name, key, value, self.remaining(), q)
+        except TimeoutError:
+            raise GuestTimeout("kv_set: the KV store did not answer before the plugin's deadline") from None
 
     def sleep(self, ms: Any) -> None:
         """Wait ``ms`` milliseconds (the stand-in for an external call), within the deadline."""
@@ -93,32 +172,104 @@ class Host:
         time.sleep(ms / 1000)
 
     def http_get(self, url: Any) -> str:
-        """GET ``url`` from an allowlisted host; the body as text (capped, with its own timeout)."""
+        """GET ``url`` from an allowlisted host; the body as text.
+
+        The whole transfer (name lookup, connect, TLS, headers, body, redirects) ends by the
+        call's deadline (and within HTTP_TIMEOUT_SECONDS); every request and body byte counts
+        against the call's HTTP quotas.
+        """
         self._check("http", "http_get")
         url = str(url)
-        parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise HostCallError(f"http_get: {url!r} is not an http(s) URL")
-        if not host_allowed(parsed.hostname, self.spec.http_allowlist):
-            log.warning("plugin %r: http_get %s denied (host not on the allowlist)", self.spec.name, url)
-            raise HostDenied(f"http_get: host {parsed.hostname!r} is not on plugin {self.spec.name!r}'s "
-                             "HTTP allowlist")
-        timeout = min(HTTP_TIMEOUT_SECONDS, self.remaining())
-        if timeout <= 0:
-            raise GuestTimeout("http_get: no time left before the plugin's timeout")
-        opener = urllib.request.build_opener(_AllowlistRedirects(self.spec.http_allowlist))
+        started = time.monotonic()
+        deadline = min(self.deadline, started + HTTP_TIMEOUT_SECONDS)
+        for hop in range(HTTP_MAX_REDIRECTS + 1):
+            parsed = urllib.parse.urlsplit(url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise HostCallError(f"http_get: {url!r} is not an http(s) URL")
+            if not host_allowed(parsed.hostname, self.spec.http_allowlist):
+                if hop:
+                    raise self._deny(f"http_get redirect to {url} denied (host not on the allowlist)",
+                                     f"http_get: redirect to {parsed.hostname!r}, which is not on the HTTP allowlist")
+                raise self._deny(f"http_get {url} denied (host not on the allowlist)",
+                                 f"http_get: host {parsed.hostname!r} is not on plugin {self.spec.name!r}'s "
+                                 "HTTP allowlist")
+            q = self.quotas
+            if self.http_requests >= q.http_requests:
+                raise GuestQuota("quota_http", f"http_get: plugin {self.spec.name!r} already made "
+                                               f"{self.http_requests} requests in this call, its HTTP requests per "
+                                               f"call quota is {q.http_requests}; fetch less per event, or raise "
+                                               "the quota")
+            self.http_requests += 1
+            try:
+                status, location, body = self._fetch(parsed, deadline)
+            except (TimeoutError, socket.timeout):
+                if time.monotonic() >= self.deadline or deadline == self.deadline:
+                    raise GuestTimeout(f"http_get: {url} ran past the plugin's "
+                                       f"{self.spec.timeout * 1000:g} ms timeout") from None
+                raise HostCallError(f"http_get: {url} timed out after {HTTP_TIMEOUT_SECONDS:g} s") from None
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                if time.monotonic() >= self.deadline:
+                    raise GuestTimeout(f"http_get: {url} ran past the plugin's "
+                                       f"{self.spec.timeout * 1000:g} ms timeout") from None
+                raise HostCallError(f"http_get: {url} failed: {type(exc).__name__}: {exc}") from None
+            if status in _REDIRECTS and location:
+                url = urllib.parse.urljoin(url, location)
+                continue
+            if not 200 <= status < 300:
+                raise HostCallError(f"http_get: {url} answered HTTP {status}")
+            return body.decode("utf-8", "replace")
+        raise HostCallError(f"http_get: more than {HTTP_MAX_REDIRECTS} redirects from {url}")
+
+    def _fetch(self, parsed: urllib.parse.SplitResult, deadline: float) -> tuple[int, str | None, bytes]:
+        """One GET: ``(status, Location header, body)``; the body only for a 2xx answer."""
+        host = parsed.hostname or ""
+        https = parsed.scheme == "https"
+        port = parsed.port or (443 if https else 80)
+        conn = http.client.HTTPConnection(host, port)
         try:
-            with opener.open(url, timeout=timeout) as resp:
-                body = resp.read(HTTP_MAX_BYTES + 1)
-        except urllib.error.HTTPError as exc:
-            raise HostCallError(f"http_get: {url} answered HTTP {exc.code}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            if self.remaining() <= 0:
-                raise GuestTimeout(f"http_get: {url} ran past the plugin's timeout") from None
-            raise HostCallError(f"http_get: {url} failed: {getattr(exc, 'reason', exc)}") from None
-        if len(body) > HTTP_MAX_BYTES:
-            raise HostCallError(f"http_get: response from {url} is over the {HTTP_MAX_BYTES}-byte cap")
-        return body.decode("utf-8", "replace")
+            sock = conn.sock = _connect(host, port, deadline)
+            if https:
+                conn.sock = _tls(sock, host, deadline)
+            # The socket is connected and deadline-bound: http.client only writes and reads it.
+            path = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
+            conn.request("GET", path, headers={"User-Agent": "execapp-plugin", "Accept-Encoding": "identity",
+                                               "Connection": "close"})
+            resp = conn.getresponse()
+            try:
+                if resp.status in _REDIRECTS or not 200 <= resp.status < 300:
+                    return resp.status, resp.getheader("Location"), b""
+                return resp.status, None, self._read_body(resp, parsed.geturl())
+            finally:
+                resp.close()
+        finally:
+            conn.close()
+
+    def _read_body(self, resp: http.client.HTTPResponse, url: str) -> bytes:
+        """The body in chunks, each counted against the response cap and the call's byte quota."""
+        q = self.quotas
+        if resp.length is not None:  # a declared length: refuse before reading any of it
+            if self.http_bytes + resp.length > q.http_bytes:
+                raise self._bytes_quota(url, self.http_bytes + resp.length)
+            if resp.length > HTTP_MAX_BYTES:
+                raise HostCallError(f"http_get: response from {url} is over the {HTTP_MAX_BYTES}-byte cap")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            chunk = resp.read(HTTP_CHUNK)
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            self.http_bytes += len(chunk)
+            if self.http_bytes > q.http_bytes:
+                raise self._bytes_quota(url, self.http_bytes)
+            if size > HTTP_MAX_BYTES:
+                raise HostCallError(f"http_get: response from {url} is over the {HTTP_MAX_BYTES}-byte cap")
+            chunks.append(chunk)
+
+    def _bytes_quota(self, url: str, total: int) -> GuestQuota:
+        return GuestQuota("quota_http", f"http_get: {url} would bring this call's response bytes to {total}, "
+                                        f"over plugin {self.spec.name!r}'s HTTP bytes per call quota of "
+                                        f"{self.quotas.http_bytes}; fetch less, or raise the quota")
 
 
 def host_allowed(hostname: str, allowlist: tuple[str, ...]) -> bool:
@@ -133,17 +284,114 @@ def host_allowed(hostname: str, allowlist: tuple[str, ...]) -> bool:
     return False
 
 
-class _AllowlistRedirects(urllib.request.HTTPRedirectHandler):
-    """Follows a redirect only to another allowlisted host."""
+# -- a transfer bounded by a deadline ----------------------------------------------------------------
+#
+# A socket timeout bounds one read, not a transfer: a server that trickles one byte per 100 ms
+# never trips it. These sockets re-arm their timeout to what is left of the deadline before
+# every read and write (http.client reads through sock.makefile, i.e. recv_into), and fail at
+# once when nothing is left, so headers and body together end by the deadline.
 
-    def __init__(self, allowlist: tuple[str, ...]) -> None:
-        self.allowlist = allowlist
+class _DeadlineIO:
+    """Mixin: every send/receive first gets only what is left of ``self.deadline``."""
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
-        host = urllib.parse.urlsplit(newurl).hostname or ""
-        if not host_allowed(host, self.allowlist):
-            raise HostDenied(f"http_get: redirect to {host!r}, which is not on the HTTP allowlist")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+    __slots__ = ()
+    deadline: float
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the plugin's deadline passed during the transfer")
+        self.settimeout(left)  # type: ignore[attr-defined]
+
+    def recv(self, *args: Any) -> bytes:
+        self._arm()
+        return super().recv(*args)  # type: ignore[misc]
+
+    def recv_into(self, *args: Any) -> int:
+        self._arm()
+        return super().recv_into(*args)  # type: ignore[misc]
+
+    def send(self, *args: Any) -> int:
+        self._arm()
+        return super().send(*args)  # type: ignore[misc]
+
+    def sendall(self, *args: Any) -> None:
+        self._arm()
+        return super().sendall(*args)  # type: ignore[misc]
+
+
+class _DeadlineSocket(_DeadlineIO, socket.socket):
+    __slots__ = ("deadline",)
+
+
+class _DeadlineSSLSocket(_DeadlineIO, ssl.SSLSocket):
+    pass
+
+
+_resolver: ThreadPoolExecutor | None = None
+_resolver_lock = threading.Lock()
+
+
+def _resolve(host: str, port: int, deadline: float) -> list:
+    """getaddrinfo bounded by the deadline: a literal address at once, a name on a resolver thread
+    (getaddrinfo cannot be interrupted; a lookup that outlives the deadline keeps its thread
+    until the system resolver gives up, and at most 4 such threads exist)."""
+    global _resolver
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass
+    if _resolver is None:
+        with _resolver_lock:
+            if _resolver is None:
+                _resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="plugins-dns")
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("no time left to look up the host")
+    return _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM).result(timeout=left)
+
+
+def _connect(host: str, port: int, deadline: float) -> socket.socket:
+    """A TCP connection to ``host``, made and then used within ``deadline``."""
+    error: OSError | None = None
+    for family, kind, proto, _, address in _resolve(host, port, deadline):
+        sock = _DeadlineSocket(family, kind, proto)
+        sock.deadline = deadline
+        try:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no time left to connect")
+            sock.settimeout(left)
+            sock.connect(address)
+            return sock
+        except TimeoutError:
+            sock.close()
+            raise
+        except OSError as exc:
+            sock.close()
+            error = exc
+    raise error or OSError(f"no address for {host!r}")
+
+
+_tls_context: ssl.SSLContext | None = None
+
+
+def _tls(sock: socket.socket, host: str, deadline: float) -> socket.socket:
+    """``sock`` wrapped in TLS (verified, with SNI), the handshake within the deadline."""
+    global _tls_context
+    if _tls_context is None:
+        context = ssl.create_default_context()
+        context.sslsocket_class = _DeadlineSSLSocket
+        _tls_context = context
+    tls = _tls_context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+    try:
+        tls.deadline = deadline  # type: ignore[attr-defined]
+        tls._arm()  # type: ignore[attr-defined]
+        tls.do_handshake()  # the ssl module bounds a whole handshake by the socket's timeout
+    except BaseException:
+        tls.close()
+        raise
+    return tls
 
 
 def _key(key: Any) -> str:

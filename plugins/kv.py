@@ -1,10 +1,20 @@
-"""The host key-value store: one namespace per plugin, in the database or in Redis."""
+"""The host key-value store: one namespace per plugin, in the database or in Redis.
+
+Both backends keep each plugin's stored totals (keys, and UTF-8 bytes of keys plus values) and
+check a write against the plugin's quotas atomically with the write itself: the database in
+one transaction holding the plugin's KVUsage row, Redis in one Lua script. A write that would
+grow a total past its quota raises GuestQuota (code ``quota_kv``); overwriting a key with a
+value no larger is always allowed, so a plugin over a lowered quota can still shrink.
+"""
 from __future__ import annotations
 
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
+
+from .errors import GuestQuota
+from .spec import Quotas
 
 MAX_KEY_CHARS = 200
 MAX_VALUE_CHARS = 64 * 1024
@@ -15,7 +25,42 @@ class KVStore(Protocol):
 
     def get(self, plugin: str, key: str, timeout: float) -> str | None: ...
 
-    def set(self, plugin: str, key: str, value: str, timeout: float) -> None: ...
+    def set(self, plugin: str, key: str, value: str, timeout: float, quotas: Quotas | None = None) -> None:
+        """Store ``value``; with ``quotas``, raise GuestQuota instead if a stored total would grow past one."""
+        ...
+
+    def usage(self, plugin: str) -> tuple[int, int]:
+        """``(keys, bytes)`` the plugin has stored now."""
+        ...
+
+
+def entry_bytes(key: str, value: str) -> int:
+    """What one entry counts against the byte quota: UTF-8 bytes of its key and its value."""
+    return len(key.encode()) + len(value.encode())
+
+
+def check_quota(plugin: str, quotas: Quotas, keys: int, total: int, old_total: int, new_key: bool) -> None:
+    """Raise GuestQuota if storing would leave ``keys``/``total`` past the plugin's quotas.
+
+    Only growth is refused: a new key past the key quota, or more bytes than before past the
+    byte quota.
+    """
+    if new_key and keys > quotas.kv_keys:
+        raise keys_refused(plugin, quotas, keys - 1)
+    if total > quotas.kv_bytes and total > old_total:
+        raise bytes_refused(plugin, quotas, total)
+
+
+def keys_refused(plugin: str, quotas: Quotas, stored: int) -> GuestQuota:
+    """The error for a new key when the plugin already stores ``stored`` keys."""
+    return GuestQuota("quota_kv", f"kv_set: plugin {plugin!r} already stores {stored} keys, its KV keys quota is "
+                                  f"{quotas.kv_keys}; overwrite an existing key, or raise the plugin's KV keys quota")
+
+
+def bytes_refused(plugin: str, quotas: Quotas, total: int) -> GuestQuota:
+    """The error for a write that would leave the plugin storing ``total`` bytes."""
+    return GuestQuota("quota_kv", f"kv_set: plugin {plugin!r} would store {total} bytes, over its KV bytes quota "
+                                  f"of {quotas.kv_bytes}; store less, or raise the plugin's KV bytes quota")
 
 
 class DatabaseKV:
@@ -41,18 +86,82 @@ class DatabaseKV:
             return row
         return self._run(query, timeout)
 
-    def set(self, plugin: str, key: str, value: str, timeout: float) -> None:
-        from .models import KVEntry
+    def set(self, plugin: str, key: str, value: str, timeout: float, quotas: Quotas | None = None) -> None:
+        from django.db import transaction
+        from django.utils import timezone
+
+        from .models import KVEntry, KVUsage
 
         def write() -> None:
-            KVEntry.objects.update_or_create(plugin=plugin, key=key, defaults={"value": value})
+            with transaction.atomic():
+                usage = _locked_usage(plugin)
+                old = KVEntry.objects.filter(plugin=plugin, key=key).values_list("pk", "value").first()
+                keys = usage.keys + (old is None)
+                total = usage.bytes - (entry_bytes(key, old[1]) if old else 0) + entry_bytes(key, value)
+                if quotas is not None:
+                    check_quota(plugin, quotas, keys, total, usage.bytes, old is None)
+                # update()/bulk_create() send no post_save: KVEntry's signal handlers (models.py)
+                # recount only after writes made elsewhere (the admin).
+                if old:
+                    KVEntry.objects.filter(pk=old[0]).update(value=value, updated_at=timezone.now())
+                else:
+                    KVEntry.objects.bulk_create([KVEntry(plugin=plugin, key=key, value=value)])
+                KVUsage.objects.filter(pk=usage.pk).update(keys=keys, bytes=total)
         self._run(write, timeout)
+
+    def usage(self, plugin: str) -> tuple[int, int]:
+        from .models import KVUsage
+        row = KVUsage.objects.filter(plugin=plugin).values_list("keys", "bytes").first()
+        return (row[0], row[1]) if row else recount(plugin)
 
 
 def _with_connection_cleanup(fn):  # type: ignore[no-untyped-def]
     from django.db import close_old_connections
     close_old_connections()
     return fn()
+
+
+def _locked_usage(plugin: str):  # type: ignore[no-untyped-def]
+    """The plugin's KVUsage row, locked until the transaction ends (made from its entries if new).
+
+    The first statement is an UPDATE: on SQLite it takes the database's write lock at once (a
+    read first, upgraded later, can deadlock two writers), on PostgreSQL the row's lock; either
+    way concurrent writes of one plugin are serialized and its totals stay exact.
+    """
+    from django.db import IntegrityError, transaction
+    from django.db.models import F
+
+    from .models import KVUsage
+    for _ in range(2):
+        if KVUsage.objects.filter(plugin=plugin).update(keys=F("keys")):
+            return KVUsage.objects.select_for_update().get(plugin=plugin)
+        keys, total = recount(plugin)
+        try:
+            with transaction.atomic():
+                KVUsage.objects.create(plugin=plugin, keys=keys, bytes=total)
+        except IntegrityError:  # another writer made it first: lock theirs
+            continue
+    return KVUsage.objects.select_for_update().get(plugin=plugin)
+
+
+def recount(plugin: str) -> tuple[int, int]:
+    """``(keys, bytes)`` of the plugin's database entries, counted from the rows themselves."""
+    from .models import KVEntry
+    keys = total = 0
+    for key, value in KVEntry.objects.filter(plugin=plugin).values_list("key", "value").iterator():
+        keys += 1
+        total += entry_bytes(key, value)
+    return keys, total
+
+
+def reset_usage(plugin: str) -> None:
+    """Set the plugin's stored KVUsage from its entries (after entries were edited outside kv_set)."""
+    from django.db import transaction
+
+    from .models import KVUsage
+    with transaction.atomic():
+        keys, total = recount(plugin)
+        KVUsage.objects.update_or_create(plugin=plugin, defaults={"keys": keys, "bytes": total})
 
 
 class RedisKV:
@@ -65,12 +174,55 @@ class RedisKV:
         from execapp.conf import redis_key
         self.client = redis.Redis.from_url(url, socket_timeout=5, decode_responses=True)
         self.prefix = redis_key("execapp:plugins:kv:")
+        #: One hash of every plugin's stored bytes (field: plugin); keys are the hash's HLEN.
+        self.usage_key = redis_key("execapp:plugins:kvbytes")
+        self._set = self.client.register_script(_REDIS_SET)
 
     def get(self, plugin: str, key: str, timeout: float) -> str | None:
         return self.client.hget(self.prefix + plugin, key)
 
-    def set(self, plugin: str, key: str, value: str, timeout: float) -> None:
-        self.client.hset(self.prefix + plugin, key, value)
+    def set(self, plugin: str, key: str, value: str, timeout: float, quotas: Quotas | None = None) -> None:
+        limits = (quotas.kv_keys, quotas.kv_bytes) if quotas is not None else (-1, -1)
+        status, keys, total = self._set(keys=[self.prefix + plugin, self.usage_key],
+                                        args=[key, value, *limits, plugin])
+        if status == 1:
+            raise keys_refused(plugin, quotas, keys)  # type: ignore[arg-type]
+        if status == 2:
+            raise bytes_refused(plugin, quotas, total)  # type: ignore[arg-type]
+
+    def usage(self, plugin: str) -> tuple[int, int]:
+        keys = self.client.hlen(self.prefix + plugin)
+        total = self.client.hget(self.usage_key, plugin)
+        if total is None:
+            total = sum(entry_bytes(k, v) for k, v in self.client.hgetall(self.prefix + plugin).items())
+        return keys, int(total)
+
+
+# Atomic check-and-set of one plugin's key (Redis runs a script alone). KEYS: the plugin's hash,
+# the bytes hash; ARGV: field, value, max keys, max bytes (-1: no quota), plugin. '#' is a byte
+# length in Lua, as entry_bytes counts in Python. Returns {status, keys, bytes}: 0 stored (the
+# new totals), 1 refused for keys, 2 refused for bytes (the totals the write would have made).
+_REDIS_SET = """
+local h, usage = KEYS[1], KEYS[2]
+local field, value, max_keys, max_bytes, plugin = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local total = tonumber(redis.call('HGET', usage, plugin) or '')
+if not total then
+  total = 0
+  local all = redis.call('HGETALL', h)
+  for i = 1, #all, 2 do total = total + #all[i] + #all[i + 1] end
+end
+local keys = redis.call('HLEN', h)
+local new_key = redis.call('HEXISTS', h, field) == 0
+local old = 0
+if not new_key then old = #field + redis.call('HSTRLEN', h, field) end
+local new_total = total - old + #field + #value
+if new_key then keys = keys + 1 end
+if max_keys >= 0 and new_key and keys > max_keys then return {1, keys - 1, total} end
+if max_bytes >= 0 and new_total > max_bytes and new_total > total then return {2, keys, new_total} end
+redis.call('HSET', h, field, value)
+redis.call('HSET', usage, plugin, new_total)
+return {0, keys, new_total}
+"""
 
 
 _store: KVStore | None = None

@@ -5,9 +5,10 @@ import atexit
 import collections
 import logging
 import threading
+import time
 from typing import Any, Callable, Iterable
 
-from execapp.engine import Context, ExecClass
+from execapp.engine import Context, ExecClass, HandlerTimeout
 
 from .errors import CompileError, PluginInvalid
 from .runtimes import Compiled, compile_plugin
@@ -15,10 +16,18 @@ from .spec import PluginSpec
 from .strategies import Slots, Strategy, make_strategy
 
 log = logging.getLogger("plugins")
+_now = time.monotonic
 
 _compiled: "collections.OrderedDict[tuple, Compiled]" = collections.OrderedDict()
 _compiled_lock = threading.Lock()
 COMPILED_CACHE_SIZE = 128
+
+#: Seconds the engine allows a plugin's handler beyond its ``timeout_ms`` before its pool
+#: watcher reports it ``timeout`` and counts the thread stuck. The sandbox stops a guest at
+#: its deadline plus a margin of milliseconds; the engine is only the backstop for a guest
+#: that escapes it (a C call no hook reaches), so the grace is wide enough never to race the
+#: sandbox and small enough that such a run still ends within 2x its budget + 0.5 s.
+ENGINE_GRACE_SECONDS = 0.5
 
 
 @atexit.register
@@ -89,14 +98,16 @@ class LoadedPlugin:
     def name(self) -> str:
         return self.spec.name
 
-    def call(self, handler: str, event: dict[str, Any], blocking: bool = True) -> Any:  # noqa: F811
+    def call(self, handler: str, event: dict[str, Any], blocking: bool = True,  # noqa: F811
+             deadline: float | None = None) -> Any:
         """Run ``handler`` on ``event`` under the plugin's limits; the reply (str, dict, list or None).
 
         ``blocking=False`` (inline on the event loop) never waits for a slot: PluginBusy at once.
+        ``deadline`` (time.monotonic()): the guest stops by min(its own timeout, deadline).
         Raises HandlerTimeout, HandlerError (PluginMemoryExceeded) or PluginBusy. (Documents the
         strategy's ``call``, which each instance binds in its place.)
         """
-        return self.strategy.call(handler, event, blocking)
+        return self.strategy.call(handler, event, blocking, deadline)
 
     @property
     def calls_total(self) -> int:
@@ -111,14 +122,36 @@ class LoadedPlugin:
         return self.strategy.timeouts_total
 
     def engine_handler(self, handler: str) -> Callable[[Context], Any]:
-        """The ``handler(ctx) -> reply`` the engine calls for a binding of ``handler``."""
+        """The ``handler(ctx) -> reply`` the engine calls for a binding of ``handler``.
+
+        The guest's deadline is min(the plugin's timeout, ``ctx.deadline``): inline, the
+        engine's inline budget may be the shorter, and a run it stops says so. The function
+        carries ``timeout`` (the plugin's timeout + ENGINE_GRACE_SECONDS), which the engine
+        takes as its matcher's deadline for pooled runs (the backstop behind the sandbox).
+        """
+        call = self.call
+        sync = ExecClass.SYNC
+        own = self.spec.timeout
 
         def run(ctx: Context) -> Any:
             event = ctx.event.to_dict()
             event["args"] = ctx.args
-            return self.call(handler, event, blocking=ctx.exec_class is not ExecClass.SYNC)
+            inline = ctx.exec_class is sync
+            deadline = ctx.deadline
+            try:
+                return call(handler, event, not inline, deadline)
+            except HandlerTimeout as exc:
+                if inline and deadline is not None and _now() >= deadline:
+                    # Stopped by the inline budget, not by the plugin's own timeout.
+                    raise HandlerTimeout(
+                        f"{exc} [stopped by the worker's inline budget, not the plugin's timeout of {own:g} s: "
+                        "this handler had proven fast and ran on the event loop, where no run may hold the "
+                        "other connections longer (EXECAPP['INLINE_TIMEOUT_SECONDS']); it now runs in the pool "
+                        "with its full timeout, so a retry of this event gets it]") from None
+                raise
 
         run.__name__ = run.__qualname__ = f"{self.spec.name}.{handler}"
+        run.timeout = own + ENGINE_GRACE_SECONDS  # type: ignore[attr-defined]
         return run
 
     def stats(self) -> dict[str, Any]:

@@ -4,12 +4,21 @@ from __future__ import annotations
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
+from django.db.models import F
+from django.db.models.functions import Greatest
+from django.db.models.signals import post_delete, post_save
+from django.dispatch import receiver
 
 from . import spec as specs
 from .errors import CompileError, PluginInvalid
 
 NAME_VALIDATOR = RegexValidator(r"^[a-z0-9][a-z0-9_-]{0,62}$",
                                 "Use 1-63 lowercase letters, digits, '_' or '-', starting with a letter or digit.")
+
+
+#: The Plugin fields that are host quotas (plugins.spec.Quotas), in the order the admin shows them.
+QUOTA_FIELDS = ["quota_kv_keys", "quota_kv_bytes", "quota_kv_writes", "quota_log_lines", "quota_log_bytes",
+                "quota_http_requests", "quota_http_bytes"]
 
 
 class Plugin(models.Model):
@@ -47,6 +56,28 @@ class Plugin(models.Model):
     strategy = models.CharField(max_length=12, choices=STRATEGIES, blank=True, default="")
     pool_size = models.PositiveIntegerField(default=specs.DEFAULT_POOL_SIZE, validators=[MinValueValidator(1)])
     shard_count = models.PositiveIntegerField(default=specs.DEFAULT_SHARD_COUNT, validators=[MinValueValidator(1)])
+    # Host quotas (plugins.spec.Quotas; docs/plugins.md "Limits and quotas"). 0 allows none.
+    quota_kv_keys = models.PositiveIntegerField(
+        "KV keys", default=specs.DEFAULT_QUOTAS.kv_keys,
+        help_text="Keys the plugin may keep in its KV namespace (a kv_set of a new key past it fails: quota_kv).")
+    quota_kv_bytes = models.PositiveBigIntegerField(
+        "KV bytes", default=specs.DEFAULT_QUOTAS.kv_bytes,
+        help_text="UTF-8 bytes of keys plus values the plugin may keep in its KV namespace (quota_kv).")
+    quota_kv_writes = models.PositiveIntegerField(
+        "KV writes per call", default=specs.DEFAULT_QUOTAS.kv_writes,
+        help_text="kv_set calls one handler call may make; one more ends the call (quota_kv_writes).")
+    quota_log_lines = models.PositiveIntegerField(
+        "log lines per call", default=specs.DEFAULT_QUOTAS.log_lines,
+        help_text="Log lines one handler call may write; later lines are dropped and counted in one summary line.")
+    quota_log_bytes = models.PositiveIntegerField(
+        "log bytes per call", default=specs.DEFAULT_QUOTAS.log_bytes,
+        help_text="UTF-8 bytes of log lines one handler call may write; later lines are dropped.")
+    quota_http_requests = models.PositiveIntegerField(
+        "HTTP requests per call", default=specs.DEFAULT_QUOTAS.http_requests,
+        help_text="http_get requests (redirects included) one handler call may make (quota_http).")
+    quota_http_bytes = models.PositiveIntegerField(
+        "HTTP bytes per call", default=specs.DEFAULT_QUOTAS.http_bytes,
+        help_text="Response body bytes one handler call may receive over all its http_get calls (quota_http).")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -83,7 +114,15 @@ class Plugin(models.Model):
             name=self.name, runtime=self.runtime, code=self.code(), timeout=self.timeout_ms / 1000,
             memory_bytes=self.memory_mb << 20, max_concurrency=self.max_concurrency,
             strategy=self.effective_strategy, pool_size=self.pool_size, shard_count=self.shard_count,
-            permissions=frozenset(self.permissions or ()), http_allowlist=tuple(self.allowlist()))
+            permissions=frozenset(self.permissions or ()), http_allowlist=tuple(self.allowlist()),
+            quotas=self.quotas())
+
+    def quotas(self) -> specs.Quotas:
+        """The plugin's host quotas as the runtimes read them."""
+        return specs.Quotas(kv_keys=self.quota_kv_keys, kv_bytes=self.quota_kv_bytes,
+                            kv_writes=self.quota_kv_writes, log_lines=self.quota_log_lines,
+                            log_bytes=self.quota_log_bytes, http_requests=self.quota_http_requests,
+                            http_bytes=self.quota_http_bytes)
 
     def allowlist(self) -> list[str]:
         return [h.strip() for h in self.http_allowlist.replace(",", "\n").splitlines() if h.strip()]
@@ -198,6 +237,40 @@ class KVEntry(models.Model):
 
     def __str__(self) -> str:
         return f"{self.plugin}:{self.key}"
+
+
+class KVUsage(models.Model):
+    """What one plugin has stored in the database KV: its key count and UTF-8 bytes (keys plus
+    values). Kept by plugins.kv.DatabaseKV in the same transaction as every write, so the
+    quota check needs no scan; its row is also the lock that serializes a plugin's writes."""
+
+    plugin = models.CharField(max_length=63, unique=True)
+    keys = models.PositiveBigIntegerField(default=0)
+    bytes = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        verbose_name = "plugin key-value usage"
+        verbose_name_plural = "plugin key-value usage"
+
+    def __str__(self) -> str:
+        return f"{self.plugin}: {self.keys} keys, {self.bytes} bytes"
+
+
+# kv_set writes without signals (plugins.kv.DatabaseKV); these keep KVUsage exact when entries
+# are edited or deleted another way (the admin, a shell).
+
+@receiver(post_save, sender=KVEntry, dispatch_uid="plugins.kv.entry_saved")
+def _kv_entry_saved(sender: type, instance: KVEntry, **kwargs: object) -> None:
+    from .kv import reset_usage
+    reset_usage(instance.plugin)
+
+
+@receiver(post_delete, sender=KVEntry, dispatch_uid="plugins.kv.entry_deleted")
+def _kv_entry_deleted(sender: type, instance: KVEntry, **kwargs: object) -> None:
+    from .kv import entry_bytes
+    size = entry_bytes(instance.key, instance.value)
+    KVUsage.objects.filter(plugin=instance.plugin).update(keys=Greatest(F("keys") - 1, 0),
+                                                          bytes=Greatest(F("bytes") - size, 0))
 
 
 class RegistryState(models.Model):

@@ -24,6 +24,27 @@ DEFAULT_POOL_SIZE = 4
 DEFAULT_SHARD_COUNT = 4
 
 
+@dataclass(frozen=True)
+class Quotas:
+    """A plugin's host-resource quotas (docs/plugins.md, "Limits and quotas").
+
+    ``kv_keys``/``kv_bytes`` bound what the plugin has stored (UTF-8 bytes of keys plus values,
+    across calls and workers); the others bound one call. Hitting a KV or HTTP quota ends the
+    call with its code (plugins.errors.QUOTA_CODES); log lines past a log quota are dropped.
+    """
+
+    kv_keys: int = 10_000
+    kv_bytes: int = 16 << 20
+    kv_writes: int = 100
+    log_lines: int = 100
+    log_bytes: int = 64 << 10
+    http_requests: int = 10
+    http_bytes: int = 256 << 10
+
+
+DEFAULT_QUOTAS = Quotas()
+
+
 def code_version(runtime: str, code: str | bytes) -> str:
     """The content hash that identifies a plugin version (first 16 hex digits of SHA-256)."""
     data = code.encode() if isinstance(code, str) else bytes(code)
@@ -45,6 +66,7 @@ class PluginSpec:
     shard_count: int = DEFAULT_SHARD_COUNT
     permissions: frozenset[str] = frozenset({"log"})
     http_allowlist: tuple[str, ...] = ()
+    quotas: Quotas = DEFAULT_QUOTAS
     version: str = field(default="")
 
     def __post_init__(self) -> None:
@@ -57,4 +79,4 @@ class PluginSpec:
     def config_key(self) -> tuple:
         """Changes whenever anything that requires rebuilding the loaded plugin changes."""
         return (self.version, self.timeout, self.memory_bytes, self.max_concurrency, self.strategy,
-                self.pool_size, self.shard_count, self.permissions, self.http_allowlist)
+                self.pool_size, self.shard_count, self.permissions, self.http_allowlist, self.quotas)

@@ -9,6 +9,10 @@ object shows in bench/bench_plugins.py (docs/benchmarks.md has the per-step cost
 Every acquisition has two modes. ``blocking=False`` is for a handler running inline on the
 event loop: it takes a free slot/shard at once or raises PluginBusy, never waits.
 ``blocking=True`` (a pool thread) waits up to the plugin's timeout, then raises PluginBusy.
+
+``deadline`` (a time.monotonic() value, from the engine's ``ctx.deadline``): the guest's
+deadline is min(now + the plugin's timeout, deadline), computed when the guest is about to
+run, and a wait for a slot or shard ends by it too. Inline, it is the engine's inline budget.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from typing import Any, Callable
 
 from execapp.engine import HandlerError, HandlerTimeout
 
-from .errors import GuestError, GuestMemory, GuestTimeout, PluginBusy, PluginMemoryExceeded
+from .errors import GuestError, GuestMemory, GuestQuota, GuestTimeout, PluginBusy, PluginMemoryExceeded, QuotaExceeded
 from .runtimes.base import Compiled, Instance
 from .spec import PluginSpec
 
@@ -114,8 +118,9 @@ class Strategy(abc.ABC):
         self.discarded_total = 0
 
     @abc.abstractmethod
-    def call(self, handler: str, event: dict[str, Any], blocking: bool = True) -> Any:
-        """Run ``handler`` on an instance chosen by this strategy, under the plugin's limits."""
+    def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
+        """Run ``handler`` on an instance chosen by this strategy, under the plugin's limits and
+        by ``deadline`` (time.monotonic()) when one is given."""
 
     def limit(self) -> int:
         """How many calls may run at once (the slots' capacity)."""
@@ -143,9 +148,17 @@ class Strategy(abc.ABC):
         """Instances alive now (for leak checks)."""
         return self.created_total - self.discarded_total
 
-    def _no_slot(self, handler: str, blocking: bool) -> None:
-        """Slow path: wait for a slot (pool thread) or raise PluginBusy."""
+    def _wait_for(self, deadline: float | None) -> float:
+        """How long a pool thread may wait for a slot or shard: the plugin's timeout, cut to
+        what is left before ``deadline``."""
         wait = self._timeout
+        if deadline is not None:
+            wait = max(0.0, min(wait, deadline - _now()))
+        return wait
+
+    def _no_slot(self, handler: str, blocking: bool, deadline: float | None = None) -> None:
+        """Slow path: wait for a slot (pool thread) or raise PluginBusy."""
+        wait = self._wait_for(deadline)
         if not self.slots.wait(blocking, wait):
             raise PluginBusy(self._busy_message(handler) + (f" after waiting {wait:g} s" if blocking else "")
                              + "; " + self._busy_fix())
@@ -166,6 +179,8 @@ class Strategy(abc.ABC):
             self.timeouts_total += timeout
         if timeout:
             return HandlerTimeout(f"plugin {spec.name!r} handler {handler!r}: timeout: {exc}")
+        if isinstance(exc, GuestQuota):
+            return QuotaExceeded(f"plugin {spec.name!r} handler {handler!r}: {exc.code}: {exc}", exc.code)
         if isinstance(exc, GuestMemory):
             return PluginMemoryExceeded(f"plugin {spec.name!r} handler {handler!r}: {exc}")
         return HandlerError(f"plugin {spec.name!r} handler {handler!r}: {spec.runtime} error: {exc}")
@@ -196,14 +211,17 @@ class PerRequest(Strategy):
         super().__init__(spec, compiled)
         self._isolated = compiled.call_isolated
 
-    def call(self, handler: str, event: dict[str, Any], blocking: bool = True) -> Any:
+    def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
         try:
             self._take_slot()
         except _Empty:
-            self._no_slot(handler, blocking)
+            self._no_slot(handler, blocking, deadline)
         try:
             # The deadline starts when the guest is about to run, after any wait for a slot.
-            return self._isolated(handler, event, _now() + self._timeout)
+            due = _now() + self._timeout
+            if deadline is not None and deadline < due:
+                due = deadline
+            return self._isolated(handler, event, due)
         except GuestError as exc:
             raise self._failed(handler, exc) from None
         finally:
@@ -247,18 +265,21 @@ class Pooled(Strategy):
     def _busy_fix(self) -> str:
         return "raise its pool size" if self.spec.pool_size < self.spec.max_concurrency else super()._busy_fix()
 
-    def call(self, handler: str, event: dict[str, Any], blocking: bool = True) -> Any:
+    def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
         try:
             self._take_slot()
         except _Empty:
-            self._no_slot(handler, blocking)
+            self._no_slot(handler, blocking, deadline)
         inst: Instance | None = None
         try:
             try:
                 inst = self._pop()
             except IndexError:
                 inst = self._new()
-            return inst.call(handler, event, _now() + self._timeout)
+            due = _now() + self._timeout
+            if deadline is not None and deadline < due:
+                due = deadline
+            return inst.call(handler, event, due)
         except GuestError as exc:
             if exc.poison and inst is not None:
                 self._discard(inst)
@@ -371,25 +392,25 @@ class Sharded(Strategy):
         key = event.get("session") or event.get("id") or ""
         return crc32(key.encode() if key.__class__ is str else str(key).encode()) % self._n
 
-    def call(self, handler: str, event: dict[str, Any], blocking: bool = True) -> Any:
+    def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
         limited = self._limited
         if limited:
             try:
                 self._take_slot()
             except _Empty:
-                self._no_slot(handler, blocking)
+                self._no_slot(handler, blocking, deadline)
         try:
             shard = self.shards[self.shard_for(event)]
             if not shard.lock.acquire(False):
-                self._wait_shard(shard, event, blocking)
+                self._wait_shard(shard, event, blocking, deadline)
         except BaseException:
             if limited:
                 self._give_slot(None)
             raise
         try:
             if self._thread_bound:
-                return self._on_shard_thread(shard, lambda: self._run(shard, handler, event))
-            return self._run(shard, handler, event)
+                return self._on_shard_thread(shard, lambda: self._run(shard, handler, event, deadline))
+            return self._run(shard, handler, event, deadline)
         except GuestError as exc:
             raise self._failed(handler, exc) from None
         finally:
@@ -398,9 +419,9 @@ class Sharded(Strategy):
                 self._give_slot(None)
             self._count()
 
-    def _wait_shard(self, shard: _Shard, event: dict[str, Any], blocking: bool) -> None:
+    def _wait_shard(self, shard: _Shard, event: dict[str, Any], blocking: bool, deadline: float | None = None) -> None:
         """Slow path: the shard is busy; wait for it (pool thread) or raise PluginBusy."""
-        wait = self._timeout
+        wait = self._wait_for(deadline)
         if blocking:
             with self._lock:
                 self.waiting += 1
@@ -416,13 +437,16 @@ class Sharded(Strategy):
         raise PluginBusy(f"plugin {self.spec.name!r}: shard {self.shard_for(event)} is busy with an earlier event "
                          "of the same session" + (f" after waiting {wait:g} s" if blocking else ""))
 
-    def _run(self, shard: _Shard, handler: str, event: dict[str, Any]) -> Any:
+    def _run(self, shard: _Shard, handler: str, event: dict[str, Any], deadline: float | None = None) -> Any:
         """One call on the shard's instance (made on first use, replaced after a poisoning error)."""
         inst = shard.instance
         if inst is None:
             inst = shard.instance = self._new()
+        due = _now() + self._timeout
+        if deadline is not None and deadline < due:
+            due = deadline
         try:
-            return inst.call(handler, event, _now() + self._timeout)
+            return inst.call(handler, event, due)
         except GuestError as exc:
             if exc.poison:
                 shard.instance = None

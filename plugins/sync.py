@@ -9,11 +9,18 @@
   every engine synced before, on commit: an edit takes effect on the next event there;
   other processes see it within one poll interval.
 - ``instance_pool_stats()`` has one row per loaded plugin (dashboard, Prometheus).
+
+A stored plugin the runtime refuses (code that no longer compiles, or a top level that runs
+past its budget, ``timeout``) is skipped with one error log naming it while every other plugin
+serves. The refusal is remembered for that version and limits (a runaway top level costs its
+``timeout_ms`` once per worker, not at every registry change); a ``timeout`` refusal is
+retried after ``REFUSAL_RETRY_SECONDS`` in case the machine was only busy.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -27,6 +34,9 @@ log = logging.getLogger("plugins.sync")
 
 #: How long starting a worker waits for its first registry sync (compiles every plugin once).
 FIRST_SYNC_WAIT_SECONDS = 10.0
+#: After this long a plugin refused with ``timeout`` (its top level ran past its budget) is
+#: validated again at the next sync; other refusals last until the plugin changes.
+REFUSAL_RETRY_SECONDS = 60.0
 
 
 class PluginManager:
@@ -34,16 +44,35 @@ class PluginManager:
 
     def __init__(self) -> None:
         self._loaded: dict[str, LoadedPlugin] = {}
+        # name -> (config_key, the refusal, when): a refused version is not validated again
+        self._refused: dict[str, tuple[tuple, PluginInvalid, float]] = {}
         self._lock = threading.Lock()
 
     def load(self, plugin: Any) -> LoadedPlugin:
-        """The LoadedPlugin for a Plugin row, rebuilt only when its code or limits changed."""
+        """The LoadedPlugin for a Plugin row, rebuilt only when its code or limits changed.
+
+        Raises PluginInvalid if the runtime refuses it; the same refusal again (without running
+        the code) while the plugin is unchanged (a ``timeout`` one for REFUSAL_RETRY_SECONDS).
+        """
         spec = plugin.to_spec()
         with self._lock:
             current = self._loaded.get(spec.name)
             if current is not None and current.spec.config_key == spec.config_key:
                 return current
-        compiled = validate(spec)
+            refused = self._refused.get(spec.name)
+            if refused is not None and refused[0] == spec.config_key and (
+                    refused[1].code != "timeout" or time.monotonic() - refused[2] < REFUSAL_RETRY_SECONDS):
+                again = PluginInvalid(str(refused[1]), code=refused[1].code)
+                again.logged = True  # type: ignore[attr-defined]  # sync_engine logged the first one
+                raise again
+        try:
+            compiled = validate(spec)
+        except PluginInvalid as exc:
+            with self._lock:
+                self._refused[spec.name] = (spec.config_key, exc, time.monotonic())
+            raise
+        with self._lock:
+            self._refused.pop(spec.name, None)
         loaded = LoadedPlugin(spec, compiled)
         with self._lock:
             old, self._loaded[spec.name] = self._loaded.get(spec.name), loaded
@@ -55,6 +84,8 @@ class PluginManager:
         """Close every loaded plugin not in ``names`` (disabled or deleted)."""
         with self._lock:
             gone = [self._loaded.pop(n) for n in list(self._loaded) if n not in names]
+            for name in [n for n in self._refused if n not in names]:
+                del self._refused[name]
         for loaded in gone:
             loaded.close()
 
@@ -88,7 +119,10 @@ def sync_engine(engine: Engine, force: bool = False) -> bool:
             try:
                 loaded = manager.load(plugin)
             except PluginInvalid as exc:  # saved before a runtime upgrade, or edited in SQL
-                log.error("plugin %s not loaded: %s", plugin.name, exc)
+                # Logged once per refusal (a remembered one is raised again at every sync).
+                if not getattr(exc, "logged", False):
+                    exc.logged = True  # type: ignore[attr-defined]
+                    log.error("plugin %s not loaded (%s): %s; every other plugin serves", plugin.name, exc.code, exc)
                 continue
             matchers.extend(_matchers(engine, plugin, loaded))
         engine.set_matchers(matchers)

@@ -7,17 +7,33 @@ import logging
 import sys
 import threading
 from functools import partial
-from time import perf_counter
+from time import monotonic
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from .backpressure import SlotWaiters
-from .errors import ConfigError, ExecAppError, Overloaded, PoolClosed
+from .errors import BadEvent, ConfigError, ExecAppError, HandlerError, HandlerTimeout, Overloaded, PoolClosed
 from .event import Completion, Context, Event, EventRun, Failure, OutcomeCallback, Reply
-from .matcher import Handler, Matcher, MatcherKind, parse_command
-from .pool import ExecPool, count_value
+from .matcher import MARK_SIZE, Handler, Matcher, MatcherKind, parse_command
+from .pool import ExecPool, Watch, count_value
 from .profile import ExecClass, ExecProfile
+from .ratelog import RateLimitedLog
 
 log = logging.getLogger("execapp.engine")
+#: Handler failures and failures on the way to a handler: one traceback per cause per interval.
+_rlog = RateLimitedLog(log)
+
+#: The default inline budget (seconds), EXECAPP['INLINE_TIMEOUT_SECONDS']: chosen by the target
+#: "no /ping on another connection waits more than 250 ms behind a misbehaving handler". A
+#: sandboxed guest is stopped at its deadline plus a margin of a few ms to a few tens of ms
+#: under load, and the overrun moves the matcher to the pool at once, so one misbehaving event
+#: holds the loop ~0.1 s: 150 ms of headroom for the margin and a busy machine. It equals the
+#: default promote-at-once bound (2 x SLOW_THRESHOLD_SECONDS): a run it stops would have been
+#: promoted anyway.
+INLINE_TIMEOUT = 0.1
+
+# One clock for deadlines and durations: on Linux time.monotonic is CLOCK_MONOTONIC with ns
+# resolution (as perf_counter), and one call per run serves both.
+_clock = monotonic
 
 #: Observer of every finished handler run: (matcher, exec class, elapsed seconds, outcome code).
 RunObserver = Callable[[Matcher, ExecClass, float, str], None]
@@ -63,6 +79,15 @@ class Engine:
     matcher has ``block=True``: blocking does not depend on where, or whether, it ran) and the
     event completes. The synchronous ``process_event`` always falls back inline: its caller
     is a thread, not a loop, and the event must not be dropped.
+
+    Containment (design.md §3): an inline run gets ``ctx.deadline = start + inline_timeout``
+    (a sandboxed plugin is stopped there; None disables the budget); a run that times out or
+    overruns it while inline promotes its matcher at once. A pooled run of a matcher with a
+    ``timeout`` is watched by the pool's watcher: past it the handler is reported ``timeout``,
+    the event completes, the thread is counted stuck and its late result is discarded. A
+    handler raising anything (BaseException included) is a Failure recorded in its profile;
+    so is a handler that never ran because its event could not be copied (``bad_event``) or
+    submitted. ``set_inline_slot`` names the inline run in a shared buffer for a watchdog.
     """
 
     def __init__(
@@ -75,9 +100,17 @@ class Engine:
         profile_factory: Callable[[], ExecProfile] = ExecProfile,
         overflow: str = "wait",
         overflow_wait: float = 5.0,
+        inline_timeout: float | None = INLINE_TIMEOUT,
     ) -> None:
         if overflow not in OVERFLOW_POLICIES:
             raise ConfigError(f"overflow={overflow!r}; use one of {', '.join(OVERFLOW_POLICIES)}")
+        if inline_timeout is not None and (isinstance(inline_timeout, bool)
+                                           or not isinstance(inline_timeout, (int, float)) or not inline_timeout > 0):
+            raise ConfigError(f"inline_timeout={inline_timeout!r}; use a number of seconds > 0 (default "
+                              f"{INLINE_TIMEOUT}), or None for no inline budget")
+        self.inline_timeout = inline_timeout
+        # The watchdog's view of the loop (set_inline_slot): None, or a writable 64-byte buffer.
+        self._slot: memoryview | None = None
         self.owns_pool = pool is None and pool_enabled
         self.pool: ExecPool | None = pool if pool is not None else (
             ExecPool(max_workers, queue_size) if pool_enabled else None)
@@ -117,16 +150,21 @@ class Engine:
             return profile
 
     def make_matcher(self, kind: MatcherKind | str, pattern: str, handler: Handler, *, priority: int = 0,
-                     block: bool = False, name: str | None = None, plugin: str | None = None) -> Matcher:
+                     block: bool = False, name: str | None = None, plugin: str | None = None,
+                     timeout: float | None = None) -> Matcher:
         """Build a matcher with its profile (not yet registered; see ``add`` and ``set_matchers``).
 
         ``name`` keys the profile (and its persisted record); the default is ``kind:pattern``,
         so rebuilding the same registration (a refresh) finds the profile it learned.
+        ``timeout`` (seconds) defaults to the handler's own ``timeout`` attribute, if any (a
+        plugin's engine_handler carries its plugin's timeout plus a grace).
         """
         kind = MatcherKind(kind)
         name = name or f"{kind.value}:{pattern}"
+        if timeout is None:
+            timeout = getattr(handler, "timeout", None)
         return Matcher(kind=kind, pattern=pattern, handler=handler, profile=self.profile_for(name), name=name,
-                       priority=priority, block=block, plugin=plugin, seq=next(self._seq))
+                       priority=priority, block=block, plugin=plugin, seq=next(self._seq), timeout=timeout)
 
     def add(self, matcher: Matcher) -> Matcher:
         """Register one matcher."""
@@ -145,22 +183,25 @@ class Engine:
         return self._matchers
 
     def on_command(self, name: str, handler: Handler, *, priority: int = 0, block: bool = False,
-                   matcher_name: str | None = None, plugin: str | None = None) -> Matcher:
+                   matcher_name: str | None = None, plugin: str | None = None,
+                   timeout: float | None = None) -> Matcher:
         """Run ``handler`` for ``/name ...`` messages; ``ctx.args`` is the text after the name."""
-        return self._register(MatcherKind.COMMAND, name, handler, priority, block, matcher_name, plugin)
+        return self._register(MatcherKind.COMMAND, name, handler, priority, block, matcher_name, plugin, timeout)
 
     def on_regex(self, pattern: str, handler: Handler, *, priority: int = 0, block: bool = False,
-                 matcher_name: str | None = None, plugin: str | None = None) -> Matcher:
+                 matcher_name: str | None = None, plugin: str | None = None,
+                 timeout: float | None = None) -> Matcher:
         """Run ``handler`` for messages whose text matches ``pattern`` (re.search)."""
-        return self._register(MatcherKind.REGEX, pattern, handler, priority, block, matcher_name, plugin)
+        return self._register(MatcherKind.REGEX, pattern, handler, priority, block, matcher_name, plugin, timeout)
 
     def on_event(self, event_type: str, handler: Handler, *, priority: int = 0, block: bool = False,
-                 matcher_name: str | None = None, plugin: str | None = None) -> Matcher:
+                 matcher_name: str | None = None, plugin: str | None = None,
+                 timeout: float | None = None) -> Matcher:
         """Run ``handler`` for every event of ``event_type``."""
-        return self._register(MatcherKind.EVENT, event_type, handler, priority, block, matcher_name, plugin)
+        return self._register(MatcherKind.EVENT, event_type, handler, priority, block, matcher_name, plugin, timeout)
 
     def _register(self, kind: MatcherKind, pattern: str, handler: Handler, priority: int, block: bool,
-                  name: str | None, plugin: str | None) -> Matcher:
+                  name: str | None, plugin: str | None, timeout: float | None) -> Matcher:
         # A second on_* handler of the same pattern gets its own default name (``#2``, ...): two
         # handlers must not share a profile, or one slow handler would pool the other. Naming
         # and adding share a lock so two registrations cannot pick the same name.
@@ -171,11 +212,43 @@ class Engine:
                 name = base if base not in taken else next(
                     f"{base}#{n}" for n in itertools.count(2) if f"{base}#{n}" not in taken)
             return self.add(self.make_matcher(kind, pattern, handler, priority=priority, block=block, name=name,
-                                              plugin=plugin))
+                                              plugin=plugin, timeout=timeout))
 
     def add_observer(self, fn: RunObserver) -> None:
         """Call ``fn`` after every handler run (metrics); it must be cheap and must not raise."""
         self._observers.append(fn)
+
+    # -- containment hooks (execapp.watchdog) ---------------------------------------------------
+
+    def set_inline_slot(self, buf: Any) -> None:
+        """Name every inline run in ``buf`` (a writable buffer of >= 64 bytes, e.g. a memoryview of
+        shared memory; None stops): before the run buf[0:64] = the matcher's mark (its name,
+        UTF-8, NUL-padded), after it buf[0] = 0. A supervisor that finds the loop stalled reads
+        which handler holds it, even after the worker is killed. Costs ~0.1-0.3 us per run."""
+        if buf is None:
+            self._slot = None
+            return
+        view = memoryview(buf).cast("B")
+        if view.readonly or len(view) < MARK_SIZE:
+            raise ConfigError(f"inline slot of {len(view)} bytes (readonly={view.readonly}); pass a writable "
+                              f"buffer of at least {MARK_SIZE} bytes")
+        view = view[:MARK_SIZE]
+        view[0] = 0
+        self._slot = view
+
+    def quarantine(self, name: str, reason: str = "quarantined") -> ExecProfile:
+        """Pin the matcher called ``name`` to the pool for good (its profile persists it), e.g.
+        after it stalled a worker's loop; ``release_quarantine`` lifts it. Works before the
+        matcher is registered (a new worker applies the quarantine list before it serves)."""
+        profile = self.profile_for(name)
+        profile.quarantine(reason)
+        return profile
+
+    def release_quarantine(self, name: str) -> ExecProfile:
+        """Let the matcher called ``name`` earn inline again (a full window of fresh fast runs)."""
+        profile = self.profile_for(name)
+        profile.release_quarantine()
+        return profile
 
     # -- dispatch -------------------------------------------------------------------------------
 
@@ -223,16 +296,25 @@ class Engine:
             remaining = deadline - loop.time()
             if remaining <= 0 or not await self._waiters.wait(remaining, first=first):
                 return False
-            if pool.try_submit(task, count_rejection=False):
+            if self._try_submit(pool, task):
                 return True
             # Woken by a task that has returned but whose worker may not have stepped on to
             # free its slot yet: let it (one loop turn), then keep our place at the head.
             await asyncio.sleep(0)
-            if pool.try_submit(task, count_rejection=False):
+            if self._try_submit(pool, task):
                 return True
             first = True
         self._waiters.notify()  # draining: let the next in line find out too
         return False
+
+    @staticmethod
+    def _try_submit(pool: ExecPool, task: Callable[[], None]) -> bool:
+        """A retry of a parked dispatch; a pool that cannot start a thread counts as full."""
+        try:
+            return pool.try_submit(task, count_rejection=False)
+        except Exception as exc:
+            _rlog.exception(("submit", type(exc).__name__), "pool submission failed: %r", exc)
+            return False
 
     def _dispatch(self, run: EventRun, matchers: tuple[Matcher, ...], start: int, allow_pool: bool,
                   on_loop: bool, command: tuple[str, str] | None | bool = False) -> _Parked | None:
@@ -246,6 +328,8 @@ class Engine:
         event = run.event
         etype = event.type
         text = event.text
+        size = event.size
+        inline_budget = self.inline_timeout
         if command is False:
             command = parse_command(text) if etype == "message" else None
         done = False
@@ -257,16 +341,35 @@ class Engine:
                     continue
                 run.matched += 1
                 blocking = m.block  # 1. computed before any pool decision
-                if allow_pool and m.profile.should_pool() is _POOL:
+                # The class, and the size this handler has earned inline (a much larger event goes
+                # to the pool before it runs; the profile is not changed by this decision).
+                if allow_pool and m.profile.should_pool(size) is _POOL:
                     pool = self.pool
                     if pool is not None:
                         # 2. clone first: the pool thread gets a private context and event data.
-                        task = partial(self._run_pooled, run, Context.for_pool(event, args, m))
+                        try:
+                            task = partial(self._run_pooled, run, Context.for_pool(event, args, m))
+                        except BadEvent as exc:
+                            self._not_run(run, m, exc.code, str(exc), None)
+                            if blocking:
+                                break
+                            continue
                         run.hold()
                         # On the loop with policy "wait", a dispatch that finds others already in
                         # line for a slot queues behind them (first come, first served).
-                        if (not (on_loop and self._waiters and self.overflow == "wait")
-                                and pool.try_submit(task)):
+                        try:
+                            submitted = (not (on_loop and self._waiters and self.overflow == "wait")
+                                         and pool.try_submit(task))
+                        except Exception as exc:  # e.g. no thread could be started
+                            run.release()
+                            self._not_run(run, m, HandlerError.code,
+                                          f"handler {m.name!r} could not be submitted to the pool: {exc!r}; "
+                                          "lower EXECAPP['POOL_MAX_WORKERS'] or raise the process's thread limit",
+                                          exc)
+                            if blocking:
+                                break
+                            continue
+                        if submitted:
                             self._count("pooled")
                             if blocking:
                                 run.blocked_by = m.name
@@ -283,10 +386,24 @@ class Engine:
                             continue
                         run.release()
                         self._count("fallbacks")  # 3. pool full: run inline, drop nothing
-                ctx = Context(event, args, m, _SYNC)  # 4. inline
-                self._invoke(run, ctx)
+                    # Not proven fast, inline only by necessity: the handler's own deadline.
+                    budget = m.timeout
+                elif allow_pool:
+                    budget = inline_budget  # proven fast: the inline budget (a privilege)
+                else:
+                    budget = m.timeout  # no pool to move to (process_event_sync, pool disabled)
+                # 4. inline, named in the watchdog's slot while it runs (one buffer copy each way)
+                slot = self._slot
+                if slot is None:
+                    self._invoke(run, Context(event, args, m, _SYNC), budget)
+                else:
+                    slot[:] = m.mark
+                    try:
+                        self._invoke(run, Context(event, args, m, _SYNC), budget)
+                    finally:
+                        slot[0] = 0
                 next(self._n_inline)
-                if blocking or ctx.blocked:
+                if blocking:
                     run.blocked_by = m.name
                     break
         finally:
@@ -325,34 +442,79 @@ class Engine:
             run.blocked_by = m.name
         run.emit(Failure(run.event.id, m.name, m.plugin, code, message, None, 0.0))
 
-    def _run_pooled(self, run: EventRun, ctx: Context) -> None:
-        """The pool task of one handler: run it, then release its hold on the event."""
-        try:
-            self._invoke(run, ctx)
-        finally:
-            run.release()
+    def _not_run(self, run: EventRun, m: Matcher, code: str, message: str, exc: BaseException | None) -> None:
+        """A handler that could not be started (its event could not be copied, or submitted):
+        one Failure for it and an error in its profile (no duration sample: it did not run)."""
+        self._count("errors")
+        m.profile.note_error(message)
+        if exc is None:
+            _rlog.warning((code, m.name), "handler %s not run: %s", m.name, message)
+        else:
+            _rlog.log(logging.ERROR, (code, m.name, type(exc).__name__), "handler %s not run: %s", m.name, message,
+                      exc_info=exc)
+        if m.block:
+            run.blocked_by = m.name
+        run.emit(Failure(run.event.id, m.name, m.plugin, code, message, None, 0.0))
 
-    def _invoke(self, run: EventRun, ctx: Context) -> None:
+    def _run_pooled(self, run: EventRun, ctx: Context) -> None:
+        """The pool task of one handler: run it (watched when its matcher has a timeout), then
+        release its hold on the event, unless the watcher already reported it late."""
+        in_time = True
+        try:
+            in_time = self._invoke(run, ctx, ctx.matcher.timeout, self.pool)
+        finally:
+            if in_time:
+                run.release()
+
+    def _invoke(self, run: EventRun, ctx: Context, budget: float | None, pool: ExecPool | None = None) -> bool:
         """Run one handler, record its duration in its profile and emit its outcome.
 
+        ``budget``: seconds from now to ``ctx.deadline`` (None: no deadline). ``pool``: set for a
+        pooled run, which is then watched: if the watcher reports it late first, this returns
+        False and the late outcome is dropped (never emitted twice). Inline (no ``pool``), a
+        run that times out or outlasts its budget promotes its matcher at once.
         (``running_handlers`` below finds running handlers by this frame and its local ``m``.)
         """
         m: Matcher = ctx.matcher
-        started = perf_counter()
+        started = _clock()
+        watch: Watch | None = None
+        if budget is not None:
+            ctx.deadline = started + budget
+            if pool is not None:
+                try:
+                    watch = pool.watch(ctx.deadline, partial(self._overrun, run, ctx, started))
+                except Exception as exc:  # no watcher thread: run unwatched rather than not at all
+                    _rlog.exception(("watch", type(exc).__name__), "handler %s runs unwatched: %r", m.name, exc)
         try:
             result = m.handler(ctx)
-        except Exception as exc:  # a handler error is reported, never propagated
-            elapsed = perf_counter() - started
-            code = exc.code if isinstance(exc, ExecAppError) else "handler_error"
-            message = str(exc) or type(exc).__name__
-            if not isinstance(exc, ExecAppError):
-                log.warning("handler %s failed: %r", m.name, exc)
-            m.profile.record(elapsed, error=message, timeout=code == "timeout")
+        except BaseException as exc:  # a handler error is reported, never propagated (SystemExit too)
+            elapsed = _clock() - started
+            if watch is not None and not pool.finish(watch):  # type: ignore[union-attr]
+                return False
+            if isinstance(exc, ExecAppError):
+                code, message = exc.code, str(exc) or type(exc).__name__
+            else:
+                code = HandlerError.code
+                message = str(exc) or type(exc).__name__
+                if not isinstance(exc, Exception):
+                    message = (f"handler {m.name!r} raised {type(exc).__name__}({message}); a handler must return "
+                               "or raise an Exception, never stop the server")
+                _rlog.warning(("handler", m.name, type(exc).__name__), "handler %s failed: %r", m.name, exc)
+            timeout = code == HandlerTimeout.code
+            m.profile.record(elapsed, error=message, timeout=timeout,
+                             overrun=pool is None and budget is not None and elapsed > budget)
             self._count("errors")
             run.emit(Failure(run.event.id, m.name, m.plugin, code, message, ctx.exec_class, elapsed))
         else:
-            elapsed = perf_counter() - started
-            m.profile.record(elapsed)
+            elapsed = _clock() - started
+            if watch is not None and not pool.finish(watch):  # type: ignore[union-attr]
+                return False
+            if budget is not None and elapsed > budget and pool is None:
+                # An inline run past its budget (a Python handler cannot be stopped) moves to the
+                # pool at once; its result still counts: it ran to the end.
+                m.profile.record(elapsed, overrun=True)
+            else:
+                m.profile.record(elapsed, ctx.event.size)
             code = "ok"
             if result is not None:
                 ctx.reply(*((result, None) if isinstance(result, str) else (None, result)))
@@ -360,12 +522,43 @@ class Engine:
                 event_id = run.event.id
                 for text, data in ctx._replies:
                     run.emit(Reply(event_id, m.name, m.plugin, text, data, ctx.exec_class, elapsed))
-        if self._observers:
+        if self._observers:  # the loop is written out here: a method call per run shows inline
             for observe in self._observers:
                 try:
                     observe(m, ctx.exec_class, elapsed, code)
                 except Exception:  # metrics must never break dispatch
-                    log.exception("run observer %r failed", observe)
+                    _rlog.exception(("observer", id(observe)), "run observer %r failed", observe)
+        return True
+
+    def _overrun(self, run: EventRun, ctx: Context, started: float) -> None:
+        """The pool's watcher found a pooled run past its deadline: report ``timeout`` now and
+        complete the event (the thread runs on, counted stuck; its result will be dropped)."""
+        m: Matcher = ctx.matcher
+        elapsed = _clock() - started
+        if m.plugin is not None:
+            message = (f"handler {m.name!r} of plugin {m.plugin!r} did not stop within its timeout plus grace "
+                       f"({m.timeout:g} s) though its sandbox should have stopped it; its thread is stuck and its "
+                       "late result will be discarded")
+        else:
+            message = (f"handler {m.name!r} ran past its timeout of {m.timeout:g} s; it keeps running in its pool "
+                       "thread (counted as stuck) and its late result will be discarded; make it return sooner "
+                       "(check ctx.deadline) or raise its timeout")
+        _rlog.warning(("overrun", m.name), "%s", message)
+        m.profile.record(elapsed, error=message, timeout=True)
+        self._count("errors")
+        try:
+            run.emit(Failure(run.event.id, m.name, m.plugin, HandlerTimeout.code, message, ExecClass.POOL, elapsed))
+            if self._observers:
+                self._observe(m, ExecClass.POOL, elapsed, HandlerTimeout.code)
+        finally:
+            run.release()
+
+    def _observe(self, m: Matcher, exec_class: ExecClass, elapsed: float, code: str) -> None:
+        for observe in self._observers:
+            try:
+                observe(m, exec_class, elapsed, code)
+            except Exception:  # metrics must never break dispatch
+                _rlog.exception(("observer", id(observe)), "run observer %r failed", observe)
 
     def _count(self, key: str) -> None:
         next(self._tally[key])
@@ -410,5 +603,5 @@ def running_handlers() -> list[str]:
 def _as_event(event: Event | Mapping[str, Any]) -> Event:
     if isinstance(event, Event):
         return event
-    fields = {k: event[k] for k in ("type", "text", "data", "id", "session") if event.get(k) is not None}
+    fields = {k: event[k] for k in ("type", "text", "data", "id", "session", "size") if event.get(k) is not None}
     return Event(**fields)

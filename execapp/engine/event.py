@@ -10,20 +10,45 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Callable, Union
 
+from .errors import BadEvent
 from .profile import ExecClass
+from .ratelog import RateLimitedLog
 
 log = logging.getLogger("execapp.engine")
+_rlog = RateLimitedLog(log)
 
 
-@dataclass(frozen=True)
+def _new_id() -> str:
+    return os.urandom(8).hex()  # 16 hex digits, ~5x cheaper than uuid4
+
+
+@dataclass(frozen=True, init=False)
 class Event:
-    """One incoming event: a ``message`` with ``text`` or any other ``type`` with ``data``."""
+    """One incoming event: a ``message`` with ``text`` or any other ``type`` with ``data``.
+
+    ``size``: how big the event is, in characters, computed once by whoever made it (the
+    protocol passes the frame's length; the default is ``len(text)``). The engine runs a
+    handler inline only on events not much larger than those it was proven fast on
+    (ExecProfile.inline_max_size). ``dataclasses.replace`` keeps the old size: pass a new one.
+    """
 
     type: str = "message"
     text: str = ""
     data: dict[str, Any] = field(default_factory=dict)
-    id: str = field(default_factory=lambda: os.urandom(8).hex())  # 16 hex digits, ~5x cheaper than uuid4
+    id: str = field(default_factory=_new_id)
     session: str | None = None
+    size: int = 0
+
+    def __init__(self, type: str = "message", text: str = "", data: dict[str, Any] | None = None,
+                 id: str | None = None, session: str | None = None, size: int | None = None) -> None:
+        # Written into the instance dict directly (one event per frame: see Reply below).
+        d = self.__dict__
+        d["type"] = type
+        d["text"] = text
+        d["data"] = {} if data is None else data
+        d["id"] = _new_id() if id is None else id
+        d["session"] = session
+        d["size"] = len(text) if size is None else size
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able form handed to plugin handlers."""
@@ -110,17 +135,25 @@ OutcomeCallback = Callable[[Outcome], None]
 
 
 class Context:
-    """What a handler receives: the event, its command arguments, ``reply()`` and ``set_block()``."""
+    """What a handler receives: the event, its command arguments, ``reply()`` and ``deadline``.
 
-    __slots__ = ("event", "args", "matcher", "exec_class", "_replies", "blocked")
+    ``deadline``: the time.monotonic() value by which the run should end, or None. Inline it
+    is the engine's inline budget (the handler runs on the event loop); pooled it is the start
+    plus the matcher's timeout (None without one). Sandboxed plugins are stopped at it; a
+    Python handler should check it. Blocking lower matchers is the matcher's ``block`` flag
+    alone, decided before the pool decision: a handler cannot block at run time.
+    """
 
-    def __init__(self, event: Event, args: str, matcher: Any, exec_class: ExecClass) -> None:
+    __slots__ = ("event", "args", "matcher", "exec_class", "_replies", "deadline")
+
+    def __init__(self, event: Event, args: str, matcher: Any, exec_class: ExecClass,
+                 deadline: float | None = None) -> None:
         self.event = event
         self.args = args
         self.matcher = matcher
         self.exec_class = exec_class
         self._replies: list[tuple[str | None, Any]] | None = None  # made by the first reply()
-        self.blocked = False
+        self.deadline = deadline
 
     def reply(self, text: str | None = None, data: Any = None) -> None:
         """Queue a reply; it is sent when the handler returns, with the handler's elapsed time."""
@@ -130,11 +163,6 @@ class Context:
         else:
             self._replies.append(item)
 
-    def set_block(self, block: bool = True) -> None:
-        """Stop lower-priority matchers. Honoured for handlers run inline; a pooled handler runs
-        after dispatch has moved on, so only its matcher's ``block`` flag can stop the others."""
-        self.blocked = block
-
     def clone_for_pool(self) -> "Context":
         """A private copy for a pool thread (design.md §2: clone before submission)."""
         return Context.for_pool(self.event, self.args, self.matcher)
@@ -142,8 +170,21 @@ class Context:
     @staticmethod
     def for_pool(event: Event, args: str, matcher: Any) -> "Context":
         """A pool thread's own context: the event's data is deep-copied, so no handler can see or
-        tear another's, and the caller may reuse its event once dispatch returns."""
-        private = Event(event.type, event.text, copy.deepcopy(event.data), event.id, event.session)
+        tear another's, and the caller may reuse its event once dispatch returns.
+
+        Raises BadEvent when the data cannot be copied (nested too deep for the copy, or a
+        value that is not plain data): the engine reports it as that handler's failure."""
+        try:
+            data = copy.deepcopy(event.data)
+        except RecursionError:
+            raise BadEvent(f"event {event.id}: its data is nested too deeply to be copied for a pooled handler "
+                           f"({getattr(matcher, 'name', matcher)!r}); send data nested a few dozen levels at most "
+                           "(the WebSocket protocol refuses deeper frames)") from None
+        except Exception as exc:
+            raise BadEvent(f"event {event.id}: its data cannot be copied for a pooled handler "
+                           f"({getattr(matcher, 'name', matcher)!r}): {type(exc).__name__}: {exc}; send plain JSON "
+                           "values (dict, list, str, number, bool, null)") from None
+        private = Event(event.type, event.text, data, event.id, event.session, event.size)
         return Context(private, args, matcher, ExecClass.POOL)
 
 
@@ -206,8 +247,8 @@ class EventRun:
         for cb in callbacks:
             try:
                 cb(self.completion)
-            except Exception:
-                log.exception("completion callback %r failed", cb)
+            except Exception as exc:
+                _rlog.exception(("completion", type(exc).__name__), "completion callback %r failed", cb)
 
     def emit(self, outcome: Reply | Failure) -> None:
         """Count and pass on a reply or a failure, from whichever thread ran the handler."""
@@ -231,8 +272,11 @@ class EventRun:
         # handlers of the event nor lose the completion (every accepted event ends in one).
         try:
             self._on_outcome(outcome)  # type: ignore[misc]
-        except Exception:
-            log.exception("outcome callback failed for event %s", self.event.id)
+        except Exception as exc:
+            # One cause, one traceback per interval: a client that breaks every send must not
+            # flood the log (or cost the loop a traceback per event).
+            _rlog.exception(("outcome", type(exc).__name__), "outcome callback failed for event %s",
+                            self.event.id)
 
     def add_done_callback(self, fn: Callable[[Completion], None]) -> None:
         """Call ``fn(completion)`` when the event completes (at once if it already has)."""

@@ -11,6 +11,17 @@ from .profile import ExecProfile
 
 Handler = Callable[[Any], Any]
 
+#: Bytes of a matcher's inline mark (Engine.set_inline_slot): its name, UTF-8, NUL-padded.
+MARK_SIZE = 64
+
+
+def make_mark(name: str) -> bytes:
+    """``name`` as the fixed-size mark written into the inline slot: its UTF-8 bytes cut at
+    MARK_SIZE, NUL-padded. A reader (execapp.watchdog) takes the bytes up to the first NUL; no
+    NUL means the name was cut, and it matches matchers by the same 64-byte prefix (decoding
+    with errors="ignore", as a cut may split a character)."""
+    return name.encode("utf-8", "replace")[:MARK_SIZE].ljust(MARK_SIZE, b"\0")
+
 
 class MatcherKind(str, enum.Enum):
     """What a matcher's pattern is tested against."""
@@ -30,7 +41,13 @@ def parse_command(text: str) -> tuple[str, str] | None:
 
 @dataclass(eq=False)
 class Matcher:
-    """One handler registration. ``profile`` is required: no matcher exists without one."""
+    """One handler registration. ``profile`` is required: no matcher exists without one.
+
+    ``timeout`` (seconds, optional): the engine's deadline for one run of the handler. A
+    pooled run past it is reported as ``timeout`` and its thread counted as stuck (the pool's
+    watcher); plugin bindings carry their plugin's timeout plus a grace (the sandbox stops the
+    guest first; this is the backstop). ``mark``: the name as written into the inline slot.
+    """
 
     kind: MatcherKind
     pattern: str
@@ -41,11 +58,19 @@ class Matcher:
     block: bool = False
     plugin: str | None = None
     seq: int = 0  # registration order, the tie-break for equal priorities
+    timeout: float | None = None
     _regex: re.Pattern | None = field(default=None, repr=False)
+    mark: bytes = field(default=b"", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.profile, ExecProfile):
             raise ConfigError(f"matcher {self.name!r} has no ExecProfile; every matcher must have one")
+        if self.timeout is not None:
+            if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+                raise ConfigError(f"matcher {self.name!r}: timeout={self.timeout!r}; use a number of seconds > 0, "
+                                  "or None for no engine deadline")
+            self.timeout = float(self.timeout)
+        self.mark = make_mark(self.name)  # made once: the inline path only copies it
         if self.kind is MatcherKind.REGEX:
             try:
                 self._regex = re.compile(self.pattern)

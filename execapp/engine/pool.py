@@ -10,11 +10,21 @@ from time import monotonic, perf_counter, sleep
 from typing import Any, Callable
 
 from .errors import ConfigError
+from .ratelog import RateLimitedLog
 
 log = logging.getLogger("execapp.pool")
+_rlog = RateLimitedLog(log)
 
 Task = Callable[[], Any]
 _STOP = object()  # handed to an idle worker to make it exit (drain)
+
+#: How often the watcher scans the running runs that have a deadline (seconds): an overrun is
+#: reported at most this late. One scan of <= max_workers entries costs microseconds.
+WATCH_INTERVAL = 0.05
+#: How long the watcher thread lingers with nothing to watch before it exits (seconds).
+WATCH_LINGER = 2.0
+
+_RUNNING, _STUCK, _FINISHED = 0, 1, 2
 
 
 def count_value(counter: itertools.count) -> int:
@@ -30,6 +40,17 @@ class _Worker:
 
     def __init__(self) -> None:
         self.slot: queue.SimpleQueue = queue.SimpleQueue()
+
+
+class Watch:
+    """One running task with a deadline, in the pool's watch table (see ``ExecPool.watch``)."""
+
+    __slots__ = ("deadline", "on_overrun", "state")
+
+    def __init__(self, deadline: float, on_overrun: Callable[[], None]) -> None:
+        self.deadline = deadline
+        self.on_overrun = on_overrun
+        self.state = _RUNNING
 
 
 class ExecPool:
@@ -92,6 +113,12 @@ class ExecPool:
         self._delays: collections.deque[float] = collections.deque(maxlen=1024)
         self._listeners: list[Callable[[str, float], None]] = []
         self._capacity_listeners: list[Callable[[], None]] = []
+        # The watch table: touched by pool threads (watch/finish) and the watcher, under one lock.
+        self._watch_lock = threading.Lock()
+        self._watched: set[Watch] = set()
+        self._watcher: threading.Thread | None = None
+        self._stuck = 0  # watched tasks past their deadline whose function has not returned
+        self._stuck_total = itertools.count()
 
     # -- submission ---------------------------------------------------------------------------
 
@@ -123,7 +150,18 @@ class ExecPool:
                 pass
             else:
                 self._handoff.append(task)
-                self._start(None)
+                try:
+                    self._start(None)
+                except BaseException:
+                    # No thread (e.g. "can't start new thread"): take the task back if no other
+                    # worker took it meanwhile, give the token back, and let the caller report it.
+                    try:
+                        self._handoff.remove(task)
+                    except ValueError:
+                        return True  # a live worker took it: it is accepted and will run
+                    tokens.append(None)
+                    self._refuse(True)
+                    raise
                 return True
         try:  # 3. a free queue slot: queue it
             self._slots.pop()
@@ -140,7 +178,14 @@ class ExecPool:
                 except IndexError:
                     pass  # every token is held by a live worker, which checks the queue before exiting
                 else:
-                    self._start(None)
+                    try:
+                        self._start(None)
+                    except Exception as exc:
+                        # The task is queued (accepted): the next submission or a live worker
+                        # runs it; keep the token so that next start can be tried again.
+                        tokens.append(None)
+                        _rlog.error(("start", type(exc).__name__), "pool %s could not start a worker: %r",
+                                    self.name, exc)
         return True
 
     def _refuse(self, count: bool) -> bool:
@@ -229,13 +274,81 @@ class ExecPool:
             self._notify("delay", delay)
         try:
             fn()
-        except BaseException:  # a task must never kill its worker
+        except BaseException as exc:  # a task must never kill its worker
             next(self._failed)
-            log.exception("pool task %r failed", fn)
+            _rlog.exception(("task", type(exc).__name__), "pool task %r failed", fn)
             if self._listeners:
                 self._notify("failed", 1.0)
         else:
             next(self._completed)
+
+    # -- deadlines ----------------------------------------------------------------------------
+
+    def watch(self, deadline: float, on_overrun: Callable[[], None]) -> Watch:
+        """Watch the calling task until ``finish``: past ``deadline`` (time.monotonic()), the
+        watcher thread calls ``on_overrun()`` once and counts the task as stuck. Cheap: one
+        lock round trip; the thread starts only when something is watched."""
+        w = Watch(deadline, on_overrun)
+        with self._watch_lock:
+            if self._watcher is None:
+                # Started under the lock: the thread's first look at the table (and its exit,
+                # which clears _watcher) waits for it, so exactly one watcher ever runs.
+                watcher = threading.Thread(target=self._watch_loop, name=f"{self.name}-watcher", daemon=True)
+                watcher.start()  # may raise (no threads left): nothing registered then
+                self._watcher = watcher
+            self._watched.add(w)
+        return w
+
+    def finish(self, w: Watch) -> bool:
+        """The watched task's function is returning. True if it finished before its deadline was
+        reported (its caller reports the result); False if ``on_overrun`` already ran (the late
+        result must be discarded: the overrun was the outcome). Either way it is no longer stuck."""
+        with self._watch_lock:
+            if w.state == _RUNNING:
+                self._watched.discard(w)
+                w.state = _FINISHED
+                return True
+            if w.state == _STUCK:
+                self._stuck -= 1
+            w.state = _FINISHED
+            return False
+
+    def _watch_loop(self) -> None:
+        # The one watcher thread of this pool: claims overdue entries under the lock, then calls
+        # their on_overrun outside it (the callbacks emit outcomes and take other locks).
+        idle_since = monotonic()
+        while True:
+            sleep(WATCH_INTERVAL)
+            now = monotonic()
+            with self._watch_lock:
+                if not self._watched:
+                    if now - idle_since >= WATCH_LINGER:
+                        self._watcher = None  # under the lock: the next watch() starts a new one
+                        return
+                    continue
+                idle_since = now
+                due = [w for w in self._watched if w.deadline <= now]
+                for w in due:
+                    self._watched.discard(w)
+                    w.state = _STUCK
+                    self._stuck += 1
+                    next(self._stuck_total)
+            for w in due:
+                try:
+                    w.on_overrun()
+                except Exception:  # the watcher must survive whatever a callback does
+                    _rlog.exception(("overrun", type(w.on_overrun).__name__), "overrun callback %r failed",
+                                    w.on_overrun)
+
+    @property
+    def stuck(self) -> int:
+        """Tasks running past their deadline now (their threads are still busy)."""
+        return self._stuck
+
+    @property
+    def stuck_total(self) -> int:
+        """Tasks that ran past their deadline since the pool started."""
+        return count_value(self._stuck_total)
 
     # -- observers ----------------------------------------------------------------------------
 
@@ -359,4 +472,6 @@ class ExecPool:
             "saturation": (max(0, running) + queued) / (self.max_workers + self.queue_size),
             "delay_p50": delays[len(delays) // 2] if delays else None,
             "delay_p99": delays[min(len(delays) - 1, int(0.99 * len(delays)))] if delays else None,
+            "stuck": self._stuck,
+            "stuck_total": count_value(self._stuck_total),
         }

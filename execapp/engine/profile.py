@@ -27,6 +27,20 @@ class ProfileState(str, enum.Enum):
 _now = time.time
 _PROMOTED = ProfileState.PROMOTED
 _DEMOTED = ProfileState.DEMOTED
+_POOL = ExecClass.POOL
+
+#: Inline is earned per input size (design.md §3 "Containment"): a demoted handler runs inline
+#: only events up to SIZE_FACTOR x the largest size it was proven fast on, and never less than
+#: SIZE_FLOOR characters. Why 4x: a handler whose cost grows linearly, proven under the fast
+#: threshold (25 ms by default), stays within 4x that (100 ms, the default inline budget) on
+#: the largest event it may take inline; a superlinear one is stopped by the inline budget and
+#: moved to the pool. Why 1 KiB: a new handler is proven on whatever traffic it gets first,
+#: usually short chat lines; anything up to 1 KiB costs microseconds in every bundled plugin
+#: (a quadratic Lua pattern on 1 KiB of spaces: ~4 ms), while the 60 KB frame that stalled a
+#: worker for 15 s is 60x the floor. A larger event goes to the pool before it runs; a fast
+#: pooled run on it extends what is proven.
+SIZE_FACTOR = 4
+SIZE_FLOOR = 1024
 
 
 class ExecProfile:
@@ -38,7 +52,13 @@ class ExecProfile:
     - too few samples -> POOL (every handler is suspected slow until proven fast);
     - p50 >= slow threshold -> promote, POOL;
     - full window, p50 < threshold/2 and each of the last ``recent`` runs < threshold/2 -> demote;
-    - one run over ``promote_after`` (2x threshold) promotes at once and clears demotion.
+    - one run over ``promote_after`` (2x threshold) promotes at once and clears demotion;
+    - a timeout, or an inline run past the engine's inline budget (``overrun``), promotes at
+      once too (and restarts a promoted handler's recovery window);
+    - a demoted handler takes inline only events up to ``inline_max_size`` (SIZE_FACTOR x the
+      largest size of a fast, successful run since the last promotion, at least SIZE_FLOOR);
+    - a quarantined profile (``quarantine``) is pinned to the pool and never demoted until
+      ``release_quarantine``.
 
     Improvements over the seed: promotion starts a fresh window, so a promoted handler is
     demoted again only by the same strict rule judged on samples taken after its promotion;
@@ -95,15 +115,27 @@ class ExecProfile:
         self.last_error = ""
         self.updated_at = 0.0
         self.version = 0  # bumped on every change; the persistence layer flushes what moved
+        #: The largest event size (characters) of a fast, successful run since the last promotion.
+        self.proven_size = 0
+        #: Events larger than this go to the pool even when demoted (read without the lock).
+        self.inline_max_size = SIZE_FLOOR
+        #: Why this matcher is pinned to the pool (None: not quarantined).
+        self.quarantined: str | None = None
 
     # -- the decision -------------------------------------------------------------------------
 
-    def should_pool(self) -> ExecClass:
-        """Where the next run goes. One attribute read: safe without the lock, O(1)."""
-        return self._class
+    def should_pool(self, size: int = 0) -> ExecClass:
+        """Where the next run of an event of ``size`` characters goes. Two attribute reads and a
+        comparison: safe without the lock, O(1), and it never changes the profile."""
+        return self._class if size <= self.inline_max_size else _POOL
 
-    def record(self, elapsed: float, *, error: str | None = None, timeout: bool = False) -> None:
+    def record(self, elapsed: float, size: int = 0, *, error: str | None = None, timeout: bool = False,
+               overrun: bool = False) -> None:
         """Add one run's duration (seconds) and apply the promotion/demotion rules.
+
+        ``size``: the event's size (characters), proven when the run is fast and succeeded.
+        ``timeout`` (the run timed out) and ``overrun`` (an inline run went past the engine's
+        inline budget) promote at once, whatever ``elapsed`` says: such a run proved nothing.
 
         Every inline run pays for this, so it is written flat: the window update is inlined and
         each rule is only tested when the new sample can change its outcome (p50 >= threshold
@@ -115,8 +147,10 @@ class ExecProfile:
             if error is not None:
                 self.errors += 1
                 self.last_error = error[:500]
-            if timeout:
-                self.timeouts += 1
+            if timeout or overrun:
+                self.timeouts += timeout
+                self._outlier(elapsed)
+                return
             self.updated_at = _now()
             # -- push into the ring, keeping the running counts (same as _push) --
             i = self._next
@@ -134,9 +168,13 @@ class ExecProfile:
             self._next = 0 if i == self.window else i
             if elapsed < self.fast_threshold:
                 self._fast_streak += 1
+                if size > self.proven_size and error is None:
+                    # A failed run proves nothing about its input (it may have stopped early).
+                    self.proven_size = size
+                    self.inline_max_size = max(SIZE_FLOOR, SIZE_FACTOR * size)
                 # A fast run can only demote (never promote): learning -> demoted, or a promoted
                 # handler recovering on its post-promotion window.
-                if self.state is not _DEMOTED and self._may_demote():
+                if self.state is not _DEMOTED and self._may_demote() and self.quarantined is None:
                     self._demote()
                 return
             self._n_not_fast += 1
@@ -152,6 +190,24 @@ class ExecProfile:
             elif (elapsed >= self.slow_threshold and self._count >= self.min_samples
                   and self._n_slow >= self._count - self._count // 2):
                 self._promote(elapsed)  # learning, or demoted with a steady drift: p50 >= threshold
+
+    def note_error(self, error: str) -> None:
+        """Count a failure of a handler that never ran (its event could not be copied or
+        submitted): an error and ``last_error``, but no duration sample and no rule applied."""
+        with self._lock:
+            self.errors += 1
+            self.last_error = error[:500]
+            self.version += 1
+            self.updated_at = _now()
+
+    def _outlier(self, elapsed: float) -> None:
+        """A timeout or an inline overrun (under the lock): promote now, or restart recovery."""
+        self.updated_at = _now()
+        if self.state is _PROMOTED:
+            self._push(elapsed)
+            self._fresh = 0
+        else:
+            self._promote(elapsed)
 
     def _push(self, elapsed: float) -> None:
         if self._count == self.window:
@@ -193,12 +249,48 @@ class ExecProfile:
         self._next = self._count = self._n_slow = self._n_not_fast = self._fast_streak = 0
         self._push(elapsed)
         self._fresh = 0
+        self.proven_size = 0  # sizes are proven afresh too, on post-promotion runs
+        self.inline_max_size = SIZE_FLOOR
 
     def _demote(self) -> None:
         self.state = ProfileState.DEMOTED
         self._class = ExecClass.SYNC
         self.demotions += 1
         self.demoted_at = time.time()
+
+    # -- quarantine -------------------------------------------------------------------------------
+
+    def quarantine(self, reason: str) -> None:
+        """Pin this matcher to the pool for good (never demoted) until ``release_quarantine``.
+
+        Used when a handler stalled a worker's event loop (the supervisor's watchdog) or by an
+        operator. A demoted profile is promoted now, with a fresh window, so that after a
+        release it must prove itself fast again on new runs before it runs inline.
+        """
+        with self._lock:
+            self.quarantined = str(reason)[:500] or "quarantined"
+            self.version += 1
+            self.updated_at = _now()
+            if self.state is not _PROMOTED:
+                self.promotions += 1
+                self.promoted_at = time.time()
+                self.state = ProfileState.PROMOTED
+                self._class = ExecClass.POOL
+                self._ring = [0.0] * self.window
+                self._next = self._count = self._n_slow = self._n_not_fast = self._fast_streak = 0
+                self._fresh = 0
+                self.proven_size = 0
+                self.inline_max_size = SIZE_FLOOR
+
+    def release_quarantine(self) -> None:
+        """Lift ``quarantine``: the usual recovery rule applies again (a full window of fresh fast runs)."""
+        with self._lock:
+            if self.quarantined is None:
+                return
+            self.quarantined = None
+            self.version += 1
+            self.updated_at = _now()
+            self._fresh = 0
 
     # -- reporting and persistence ---------------------------------------------------------------
 
@@ -233,6 +325,9 @@ class ExecProfile:
                 "last_error": self.last_error,
                 "updated_at": self.updated_at,
                 "recovery_samples": self._fresh,
+                "proven_size": self.proven_size,
+                "inline_max_size": self.inline_max_size,
+                "quarantined": self.quarantined,
             }
 
     def restore(self, state: str, window: list[float], **counters: Any) -> None:
@@ -250,6 +345,14 @@ class ExecProfile:
                          "demoted_at", "last_error", "updated_at"):
                 if name in counters and counters[name] is not None:
                     setattr(self, name, counters[name])
+            size = int(counters.get("proven_size") or 0)
+            self.proven_size = size
+            self.inline_max_size = max(SIZE_FLOOR, SIZE_FACTOR * size)
+            self.quarantined = counters.get("quarantined") or None
+            if self.quarantined is not None and self.state is not _PROMOTED:
+                # Pinned: a restored quarantine is never inline (the window says how it ran).
+                self.state = ProfileState.PROMOTED
+                self._class = ExecClass.POOL
 
 
 def _pct(ordered: list[float], q: float) -> float | None:

@@ -11,10 +11,11 @@ Rules this module keeps:
   dedicated shard threads);
 - QuickJS refuses to call into Python while a time limit is set, so guests never call Python:
   the host API is asynchronous in JS (``await kv_get(k)``); calls queue requests that the
-  host runs between steps, then resolves the promises and runs the pending jobs. Every step
-  into JS runs under ``set_time_limit(remaining)`` and the wall-clock deadline is checked
-  between steps. QuickJS's limit counts process CPU time (``clock()``): under load from other
-  threads it can fire early, never late by more than the time one step takes to notice;
+  host runs between steps, then resolves the promises and runs the pending jobs;
+- one wall-clock deadline per call (per top-level evaluation at load), kept at every boundary:
+  inside JS by the js_deadline watchdog (the binding's own limit counts process CPU time and
+  fired early under load; it stays only as a backstop that cannot fire first), after every
+  pending job, before every host call and between steps;
 - values cross only as JSON strings;
 - a Context that hit its memory limit, timed out or failed in the host is discarded (QuickJS
   has crashed on a Context reused after an out-of-memory error).
@@ -30,8 +31,9 @@ import quickjs
 
 get_ident = threading.get_ident
 
-from ..errors import CompileError, GuestError, GuestMemory, GuestTimeout
+from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from ..host import Host
+from . import js_deadline
 from .base import FreshInstanceIsolation, scan_json, to_json, to_reply
 
 if not getattr(quickjs, "_quickjs").__file__.endswith(".abi3.so"):
@@ -42,6 +44,12 @@ if not getattr(quickjs, "_quickjs").__file__.endswith(".abi3.so"):
 
 STACK_BYTES = 512 << 10
 MAX_STEPS = 10_000
+#: Wall-clock deadlines inside JS through the js_deadline watchdog (read when a Context is made).
+#: False gives the binding's CPU-time limit per step instead: only for the benchmark comparing
+#: the hot path guarded and unguarded; the checks after jobs and before host calls stay.
+GUARDED = True
+#: The host calls a guest's requests may name (the prelude's; anything else breaks the protocol).
+_HOST_OPS = frozenset({"log", "kv_get", "kv_set", "sleep", "http_get"})
 
 _PRELUDE = r"""
 (function () {
@@ -118,16 +126,26 @@ Object.defineProperty(globalThis, "__execapp_functions", {value: (before) => {
 
 
 class JsInstance:
-    """One QuickJS Context with the prelude and the plugin loaded; used only on its own thread."""
+    """One QuickJS Context with the prelude and the plugin loaded; used only on its own thread.
 
-    def __init__(self, compiled: "JsCompiled", list_functions: bool = False) -> None:
+    The plugin's top level runs here, under the plugin's budget (or ``deadline``, if earlier).
+    """
+
+    def __init__(self, compiled: "JsCompiled", list_functions: bool = False, deadline: float | None = None) -> None:
         spec = self.spec = compiled.spec
         self.thread = threading.get_ident()
         ctx = self.ctx = quickjs.Context()
         ctx.set_memory_limit(spec.memory_bytes)
         ctx.set_max_stack_size(STACK_BYTES)
-        ctx.set_time_limit(spec.timeout)
         started = time.monotonic()
+        deadline = started + spec.timeout if deadline is None else min(deadline, started + spec.timeout)
+        slot = self._slot = js_deadline.register(ctx, self) if GUARDED else None
+        if slot is None:
+            ctx.set_time_limit(max(deadline - started, 0.0))
+        else:
+            # Set once: a CPU-time limit that cannot be reached before the wall-clock budget ends.
+            ctx.set_time_limit(js_deadline.cpu_backstop(spec.timeout))
+            slot.deadline = deadline
         try:
             ctx.eval(_PRELUDE)
             before = None
@@ -135,9 +153,18 @@ class JsInstance:
                 ctx.eval(_LIST_FUNCTIONS)
                 before = ctx.eval("JSON.stringify(Object.getOwnPropertyNames(globalThis))")
             ctx.eval(spec.code)
+            if time.monotonic() >= deadline:  # the top level ended, but past its budget
+                raise GuestTimeout(_timeout_message(spec, "in its top level"))
             self.functions = frozenset(json.loads(ctx.get("__execapp_functions")(before))) if before else frozenset()
         except quickjs.JSException as exc:
-            raise _js_error(exc, spec, started) from None
+            self.close()
+            raise _js_error(exc, spec, "in its top level") from None
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            if slot is not None:
+                slot.end()
         self._run = ctx.get("__execapp_run")
         self._resume = ctx.get("__execapp_resume")
         self._step = ctx.get("__execapp_step")
@@ -149,7 +176,11 @@ class JsInstance:
         started = time.monotonic()
         if started >= deadline:
             raise GuestTimeout()
-        self.ctx.set_time_limit(deadline - started)
+        slot = self._slot
+        if slot is None:  # unguarded: the binding's CPU-time limit, per step
+            self.ctx.set_time_limit(deadline - started)
+        else:
+            slot.deadline = deadline  # the watchdog interrupts the guest past it
         try:
             out = self._run(handler, payload)
             if out[0] == "o":  # a plain value and no host call: the hot path
@@ -157,50 +188,72 @@ class JsInstance:
                 return value if value.__class__ is str else to_reply(value)
             return self._steps(out, deadline)
         except quickjs.JSException as exc:
-            raise _js_error(exc, self.spec, started) from None
+            raise _js_error(exc, self.spec) from None
         except quickjs.StackOverflow as exc:
             raise GuestError(f"stack overflow: {exc}", poison=True) from None
         except (StopIteration, ValueError, TypeError, KeyError, IndexError) as exc:  # a broken protocol reply
             raise GuestError(f"the plugin broke the host protocol ({type(exc).__name__})", poison=True) from None
+        finally:
+            if slot is not None:
+                slot.end()
 
     def _steps(self, out: str, deadline: float) -> Any:
         """The general case: host calls, promises and errors, one JSON state per step."""
         ctx = self.ctx
-        host: Host | None = None
-        for _ in range(MAX_STEPS):
-            state = json.loads(out)
-            queued = state["q"]
-            results: list = []
-            if queued:
-                host = host or Host(self.spec, deadline)
-                results = self._host_requests(queued, host)
-            status = state["s"]
-            if status == "ok":
-                return to_reply(state.get("v"))
-            if status == "err":
-                raise _guest_error(state["e"], self.spec)
-            # Waiting on host calls or on promise jobs: run them, then look again.
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise GuestTimeout(f"ran past its {self.spec.timeout * 1000:g} ms timeout")
-            ctx.set_time_limit(remaining)
-            if results:
-                self._resume(json.dumps(results))
-            ran = False
-            while ctx.execute_pending_job():
-                ran = True
-            out = self._step()
-            if not results and not ran:
-                raise GuestError("the handler's promise never settled")
-        raise GuestError(f"the handler did not finish within {MAX_STEPS} host round trips")
+        now = time.monotonic
+        host: Host | None = None  # one per guest call, made at its first host call
+        try:
+            for _ in range(MAX_STEPS):
+                state = json.loads(out)
+                queued = state["q"]
+                results: list = []
+                if queued:
+                    host = host or Host(self.spec, deadline)
+                    results = self._host_requests(queued, host, deadline)
+                status = state["s"]
+                if status == "ok":
+                    return to_reply(state.get("v"))
+                if status == "err":
+                    raise _guest_error(state["e"], self.spec)
+                # Waiting on host calls or on promise jobs: run them, then look again.
+                remaining = deadline - now()
+                if remaining <= 0:
+                    raise GuestTimeout(_timeout_message(self.spec, "while waiting on promises"))
+                if self._slot is None:
+                    ctx.set_time_limit(remaining)
+                if results:
+                    self._resume(json.dumps(results))
+                ran = False
+                # One job at a time, the deadline checked after each: an async loop (``while (true)
+                # await null``) queues a new job from every job and never leaves this loop otherwise.
+                while ctx.execute_pending_job():
+                    ran = True
+                    if now() >= deadline:
+                        raise GuestTimeout(_timeout_message(self.spec, "running promise jobs"))
+                out = self._step()
+                if not results and not ran:
+                    raise GuestError("the handler's promise never settled")
+            raise GuestError(f"the handler did not finish within {MAX_STEPS} host round trips")
+        finally:
+            if host is not None:
+                host.close()  # the call's end: the host logs its summary (dropped lines, denied calls)
 
-    def _host_requests(self, queue: list, host: Host) -> list:
+    def _host_requests(self, queue: list, host: Host, deadline: float) -> list:
+        """Run the guest's queued host calls in order, the deadline checked before each one."""
+        now = time.monotonic
         results = []
-        for req_id, op, args in queue:
+        for done, (req_id, op, args) in enumerate(queue):
+            if now() >= deadline:
+                raise GuestTimeout(_timeout_message(self.spec, f"in host calls ({len(queue) - done} of "
+                                                               f"{len(queue)} queued calls not run)"))
+            if op not in _HOST_OPS:
+                raise GuestError(f"the plugin broke the host protocol (unknown host call {op!r})", poison=True)
             try:
                 value = getattr(host, op)(*args)
                 if req_id:
                     results.append([req_id, True, value])
+            except GuestQuota:  # a quota ends the call, like a timeout: the guest cannot catch it
+                raise
             except GuestTimeout as exc:
                 raise GuestTimeout(str(exc)) from None
             except Exception as exc:  # a denied or failing call rejects the guest's promise
@@ -210,24 +263,33 @@ class JsInstance:
         return results
 
     def close(self) -> None:
+        """Release the Context (its watchdog slot first: nothing may write into a freed Context)."""
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            js_deadline.unregister(slot)
         self._run = self._resume = self._step = None
         self.ctx = None  # type: ignore[assignment]
+
+
+def _timeout_message(spec: Any, where: str = "") -> str:
+    return f"ran past its {spec.timeout * 1000:g} ms timeout" + (f" {where}" if where else "")
 
 
 def _guest_error(message: str, spec: Any) -> GuestError:
     """A thrown value or rejected promise; QuickJS's own interrupt/OOM errors are classified."""
     if message.startswith("InternalError: interrupted"):
-        return GuestTimeout(f"ran past its {spec.timeout * 1000:g} ms timeout")
+        return GuestTimeout(_timeout_message(spec))
     if message.startswith("InternalError: out of memory") or message in ("null", "[uninitialized]"):
         return GuestMemory(f"memory cap of {spec.memory_bytes} bytes exceeded")
     return GuestError(message)
 
 
-def _js_error(exc: Exception, spec: Any, started: float) -> GuestError:
+def _js_error(exc: Exception, spec: Any, where: str = "") -> GuestError:
+    """A JSException out of the binding, classified (timeout, memory) or kept as the guest's error."""
     message = str(exc).strip()
     first = message.splitlines()[0] if message else "error"
     if "interrupted" in first:
-        return GuestTimeout(f"ran past its {spec.timeout * 1000:g} ms timeout")
+        return GuestTimeout(_timeout_message(spec, where))
     if "out of memory" in first or first in ("null", "[uninitialized]"):
         return GuestMemory(f"memory cap of {spec.memory_bytes} bytes exceeded")
     return GuestError(" ".join(line.strip() for line in message.splitlines()[:2]), poison=True)
@@ -244,6 +306,11 @@ class JsCompiled(FreshInstanceIsolation):
         self.spec = spec
         try:
             probe = JsInstance(self, list_functions=True)
+        except GuestTimeout as exc:
+            raise CompileError(f"the plugin {exc}; move long work out of the top level into a handler",
+                               code="timeout") from None
+        except GuestMemory as exc:
+            raise CompileError(f"the plugin's top level: {exc}", code="memory_limit") from None
         except GuestError as exc:
             raise CompileError(str(exc)) from None
         self.handlers = probe.functions
@@ -251,3 +318,11 @@ class JsCompiled(FreshInstanceIsolation):
 
     def new_instance(self) -> JsInstance:
         return JsInstance(self)
+
+    def call_isolated(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
+        """One call on a brand-new Context whose top level also runs within the call's ``deadline``."""
+        inst = JsInstance(self, deadline=deadline)
+        try:
+            return inst.call(handler, event, deadline)
+        finally:
+            inst.close()

@@ -12,7 +12,15 @@ Sandbox (built once per lupa runtime, in Lua, while the standard library is stil
 - a count hook checks the wall-clock deadline every ``HOOK_COUNT`` instructions and raises;
   once the budget is spent ``pcall``/``xpcall``/``coroutine.resume``/``wrap`` re-raise and
   new coroutines get the hook too, so neither pcall nor coroutines can swallow the timeout;
-- ``max_memory`` caps the runtime's allocator (the plugin's memory cap).
+- ``max_memory`` caps the runtime's allocator (the plugin's memory cap);
+- guards (``lua_guards.lua``): every library C function whose cost depends on its arguments
+  (pattern functions, ``string.rep``, ``table.concat``/``move``/``sort``..., ``tonumber``) is
+  replaced in the read-only library tables (and so in the string metatable) by a guard that
+  bounds each native call's work before it starts, charges it to a meter that checks the
+  deadline, and runs larger work in pieces the hook can stop (a pure-Lua pattern matcher,
+  ``lua_patterns.lua``, chunked table ranges) or refuses it with a clear error (a result
+  larger than the memory cap). ``GUARDS = False`` (or ``_LuaVM(..., guards=False)``) builds the
+  sandbox without them, for benchmarks.
 
 Strategies: ``call_isolated`` (per_request) keeps one runtime per thread per plugin version
 and runs every call in a fresh environment table with the bytecode loaded into it (full
@@ -24,14 +32,16 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 import lupa.lua54 as lupa
 
-from ..errors import CompileError, GuestError, GuestMemory, GuestTimeout
+from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from ..host import Host, HostCallError
 from ..spec import PluginSpec
 from .base import to_reply
+from .lua_interrupt import Interrupts
 
 #: Instructions between two deadline checks (a check calls time.monotonic through lupa: ~1 us;
 #: 10k Lua instructions take ~50-100 us, so the check costs ~1-2% and a timeout lands within
@@ -40,9 +50,40 @@ HOOK_COUNT = 10_000
 TIMEOUT_MSG = "execapp: timeout: the plugin ran past its time budget"
 MAX_DEPTH = 32
 
+#: Build sandboxes with the library guards (lua_guards.lua). Off only to measure what they cost.
+GUARDS = True
+#: How a guard's refusal of a result larger than the memory cap starts (status 3, memory_limit).
+MEMORY_MARK = "execapp: memory_limit: "
+#: The guards' cost model, in units of about one nanosecond of native work on an idle core
+#: (measured in tests/plugins/test_lua_containment.py and docs/plugins.md):
+GUARD_LIMITS = {
+    "LIMIT": 1_000_000,        # work between two deadline checks of the meter (~1 ms)
+    "NATIVE_MAX": 4_000_000,   # the most one native call may do (~4 ms); more runs in pieces
+    "FREE": 20_000,            # a call bounded this low is not charged (the hook covers it)
+    "BIG": 4096,               # strings up to this many bytes are not charged (cheaper than a hook)
+    "CHUNK": 4096,             # table elements per native call over a range
+    "CACHE_MAX": 256,          # pattern cost descriptors kept per runtime
+    "W_STEP": 8,               # one step of the native pattern matcher
+    "W_BYTE": 1,               # one byte of a linear string function
+    "W_ELEM": 40,              # one table element read/written by a C loop (lua_geti/seti)
+    "W_CMP": 60,               # one comparison of table.sort's default order
+}
+
+
+def _stripped_chunk(filename: str) -> bytes:
+    """A Lua file of this package compiled once and stripped (no positions of ours in errors)."""
+    src = Path(__file__).with_name(filename).read_bytes()
+    rt = lupa.LuaRuntime(encoding=None, register_eval=False, register_builtins=False)
+    return rt.execute("local src, name = ...; return string.dump(assert(load(src, name, 't')), true)",
+                      src, b"=execapp")
+
+
+_GUARDS_BYTECODE = _stripped_chunk("lua_guards.lua")
+_PATTERNS_BYTECODE = _stripped_chunk("lua_patterns.lua")
+
 _SANDBOX = r"""
-local clock, py_host, COUNT, TIMEOUT = ...
-local B = {deadline = math.huge, expired = false, loading = false}
+local clock, py_host, COUNT, TIMEOUT, GUARDS_BC, PATTERNS_BC, LIMITS, REGISTER = ...
+local B = {deadline = math.huge, expired = false, loading = false, cos = {}, ncos = 0}
 local error, pcall, xpcall, type, tostring, next, select = error, pcall, xpcall, type, tostring, next, select
 local setmetatable, getmetatable, rawget = setmetatable, getmetatable, rawget
 local sethook, co_create, co_resume = debug.sethook, coroutine.create, coroutine.resume
@@ -71,7 +112,40 @@ local function co_new(f)
   sethook(co, hook, "", COUNT)
   return co
 end
-local function safe_resume(co, ...) return check(co_resume(co, ...)) end
+-- A coroutine the guest resumes is registered with the deadline watchdog for this call (it can
+-- interrupt it between two hooks, lua_interrupt.py) and kept referenced until the next call
+-- starts: the VM has stopped writing to it by then (release). Past MAX_TRACKED in one call, all
+-- are dropped (the VM first: REGISTER(nil)) and those being resumed now registered again, so a
+-- loop over short-lived coroutines does not keep them all alive.
+local MAX_TRACKED = 64
+local active, nactive = {}, 0 -- the coroutines being resumed now, innermost last
+local function register(co)
+  B.cos[co] = true
+  B.ncos = B.ncos + 1
+  REGISTER(tostring(co))
+end
+local function track(co)
+  if REGISTER and not B.cos[co] and type(co) == "thread" then
+    if B.ncos >= MAX_TRACKED then
+      REGISTER(nil)
+      B.cos, B.ncos = {}, 0
+      for i = 1, nactive do if not B.cos[active[i]] then register(active[i]) end end
+    end
+    register(co)
+  end
+  nactive = nactive + 1
+  active[nactive] = co
+end
+local function untrack(...)
+  active[nactive] = nil
+  nactive = nactive - 1
+  return ...
+end
+local function release()
+  if B.ncos > 0 then B.cos, B.ncos = {}, 0 end
+  if nactive > 0 then active, nactive = {}, 0 end
+end
+local function safe_resume(co, ...) track(co); return check(untrack(co_resume(co, ...))) end
 local function wrap_results(ok, ...)
   if B.expired then error(TIMEOUT, 0) end
   if not ok then error((...), 0) end
@@ -79,7 +153,7 @@ local function wrap_results(ok, ...)
 end
 local function safe_wrap(f)
   local co = co_new(f)
-  return function(...) return wrap_results(co_resume(co, ...)) end
+  return function(...) track(co); return wrap_results(untrack(co_resume(co, ...))) end
 end
 
 local function readonly(t, name)
@@ -99,7 +173,28 @@ local function copy(t, skip)
   return c
 end
 
-local str = readonly(copy(string, {dump = true}), "string")
+-- The library tables the guest sees: copies of the natives, with the guards in place of every
+-- function whose cost depends on its arguments (lua_guards.lua).
+local str_lib, table_lib, utf8_lib, guest_tonumber = copy(string, {dump = true}), copy(table), copy(utf8), tonumber
+local MEM_MARK, plain_find = LIMITS and LIMITS.MEM_MARK, string.find
+if GUARDS_BC then
+  local NAT = {
+    string = copy(string), table = copy(table), utf8 = copy(utf8), type = type, tostring = tostring,
+    tonumber = tonumber, select = select, error = error, rawlen = rawlen, rawget = rawget,
+    getmetatable = debug.getmetatable, getinfo = debug.getinfo, tointeger = math.tointeger, ult = math.ult,
+    floor = math.floor, huge = math.huge, maxinteger = math.maxinteger, log = math.log,
+    byte = string.byte, sub = string.sub, char = string.char, find = string.find, match = string.match,
+    concat = table.concat, unpack = table.unpack,
+  }
+  -- The pattern matcher in Lua is compiled in this runtime only when a guard first needs it.
+  local function load_port(...) return load(PATTERNS_BC, "=execapp", "b")(...) end
+  local G = load(GUARDS_BC, "=execapp", "b")(NAT, hook, LIMITS, load_port)
+  for k, v in next, G.string do str_lib[k] = v end
+  for k, v in next, G.table do table_lib[k] = v end
+  for k, v in next, G.utf8 do utf8_lib[k] = v end
+  guest_tonumber = G.tonumber
+end
+local str = readonly(str_lib, "string")
 local smt = getmetatable("")
 smt.__index = str
 smt.__metatable = false
@@ -113,23 +208,28 @@ local function safe_setmetatable(t, mt)
   return setmetatable(t, mt)
 end
 
+-- The gate's message of a quota that ended the call: "execapp: quota_<resource>: <message>".
+local QUOTA = "execapp: quota_"
 local function host_call(name, ...)
   if B.loading then
     error(name .. ": the host API is not available while the plugin's top level runs; call it from a handler", 3)
   end
-  local ok, v = py_host(name, ...)
+  B.hosted = true
+  local ok, v, stop = py_host(name, ...)
   if ok then return v end
-  if v:sub(1, #TIMEOUT) == TIMEOUT then B.expired, B.why = true, v end
+  -- A timeout or a quota ends the call: marked like the count hook's timeout, so no pcall,
+  -- xpcall or coroutine of the guest can swallow it.
+  if stop then B.expired, B.why = true, v end
   error(v, 3)
 end
 
 local base = {
   assert = assert, error = error, ipairs = ipairs, next = next, pairs = pairs, select = select,
   pcall = safe_pcall, xpcall = safe_xpcall, rawequal = rawequal, rawget = rawget, rawlen = rawlen,
-  setmetatable = safe_setmetatable, getmetatable = getmetatable, tonumber = tonumber,
+  setmetatable = safe_setmetatable, getmetatable = getmetatable, tonumber = guest_tonumber,
   tostring = tostring, type = type, _VERSION = _VERSION,
-  string = str, table = readonly(copy(table), "table"), math = readonly(copy(math), "math"),
-  utf8 = readonly(copy(utf8), "utf8"), coroutine = readonly(co, "coroutine"),
+  string = str, table = readonly(table_lib, "table"), math = readonly(copy(math), "math"),
+  utf8 = readonly(utf8_lib, "utf8"), coroutine = readonly(co, "coroutine"),
   -- Not tail calls: error level 3 in host_call must point at the guest's line.
   log = function(msg) host_call("log", tostring(msg)) end,
   print = function(...)
@@ -144,12 +244,20 @@ local base = {
 }
 local env_mt = {__index = base, __metatable = false}
 
--- status: 0 ok, 1 error, 2 timeout, 3 memory
+-- status: 0 ok, 1 error, 2 timeout, 3 memory, 4 quota (v: "execapp: <code>: <message>")
 local function outcome(ok, v)
-  if B.expired then return 2, B.why or TIMEOUT end
+  -- The call ends: if it used the host API, the gate closes the call's Host (summary lines).
+  if B.hosted then B.hosted = false; py_host(nil) end
+  if B.expired then
+    local why = B.why or TIMEOUT
+    if why:sub(1, #QUOTA) == QUOTA then return 4, why end
+    return 2, why
+  end
   if ok then return 0, v end
   if v == "not enough memory" then return 3, v end
   if type(v) ~= "string" then v = tostring(v) end
+  -- a guard refused a result larger than the memory cap (its message names the call)
+  if MEM_MARK and plain_find(v, MEM_MARK, 1, true) then return 3, v end
   return 1, v
 end
 
@@ -158,6 +266,7 @@ local function new_env(bytecode, name, deadline)
   env._G = env
   local chunk, err = load(bytecode, name, "b", env)
   if not chunk then return nil, 1, err end
+  release()
   B.deadline, B.expired, B.why, B.loading = deadline, false, nil, true
   local status, v = outcome(pcall(chunk))
   B.loading, B.deadline = false, math_huge
@@ -165,9 +274,10 @@ local function new_env(bytecode, name, deadline)
   return env, 0, nil
 end
 
-local function call(env, handler, event, deadline)
+local function call(env, handler, event, deadline, same_call)
   local f = rawget(env, handler)
   if type(f) ~= "function" then return 1, "no handler function '" .. tostring(handler) .. "'" end
+  if not same_call then release() end
   B.deadline, B.expired, B.why = deadline, false, nil
   local status, v = outcome(pcall(f, event))
   B.deadline = math_huge
@@ -177,7 +287,7 @@ end
 local function fresh_call(bytecode, name, handler, event, deadline)
   local env, status, err = new_env(bytecode, name, deadline)
   if not env then return status, err end
-  return call(env, handler, event, deadline)
+  return call(env, handler, event, deadline, true)
 end
 
 local function functions(env)
@@ -188,7 +298,7 @@ local function functions(env)
   return names
 end
 
-return new_env, call, fresh_call, functions
+return new_env, call, fresh_call, functions, tostring((coroutine.running()))
 """
 
 
@@ -220,28 +330,46 @@ def _load_text(rt: Any, spec: PluginSpec) -> tuple[Any, bytes | None]:
 class _HostGate:
     """The ``py_host`` function a VM's sandbox calls for the host API (``name, *args``).
 
-    It holds the deadline of the VM's current call and makes the call's Host only when the
-    guest uses the host API (most calls never do). It is not the VM itself so that the Lua
-    runtime holds no reference back to the VM: a dropped VM, and its runtime of up to
-    ``memory_bytes``, is freed at once rather than at the next cyclic GC. No guest code runs
-    between calls, so the deadline is simply left as it was after a call.
+    It holds the deadline of the VM's current call (set by the VM before every call) and the
+    call's one Host: made at the call's first host call (most calls never make one), replaced
+    when a host call comes with a new deadline (the next call), and closed by ``py_host(nil)``,
+    which the sandbox's ``outcome`` sends when a call that used the host ends. It is not the VM
+    itself so that the Lua runtime holds no reference back to the VM: a dropped VM, and its
+    runtime of up to ``memory_bytes``, is freed at once rather than at the next cyclic GC.
     """
 
-    __slots__ = ("spec", "deadline")
+    __slots__ = ("spec", "deadline", "host")
+
+    #: How a message that ends the call starts (a quota: STOP + code + ": " + message).
+    STOP = "execapp: "
 
     def __init__(self, spec: PluginSpec) -> None:
         self.spec = spec
         self.deadline: float | None = None
+        self.host: Host | None = None
 
-    def __call__(self, name: str, *args: Any) -> tuple[bool, Any]:
+    def __call__(self, name: str | None, *args: Any) -> tuple:
         # Called from Lua: never raise into Lua (the guest would see a Python object); return
-        # (ok, value-or-message) and let the Lua wrapper raise a plain string error.
+        # (ok, value-or-message[, stop]) and let the Lua wrapper raise a plain string error;
+        # ``stop`` marks a timeout or quota, which ends the call.
+        host = self.host
+        if name is None:
+            if host is not None:
+                self.host = None
+                host.close()
+            return True, None
         if self.deadline is None:
             return False, f"{name}: no host call in progress"
+        if host is None or host.deadline != self.deadline:
+            if host is not None:
+                host.close()
+            host = self.host = Host(self.spec, self.deadline)
         try:
-            return True, getattr(Host(self.spec, self.deadline), name)(*args)
+            return True, getattr(host, name)(*args)
         except GuestTimeout as exc:
-            return False, f"{TIMEOUT_MSG}: {exc}"
+            return False, f"{TIMEOUT_MSG}: {exc}", True
+        except GuestQuota as exc:
+            return False, f"{self.STOP}{exc.code}: {exc}", True
         except (HostCallError, TypeError, ValueError) as exc:
             return False, str(exc)
         except Exception as exc:  # HostDenied, database or Redis errors: the guest sees the message
@@ -251,28 +379,43 @@ class _HostGate:
 class _LuaVM:
     """One sandboxed lupa runtime of one plugin version (used by one thread at a time)."""
 
-    def __init__(self, spec: PluginSpec, bytecode: bytes) -> None:
+    def __init__(self, spec: PluginSpec, bytecode: bytes, guards: bool | None = None) -> None:
         self.spec = spec
         self.bytecode = bytecode
         self.chunkname = f"={spec.name}"
         self.gate = _HostGate(spec)
+        if guards is None:
+            guards = GUARDS
         try:
             self.rt = lupa.LuaRuntime(register_eval=False, register_builtins=False, unpack_returned_tuples=True,
                                       attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
-            self._new_env, self._call, self._fresh, self._functions = self.rt.execute(
-                _SANDBOX, time.monotonic, self.gate, HOOK_COUNT, TIMEOUT_MSG)
+            limits = self.rt.table_from({**GUARD_LIMITS, "memory": spec.memory_bytes, "MEM_MARK": MEMORY_MARK})
+            # The deadline watchdog's view of this VM's states (no reference back to the VM).
+            self._irq = irq = Interrupts()
+            self._new_env, self._call, self._fresh, self._functions, main = self.rt.execute(
+                _SANDBOX, time.monotonic, self.gate, HOOK_COUNT, TIMEOUT_MSG,
+                _GUARDS_BYTECODE if guards else None, _PATTERNS_BYTECODE, limits,
+                irq.register if guards else None)
+            if guards:
+                irq.attach(main, HOOK_COUNT)
         except lupa.LuaMemoryError:
             raise CompileError(f"the memory cap of {spec.memory_bytes} bytes is too small for the Lua sandbox") from None
         self._table_from = self.rt.table_from
 
     def load_env(self, deadline: float) -> Any:
         """Run the plugin's top level in a new environment; the environment, or raise."""
+        irq = self._irq
+        irq.running = deadline
         try:
             env, status, err = self._new_env(self.bytecode, self.chunkname, deadline)
         except lupa.LuaMemoryError:
             raise GuestMemory(f"memory cap of {self.spec.memory_bytes} bytes exceeded") from None
         except lupa.LuaError as exc:
             raise GuestError(str(exc), poison=True) from None
+        finally:
+            irq.running = None
+            if irq.coroutines:
+                irq.end_call()
         if env is None:
             _raise(status, err, self.spec)
         return env
@@ -281,15 +424,22 @@ class _LuaVM:
         return frozenset(self._functions(env).values())
 
     # The two call paths below are the hot path (see plugins/strategies.py): the event becomes
-    # a Lua table in one C call (no JSON), a str reply comes back as is.
+    # a Lua table in one C call (no JSON), a str reply comes back as is. ``irq.running`` is the
+    # call's deadline for the watchdog (lua_interrupt.py) while the guest runs.
 
     def call_env(self, env: Any, handler: str, event: dict[str, Any], deadline: float) -> Any:
         """``handler`` of ``env`` (an environment of this runtime) on ``event``."""
         self.gate.deadline = deadline
+        irq = self._irq
+        irq.running = deadline
         try:
             status, value = self._call(env, handler, self._table_from(event, recursive=True), deadline)
         except lupa.LuaError as exc:  # raised outside the guest's pcall, e.g. by a __tostring
             raise self._lua_error(exc, deadline) from None
+        finally:
+            irq.running = None
+            if irq.coroutines:
+                irq.end_call()
         if status:
             _raise(status, value, self.spec)
         return value if value.__class__ is str else to_reply(_to_python(value))
@@ -297,14 +447,26 @@ class _LuaVM:
     def call_fresh(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         """``handler`` on ``event`` in a fresh environment (the plugin's top level runs first)."""
         self.gate.deadline = deadline
+        irq = self._irq
+        irq.running = deadline
         try:
             status, value = self._fresh(self.bytecode, self.chunkname, handler,
                                         self._table_from(event, recursive=True), deadline)
         except lupa.LuaError as exc:
             raise self._lua_error(exc, deadline) from None
+        finally:
+            irq.running = None
+            if irq.coroutines:
+                irq.end_call()
         if status:
             _raise(status, value, self.spec)
         return value if value.__class__ is str else to_reply(_to_python(value))
+
+    def __del__(self) -> None:
+        # Runs before the runtime is released: the watchdog must never write to a freed state.
+        irq = self.__dict__.get("_irq")
+        if irq is not None:
+            irq.forget()
 
     def _lua_error(self, exc: Exception, deadline: float) -> GuestError:
         if isinstance(exc, lupa.LuaMemoryError):
@@ -317,7 +479,13 @@ def _raise(status: int, message: Any, spec: PluginSpec) -> None:
         detail = str(message)[len(TIMEOUT_MSG) + 2:] if str(message).startswith(TIMEOUT_MSG + ": ") else ""
         raise GuestTimeout(detail or f"ran past its {spec.timeout * 1000:g} ms timeout")
     if status == 3:
+        text = str(message)
+        if MEMORY_MARK in text:  # a guard refused a result too large for the cap (names the call)
+            raise GuestMemory(text.replace(MEMORY_MARK, "", 1))
         raise GuestMemory(f"memory cap of {spec.memory_bytes} bytes exceeded")
+    if status == 4:
+        code, _, detail = str(message)[len(_HostGate.STOP):].partition(": ")
+        raise GuestQuota(code, detail)
     raise GuestError(str(message))
 
 
@@ -346,15 +514,22 @@ class LuaInstance(_LuaVM):
     def call(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         # _LuaVM.call_env inlined (one frame less on the hot path).
         self.gate.deadline = deadline
+        irq = self._irq
+        irq.running = deadline
         try:
             status, value = self._call(self.env, handler, self._table_from(event, recursive=True), deadline)
         except lupa.LuaError as exc:
             raise self._lua_error(exc, deadline) from None
+        finally:
+            irq.running = None
+            if irq.coroutines:
+                irq.end_call()
         if status:
             _raise(status, value, self.spec)
         return value if value.__class__ is str else to_reply(_to_python(value))
 
     def close(self) -> None:
+        self._irq.forget()  # before the runtime can be freed
         self.env = None
         self._new_env = self._call = self._fresh = self._functions = self._table_from = None
         self.rt = None
@@ -370,7 +545,15 @@ class LuaCompiled:
         self.bytecode = compile_bytecode(spec)
         vm = _LuaVM(spec, self.bytecode)
         try:
+            # The top level runs under the plugin's own budget and guards: a runaway one is
+            # refused at save (and skipped at worker start, plugins/sync.py) as `timeout`.
             env = vm.load_env(time.monotonic() + spec.timeout)
+        except GuestTimeout as exc:
+            raise CompileError(f"the top level ran past the plugin's timeout of {spec.timeout * 1000:g} ms ({exc}); "
+                               "keep the top level to definitions and do the work in handlers, or raise "
+                               "timeout_ms", code="timeout") from None
+        except GuestMemory as exc:
+            raise CompileError(f"the top level hit the memory cap: {exc}", code="memory_limit") from None
         except GuestError as exc:
             raise CompileError(f"the top level failed: {exc}") from None
         self.handlers = vm.functions(env)

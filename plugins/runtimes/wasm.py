@@ -11,7 +11,9 @@ ABI (docs/plugins.md has the full text):
   ``kv_get(kptr, klen, out, cap) -> i32`` (-1 if missing, else the value's byte length; at
   most ``cap`` bytes copied), ``kv_set(kptr, klen, vptr, vlen)``, ``sleep(ms: i32)``,
   ``http_get(uptr, ulen, out, cap) -> i32`` (body length, at most ``cap`` bytes copied). A
-  denied or failing host call traps with the host's message.
+  denied or failing host call traps with the host's message; so does one past the deadline
+  (reported as ``timeout``) or past a host quota (reported with the quota's code). One
+  plugins.host.Host serves all host calls of one guest call and is closed when it returns.
 
 Limits: one process-wide Engine with epoch interruption, ticked by a daemon thread every
 ``EPOCH_TICK`` seconds; each call sets its store's deadline from the plugin's timeout (trap
@@ -32,7 +34,7 @@ from typing import Any
 import wasmtime
 from wasmtime import _ffi as ffi
 
-from ..errors import CompileError, GuestError, GuestMemory, GuestTimeout
+from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from ..host import Host
 from .base import MAX_REPLY_BYTES, FreshInstanceIsolation, to_json, to_reply
 
@@ -40,7 +42,9 @@ EPOCH_TICK = 0.005
 MEMORY_RESERVATION = 64 << 20
 RESERVED_EXPORTS = frozenset({"memory", "alloc", "dealloc", "_start", "_initialize"})
 
-_tls = threading.local()  # the Host of the call running on this thread, and its host error
+# The call running on this thread: ``call`` (its spec and deadline), ``host`` (its Host, made at
+# its first host call: most calls make none) and ``host_error``.
+_tls = threading.local()
 
 
 def _make_engine() -> wasmtime.Engine:
@@ -81,7 +85,10 @@ class _HostTrap(Exception):
 def _host() -> Host:
     host = getattr(_tls, "host", None)
     if host is None:
-        raise _HostTrap("host calls are not available while the module instantiates")
+        call = getattr(_tls, "call", None)
+        if call is None:
+            raise _HostTrap("host calls are not available while the module instantiates")
+        host = _tls.host = Host(*call)
     return host
 
 
@@ -299,7 +306,7 @@ class WasmInstance:
         if remaining <= 0:
             raise GuestTimeout()
         store.set_epoch_deadline(_ticks(remaining))
-        _tls.host, _tls.host_error = Host(self.spec, deadline), None
+        _tls.call, _tls.host, _tls.host_error = (self.spec, deadline), None, None
         try:
             ptr = self.alloc(len(payload))
             if ptr <= 0 or ptr + len(payload) > self.memory.data_len(store):
@@ -311,7 +318,9 @@ class WasmInstance:
         except Exception as exc:
             raise self._failure(exc) from None
         finally:
-            _tls.host = None
+            host, _tls.host, _tls.call = _tls.host, None, None
+            if host is not None:
+                host.close()  # the call's end: the summary of dropped log lines and denied calls
         if not packed:
             return None
         rptr, rlen = (packed >> 32) & 0xFFFFFFFF, packed & 0xFFFFFFFF
@@ -330,6 +339,8 @@ class WasmInstance:
         _tls.host_error = None
         if isinstance(host_error, GuestTimeout):
             return GuestTimeout(str(host_error))
+        if isinstance(host_error, GuestQuota):  # the trap already ended the call: report the quota
+            return GuestQuota(host_error.code, str(host_error))
         if host_error is not None:
             return GuestError(f"host call failed: {host_error}", poison=True)
         if isinstance(exc, wasmtime.Trap):

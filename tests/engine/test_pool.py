@@ -60,9 +60,10 @@ def test_runs_tasks_on_worker_threads(pools):
 def test_stats_have_the_documented_keys(pools):
     stats = pools(3, 5).stats()
     for key in ("capacity", "in_flight", "queued", "queue_capacity", "submitted", "completed", "failed",
-                "rejected"):
+                "rejected", "stuck", "stuck_total"):
         assert key in stats
     assert (stats["capacity"], stats["queue_capacity"]) == (3, 5)
+    assert (stats["stuck"], stats["stuck_total"]) == (0, 0)
 
 
 def test_full_pool_refuses_without_blocking(pools):

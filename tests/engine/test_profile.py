@@ -280,6 +280,28 @@ def test_errors_and_timeouts_are_counted():
     assert (p.runs, p.errors, p.timeouts, p.last_error) == (3, 2, 1, "late")
 
 
+def test_a_fast_timeout_proves_nothing_and_promotes_at_once():
+    # A 10 ms plugin budget times out in 10 ms: counted as fast, such runs would demote the
+    # handler onto the loop, where it would time out again. A timeout is an outlier.
+    p = demoted()
+    p.record(FAST, error="late", timeout=True)
+    assert p.state is ProfileState.PROMOTED and p.should_pool() is ExecClass.POOL
+    for _ in range(p.window - 1):
+        p.record(FAST)
+    p.record(FAST, error="late", timeout=True)  # promoted: recovery starts counting again
+    for _ in range(p.window - 1):
+        p.record(FAST)
+    assert p.state is ProfileState.PROMOTED
+
+
+def test_note_error_counts_a_failure_without_a_sample():
+    p = demoted()
+    runs, window = p.runs, p.samples()
+    p.note_error("event data could not be copied")
+    assert (p.runs, p.errors, p.samples()) == (runs, 1, window)
+    assert p.last_error == "event data could not be copied" and p.state is ProfileState.DEMOTED
+
+
 def test_concurrent_record_keeps_counts_exact():
     p = ExecProfile()
     threads, per_thread = 8, 4000

@@ -365,17 +365,18 @@ def _session_cookie(is_staff: bool) -> str:
 
 
 @pytest.mark.parametrize("channel_layer", ["memory"], indirect=True)
-@pytest.mark.parametrize("is_staff, origin, allowed", [
-    (True, b"http://127.0.0.1:8000", True),
-    (True, b"http://localhost", True),
-    (True, b"https://evil.example", False),
-    (True, None, False),
-    (False, b"http://127.0.0.1:8000", False),
+@pytest.mark.parametrize("is_staff, host, origin, allowed", [
+    (True, b"127.0.0.1:8000", b"http://127.0.0.1:8000", True),
+    (True, b"localhost", b"http://localhost", True),
+    (True, b"127.0.0.1:8000", b"https://evil.example", False),
+    (True, b"127.0.0.1:8000", None, False),
+    (False, b"127.0.0.1:8000", b"http://127.0.0.1:8000", False),
 ])
 async def test_logged_in_staff_may_connect_with_their_session_from_this_site(
-        transactional_db: Any, is_staff: bool, origin: bytes | None, allowed: bool) -> None:
+        transactional_db: Any, is_staff: bool, host: bytes, origin: bytes | None, allowed: bool) -> None:
+    # The Origin is compared with the request's own scheme://Host (tests/execapp/test_origin.py).
     cookie = await sync_to_async(_session_cookie)(is_staff)
-    headers = [(b"cookie", f"sessionid={cookie}".encode())]
+    headers = [(b"host", host), (b"cookie", f"sessionid={cookie}".encode())]
     if origin is not None:
         headers.append((b"origin", origin))
     assert (await _handshake("/ws/events/", headers))[0] is allowed

@@ -132,6 +132,40 @@ def test_warm_start_after_restart(store_only: None) -> None:
 
 
 @pytest.mark.django_db
+def test_quarantine_and_proven_size_persist_and_one_workers_release_is_not_undone() -> None:
+    a, b = Engine(pool_enabled=False), Engine(pool_enabled=False)
+    store_a, store_b = ProfileStore(a), ProfileStore(b)
+    for engine in (a, b):
+        _register(engine)
+        for _ in range(3):
+            engine.process_event_sync(Event(text="/fast " + "x" * 2000))
+    store_a.flush()
+    store_b.flush()
+    assert ExecProfileRecord.objects.get(matcher="command:fast").proven_size == 2006
+    warm = Engine(pool_enabled=False)
+    ProfileStore(warm).load()
+    assert warm.profile_for("command:fast").proven_size == 2006  # what inline was earned on
+
+    a.quarantine("command:fast", "stalled worker w1")
+    b.quarantine("command:fast", "stalled worker w1")
+    store_a.flush()
+    store_b.flush()
+    row = ExecProfileRecord.objects.get(matcher="command:fast")
+    assert row.quarantined == "stalled worker w1" and row.state == "promoted"
+
+    fresh = Engine(pool_enabled=False)  # a restarted worker: pinned before any event
+    ProfileStore(fresh).load()
+    assert fresh.profile_for("command:fast").should_pool() is ExecClass.POOL
+    assert fresh.profile_for("command:fast").quarantined == "stalled worker w1"
+
+    a.release_quarantine("command:fast")
+    store_a.flush()
+    b.process_event_sync(Event(text="/fast"))  # b still holds the old pin in memory
+    store_b.flush()
+    assert ExecProfileRecord.objects.get(matcher="command:fast").quarantined == ""
+
+
+@pytest.mark.django_db
 def test_flush_writes_only_changed_profiles() -> None:
     engine = Engine(pool_enabled=False)
     _register(engine)

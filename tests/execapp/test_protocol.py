@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from collections import defaultdict
+from typing import Any
 
 import pytest
 
 from execapp.engine import Completion, Engine, ExecClass, ExecPool, Failure, Reply
 from execapp.protocol import (ERROR_CODES, MAX_SESSIONS_PER_CONNECTION, Connection, Limits, Outbox, ProtocolError,
-                              error_frame, outcome_frame, parse_frame)
+                              error_frame, group_name, json_depth, outcome_frame, parse_frame)
 
 LIMITS = Limits(max_frame_bytes=1024, max_in_flight=3)
 
@@ -84,6 +86,131 @@ def test_frames_over_the_limit_are_too_large_counted_in_utf8_bytes() -> None:
     assert parse_frame(json.dumps({"type": "message", "text": "€" * 20}, ensure_ascii=False), None, limits)
     assert refused("x" * 101, limits=limits).code == "too_large"
     assert refused(None, b"x" * 101, limits=limits).code == "too_large"
+
+
+# -- hostile frames -------------------------------------------------------------------------------
+
+def test_the_issues_2_kb_frame_of_1100_nested_lists_is_too_deep_not_a_recursion_error() -> None:
+    limits = Limits()  # the defaults: 64 KiB, depth 32
+    frame = "[" * 1100 + "]" * 1100
+    assert len(frame) == 2200
+    err = refused(frame, limits=limits)
+    assert err.code == "too_deep" and "MAX_FRAME_DEPTH" in err.message and "32" in err.message
+    # Unbalanced and deep (the decoder would recurse before finding the missing brackets).
+    assert refused("[" * 5000, limits=limits).code == "too_deep"
+    assert refused('{"data": ' + '{"a": ' * 3000, limits=limits).code == "too_deep"
+
+
+def test_the_depth_limit_counts_the_event_object_as_level_one() -> None:
+    limits = Limits(max_frame_bytes=4096, max_in_flight=1, max_depth=32)
+
+    def frame(levels_in_data: int) -> str:  # data itself is level 2
+        return json.dumps({"type": "t", "data": {"x": json.loads("[" * levels_in_data + "]" * levels_in_data)}})
+
+    assert parse_frame(frame(30), None, limits).data["x"] == json.loads("[" * 30 + "]" * 30)  # 1 + 1 + 30 = 32
+    err = refused(frame(31), limits=limits)
+    assert err.code == "too_deep"
+    assert parse_frame(frame(31), None, Limits(4096, 1, 33)).type == "t"  # the limit is a setting
+
+
+def test_brackets_inside_strings_do_not_count_towards_depth() -> None:
+    text = "/echo " + "[{" * 400 + '\\"[' + "]" * 3
+    event = parse_frame(json.dumps({"type": "message", "text": text, "data": {"k": "]]]" + "{" * 50}}), None,
+                        Limits(8192, 1))
+    assert event.text == text
+    assert json_depth(json.dumps({"a": ["[[[", '\\', '"[', {"b": "\\\"["}]}).encode(), 32) == 3
+
+
+@pytest.mark.parametrize("value, depth", [
+    ([], 1), ({}, 1), ([[]], 2), ([[], [[]]], 3), ({"a": [{"b": []}]}, 4), ("[[[", 0), (["]", "["], 1),
+    ([[[[[[[[[[]]]]]]]]]], 10),
+])
+def test_json_depth_is_exact_up_to_the_limit(value: object, depth: int) -> None:
+    assert json_depth(json.dumps(value).encode(), 32) == depth
+
+
+@pytest.mark.parametrize("frame, where", [
+    ('{"id": "u1", "type": "message", "text": "/echo \\ud800"}', "text"),
+    ('{"id": "u2", "type": "message", "text": "/echo \\udfff x"}', "text"),
+    ('{"id": "u3", "type": "t", "data": {"a": [1, {"b": "\\ud83d"}]}}', "data.a[1].b"),
+    ('{"id": "u4", "type": "t", "data": {"\\udc00": 1}}', "data.<key>"),
+    ('{"id": "u5", "type": "message", "text": "/ping", "\\ud800": 1}', "<key>"),
+    ('{"id": "\\ud800", "type": "message", "text": "/ping"}', "id"),
+])
+def test_a_lone_surrogate_anywhere_is_bad_event_at_the_edge(frame: str, where: str) -> None:
+    err = refused(frame)
+    assert err.code == "bad_event" and "Unicode" in err.message and err.message.startswith(where), err.message
+    # The id is echoed only when it is valid text itself (the error frame must be sendable).
+    assert err.event_id == (None if where == "id" else json.loads(frame)["id"])
+    json.loads(error_frame(err.code, err.message, err.event_id)).items()
+    error_frame(err.code, err.message, err.event_id).encode()  # valid UTF-8
+
+
+def test_a_raw_lone_surrogate_in_the_text_is_bad_event_and_a_surrogate_pair_is_fine() -> None:
+    err = refused('{"type": "message", "text": "/echo \ud800"}')  # the str itself holds U+D800
+    assert err.code == "bad_event" and "Unicode" in err.message
+    event = parse_frame('{"type": "message", "text": "/echo \\ud83d\\ude00 \\u00e9"}', None, LIMITS)
+    assert event.text == "/echo \U0001f600 é"
+    # Escaped backslash followed by "ud800": text, not an escape.
+    assert parse_frame('{"type": "message", "text": "/echo \\\\ud800"}', None, LIMITS).text == "/echo \\ud800"
+
+
+@pytest.mark.parametrize("frame", ['{"type": "message", "text": "/ping", "data": {"x": NaN}}',
+                                   '{"type": "tick", "data": {"x": -Infinity}}',
+                                   '{"type": "tick", "data": {"n": %s}}' % ("9" * 5000)])
+def test_python_only_json_is_bad_json(frame: str) -> None:
+    assert refused(frame, limits=Limits()).code == "bad_json"
+
+
+def test_outgoing_frames_are_always_utf8_and_strict_json() -> None:
+    def strict(text: str) -> dict:
+        text.encode()  # a lone surrogate would make the socket's send fail: the frame lost
+
+        def no_constant(name: str) -> None:
+            raise AssertionError(name)
+
+        return json.loads(text, parse_constant=no_constant)
+
+    frame = strict(outcome_frame(Reply("e", "m", None, "bad \ud800 text", {"x": float("nan")}, ExecClass.POOL, 0.0)))
+    assert frame["text"] == "bad ? text" and "nan" in frame["data"]
+
+
+def test_a_long_unknown_field_name_is_clipped_in_the_message() -> None:
+    err = refused(json.dumps({"type": "message", "text": "/ping", "k" * 500: 1}))
+    assert err.code == "bad_event" and len(err.message) < 200
+
+
+def test_the_event_size_is_the_frames_length_in_characters() -> None:
+    frame = json.dumps({"type": "message", "text": "/echo " + "é" * 100}, ensure_ascii=False)
+    assert parse_frame(frame, None, LIMITS).size == len(frame)
+
+
+async def test_a_failure_inside_the_server_is_an_internal_error_frame_logged_once(caplog: Any) -> None:
+    class Broken(_Admission):
+        def begin_event(self) -> bool:
+            raise RuntimeError("admission is broken")
+
+    engine = Engine(pool_enabled=False)
+    engine.add(engine.make_matcher("command", "ping", lambda ctx: "pong", name="ping"))
+    sent: list[dict] = []
+
+    async def send(text: str) -> None:
+        sent.append(json.loads(text))
+
+    conn = Connection(engine, Broken(), LIMITS, send)
+    with caplog.at_level(logging.ERROR, logger="execapp.protocol"):
+        for i in range(5):
+            await conn.receive(json.dumps({"id": f"x{i}", "type": "message", "text": "/ping"}))
+    await conn.flush()
+    assert [f["code"] for f in sent] == ["internal_error"] * 5 and "RuntimeError" in sent[0]["message"]
+    assert not conn.in_flight
+    logged = [r for r in caplog.records if "failed inside the server" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None
+    conn.worker = _Admission()  # the connection is still usable
+    await conn.receive(json.dumps({"id": "ok", "type": "message", "text": "/ping"}))
+    await _settle(conn, sent, 1)
+    assert [f["type"] for f in sent[5:]] == ["reply", "done"]
+    conn.close()
 
 
 def test_every_protocol_code_is_documented() -> None:
@@ -272,12 +399,12 @@ async def test_sessions_per_connection_are_bounded() -> None:
     async def send(text: str) -> None:
         sent.append(json.loads(text))
 
-    conn = Connection(engine, _Admission(), Limits(1024, 1000), send, publish=publish, join=join)
+    conn = Connection(engine, _Admission(), Limits(1024, 1000), send, publish=publish, join=join, owner="tenant:t")
     for i in range(MAX_SESSIONS_PER_CONNECTION + 1):
         await conn.receive(json.dumps({"id": f"e{i}", "type": "message", "text": "/ping", "session": f"s{i}"}))
         await conn.receive(json.dumps({"id": f"f{i}", "type": "message", "text": "/ping", "session": f"s{i}"}))
     await _settle(conn, sent, 2 * MAX_SESSIONS_PER_CONNECTION)
-    assert joined == [f"s{i}" for i in range(MAX_SESSIONS_PER_CONNECTION)]
+    assert joined == [group_name("tenant:t", f"s{i}") for i in range(MAX_SESSIONS_PER_CONNECTION)]
     errors = [f for f in sent if f["type"] == "error"]
     assert len(errors) == 2 and all(f["code"] == "bad_event" and "session" in f["message"] for f in errors)
     conn.close()

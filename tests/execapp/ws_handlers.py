@@ -2,7 +2,9 @@
 cases; registered on a Worker's engine by unit tests, and inside e2e servers via e2e_settings."""
 from __future__ import annotations
 
+import os
 import threading
+import time
 from typing import Any
 
 from execapp.engine import Engine, HandlerTimeout
@@ -44,11 +46,34 @@ def late(ctx: Any) -> None:
     raise HandlerTimeout("handler ran past its 10 ms budget (test)")
 
 
+def stall(ctx: Any) -> str:
+    """/stall [seconds]: answers at once with its process id; with seconds, first blocks in C
+    (time.sleep holds the thread that runs it: the event loop itself once it runs inline), which
+    no deadline can interrupt: the watchdog's case (tests/execapp/test_watchdog.py)."""
+    seconds = float(ctx.args or 0)
+    if seconds > 0:
+        time.sleep(seconds)
+    return f"pid {os.getpid()}"
+
+
+def wedge(ctx: Any) -> str:
+    """/wedge [seconds]: registered with a 0.2 s timeout, ignores it (blocks in C for 30 s by
+    default): its pool thread stays stuck past the deadline (tests/execapp/test_watchdog.py)."""
+    time.sleep(float(ctx.args or 30))
+    return "unwedged"
+
+
+#: The engine-level timeout of /wedge (seconds): its pooled runs are reported `timeout` then.
+WEDGE_TIMEOUT = 0.2
+
+
 def register(engine: Engine) -> None:
     """Register the test commands on ``engine``."""
     for name, handler in (("ping", ping), ("slow", slow), ("echo", echo), ("multi", multi), ("boom", boom),
                           ("late", late)):
         engine.add(engine.make_matcher("command", name, handler, plugin="test"))
+    engine.add(engine.make_matcher("command", "stall", stall, plugin="test"))
+    engine.add(engine.make_matcher("command", "wedge", wedge, plugin="test", timeout=WEDGE_TIMEOUT))
     engine.add(engine.make_matcher("event", "tick", lambda ctx: {"seen": ctx.event.data}, plugin="test"))
 
 class _Installed:

@@ -13,15 +13,21 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="a unique name for the token, e.g. the client's name")
+        parser.add_argument("--tenant", default="",
+                            help="the owner of the token's sessions: tokens of one tenant share session names, "
+                                 "other tenants never see them (default: the token's name, its own owner)")
 
-    def handle(self, *args: Any, name: str, **options: Any) -> None:
-        name = name.strip()
+    def handle(self, *args: Any, name: str, tenant: str = "", **options: Any) -> None:
+        name, tenant = name.strip(), tenant.strip()
         if not name or len(name) > 100:
             raise CommandError(f"name {name!r} must be 1-100 characters")
+        if len(tenant) > 100:
+            raise CommandError(f"--tenant {tenant[:20]!r}... is {len(tenant)} characters; use at most 100")
         if ApiToken.objects.filter(name=name).exists():
             raise CommandError(f"a token called {name!r} already exists; pick another name "
                                f"(or `python manage.py revoke_token {name}` to disable the old one)")
-        _, raw = ApiToken.issue(name)
-        self.stderr.write(f"Created API token {name!r}. Copy it now: only its hash is stored.\n"
+        token, raw = ApiToken.issue(name, tenant)
+        self.stderr.write(f"Created API token {name!r} of tenant {token.tenant!r}. Copy it now: only its hash is "
+                          "stored.\n"
                           f"Connect with ws://HOST/ws/events/?token=<token> or 'Authorization: Bearer <token>'.")
         self.stdout.write(raw)

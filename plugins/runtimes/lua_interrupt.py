@@ -1,0 +1,212 @@
+"""Deadline interrupts for the Lua sandbox: once a call's deadline has passed, its count hook fires
+at the next VM instruction, whatever the guest is doing.
+
+The count hook runs every ``HOOK_COUNT`` instructions, and some single instructions cost O(n):
+``s .. "x"`` copies a 30 MB string, ``s1 < s2`` compares two, a vararg call copies up to a
+million values, ``next`` scans a sparse table. A loop of them runs for seconds (a minute with
+a 128 MB cap) between two hooks, and no library guard sees them. So a watchdog thread checks
+every ``POLL_SECONDS`` (``IDLE_POLL_SECONDS`` when no call was running) which Lua calls are
+past their deadline and sets the running state's
+``hookcount`` to 1: Lua 5.4 decrements it at every instruction of a hooked state and calls
+the hook when it reaches 0, and the hook raises the timeout. The run ends within one
+instruction (or one guarded C call) of the next poll after its deadline.
+
+How: lupa releases the GIL while Lua runs, and exports the Lua C API. The address of a
+``lua_State`` is what ``tostring(coroutine.running())`` prints; the offset of ``hookcount`` in
+it is found once per process next to ``basehookcount`` (the hook count we set) and
+``hookmask`` (LUA_MASKCOUNT), and checked against the exported ``lua_gethookcount`` /
+``lua_gethookmask``; each new state is checked again before it is used. If anything does not
+match, interrupts are off (logged once) and the hook and the guards remain. Lua documents
+``lua_sethook`` as safe to call asynchronously; we write only the counter (one aligned int,
+no walk over the call stack, which another thread may be changing): a write racing the
+interpreter's own decrement may be lost, and the next poll writes again.
+
+Safety: a state is only written while it is alive. A VM's main state lives as long as its
+runtime, and the VM calls ``Interrupts.forget()`` (under the lock the watchdog writes with)
+before its runtime can be freed (``close`` and ``__del__``). A coroutine is written only while
+registered for the current call, and the sandbox keeps every registered coroutine referenced
+until the next call starts, after the VM has unregistered it (``end_call``).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import struct
+import threading
+import time
+import weakref
+from typing import Any
+
+import lupa.lua54 as lupa
+
+log = logging.getLogger("plugins.lua")
+
+#: How often the watchdog looks for Lua calls past their deadline while one runs (the latency
+#: it adds to a timeout), and when none was running at its last pass (a call shorter than this
+#: that overruns is seen at most this late).
+POLL_SECONDS = 0.005
+IDLE_POLL_SECONDS = 0.025
+LUA_MASKCOUNT = 8
+#: Bytes of a lua_State searched for the hook fields (they sit near its end, ~200 bytes in).
+_SCAN_BYTES = 240
+
+_lib = ctypes.CDLL(lupa.__file__)  # the extension module itself: lupa links Lua statically
+_lib.lua_gethookcount.argtypes = [ctypes.c_void_p]
+_lib.lua_gethookcount.restype = ctypes.c_int
+_lib.lua_gethookmask.argtypes = [ctypes.c_void_p]
+_lib.lua_gethookmask.restype = ctypes.c_int
+
+_offset: int | None = None  # of hookcount in lua_State; None: not found yet
+_disabled = False
+_layout_lock = threading.Lock()
+
+
+def thread_address(text: str) -> int:
+    """The lua_State address in ``tostring(coroutine)`` ("thread: 0x55d4...")."""
+    return int(text.rsplit(" ", 1)[-1], 16)
+
+
+def _ints(address: int, size: int) -> tuple[int, ...]:
+    return struct.unpack(f"{size // 4}i", ctypes.string_at(address, size))
+
+
+def counter_address(state: int, count: int) -> int | None:
+    """Where ``hookcount`` of the idle lua_State at ``state`` is, given its count hook of
+    ``count`` instructions; None if the layout cannot be confirmed (interrupts then stay off)."""
+    global _offset, _disabled
+    if _disabled or state == 0:
+        return None
+    with _layout_lock:
+        if _offset is None:
+            if _lib.lua_gethookcount(state) != count or _lib.lua_gethookmask(state) != LUA_MASKCOUNT:
+                return _disable("the exported hook getters do not report the sandbox's hook")
+            words = _ints(state, _SCAN_BYTES)
+            # basehookcount == count, then hookcount (count minus what ran since), then hookmask
+            found = [i for i in range(2, len(words) - 2)
+                     if words[i] == count and 0 < words[i + 1] <= count and words[i + 2] == LUA_MASKCOUNT]
+            if len(found) != 1:
+                return _disable(f"{len(found)} candidate places for the hook counter")
+            _offset = (found[0] + 1) * 4
+        base, current, mask = _ints(state + _offset - 4, 12)
+    if base != count or not 0 < current <= count or mask != LUA_MASKCOUNT:
+        return _disable("a new state does not have the layout found before")
+    return state + _offset
+
+
+def _disable(why: str) -> None:
+    global _disabled
+    if not _disabled:
+        _disabled = True
+        log.warning("Lua deadline interrupts are off (%s): timeouts rely on the count hook and the library "
+                    "guards, and an expensive instruction in a loop (a long string concatenation) can overrun", why)
+    return None
+
+
+def poke(address: int) -> None:
+    """Make the count hook of the state whose counter is at ``address`` fire at its next instruction."""
+    ctypes.c_int.from_address(address).value = 1
+
+
+class Interrupts:
+    """The hook counters of one VM's states the watchdog may write, and its call's deadline.
+
+    ``running`` is the deadline of the call in progress (None between calls; the VM sets it on
+    the hot path). ``counters`` holds the main state's counter and, during a call, those of
+    the coroutines the guest resumed (``register``, called from the sandbox, which keeps them
+    referenced until the next call starts). Separate from the VM so that the Lua runtime holds
+    no reference back to it.
+    """
+
+    __slots__ = ("counters", "coroutines", "running", "count", "_lock", "__weakref__")
+
+    def __init__(self) -> None:
+        self.counters: list[int] = []
+        self.coroutines = False  # counters beyond the main state's, dropped at the call's end
+        self.running: float | None = None
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def attach(self, main_text: str, count: int) -> None:
+        """Once the sandbox is built: its main state ("thread: 0x...") with a count hook of
+        ``count``; watched from now on, unless the layout could not be confirmed."""
+        self.count = count
+        address = counter_address(thread_address(main_text), count)
+        if address is not None:
+            self.counters = [address]
+            watchdog.watch(self)
+
+    def register(self, text: str | None) -> None:
+        """Called from the sandbox when the guest first resumes a coroutine in this call; with
+        None, to drop every coroutine registered so far (the sandbox then lets them go)."""
+        if text is None:
+            self.end_call()
+            return
+        if not self.counters:
+            return
+        address = counter_address(thread_address(text), self.count)
+        if address is not None:
+            with self._lock:
+                self.counters.append(address)
+                self.coroutines = True
+
+    def end_call(self) -> None:
+        """After a call that resumed coroutines: stop writing theirs (the sandbox lets them go next)."""
+        with self._lock:
+            del self.counters[1:]
+            self.coroutines = False
+
+    def interrupt(self) -> int:
+        """Write every counter (the watchdog, for a call past its deadline); how many."""
+        with self._lock:
+            for address in self.counters:
+                poke(address)
+            return len(self.counters)
+
+    def forget(self) -> None:
+        """Before the VM's runtime is freed: never write its states again."""
+        with self._lock:
+            self.counters = []
+            self.coroutines = False
+
+
+class Watchdog:
+    """The process's watchdog thread over every live VM's Interrupts (started with the first)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watched: list[weakref.ref] = []
+        self._thread: threading.Thread | None = None
+        self.interrupts_total = 0  # counters written (a run may need more than one poll)
+
+    def watch(self, irq: Interrupts) -> None:
+        with self._lock:
+            self._watched.append(weakref.ref(irq))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lua-deadline-watchdog", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        pause = IDLE_POLL_SECONDS
+        while True:
+            time.sleep(pause)
+            with self._lock:
+                refs = list(self._watched)
+            now = time.monotonic()
+            dead = 0
+            pause = IDLE_POLL_SECONDS
+            for ref in refs:
+                irq = ref()
+                if irq is None:
+                    dead += 1
+                    continue
+                deadline = irq.running
+                if deadline is not None:
+                    pause = POLL_SECONDS
+                    if now > deadline:
+                        self.interrupts_total += irq.interrupt()
+            if dead:
+                with self._lock:
+                    self._watched = [r for r in self._watched if r() is not None]
+
+
+watchdog = Watchdog()

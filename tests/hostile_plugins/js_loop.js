@@ -1,0 +1,2 @@
+// A plain busy loop.
+function f(e) { while (true) {} }
