@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 WORKERS ?= 1
 
-.PHONY: run test bench serve migrate plugins sysdeps clean
+.PHONY: run welcome test lint bench serve migrate plugins sysdeps clean
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,12 +16,17 @@ $(VENV)/.installed: requirements.txt
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $@
 
-# System packages the tests need: Debian's chromium for the dashboard's browser test.
+# System packages the tests need: Debian's chromium for the dashboard's browser test, Debian's
+# prometheus for promtool (checks docs/prometheus/ rules; the package's daemon is not started).
 sysdeps:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  echo "installing Debian's chromium for the browser tests"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 	  || echo "WARNING: could not install chromium (the browser test will fail)"; }
+	@command -v promtool >/dev/null 2>&1 || { \
+	  echo "installing Debian's prometheus for promtool (the rules test)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    prometheus >/dev/null) || echo "WARNING: could not install prometheus (the promtool test will fail)"; }
 
 migrate: $(VENV)/.installed
 	$(PY) manage.py migrate --noinput
@@ -31,7 +36,16 @@ plugins: migrate
 
 # Embedded default: one process, SQLite, in-memory channel layer. REDIS_URL / DATABASE_URL
 # switch to Redis and PostgreSQL; WORKERS=N runs N ASGI worker processes (see docs/operations.md).
-run: plugins serve
+run: plugins welcome serve
+
+# Where to go next, printed before the server's own log lines.
+welcome:
+	@echo ""
+	@echo "execapp serves on http://$(HOST):$(PORT)/  (Ctrl+C drains and stops it)"
+	@echo "  admin:           http://$(HOST):$(PORT)/admin/  (Events, Live pool dashboard, Plugins)"
+	@echo "  1. an admin user: $(PY) manage.py createsuperuser"
+	@echo "  2. a client token: $(PY) manage.py create_token me   (then: $(PY) -m websockets \"ws://$(HOST):$(PORT)/ws/events/?token=<token>\")"
+	@echo ""
 
 # execapp.serve = uvicorn + a drain before every shutdown (SIGTERM/Ctrl+C): accepted events get
 # their `done` before connections close. WORKERS=N: N processes, one ExecPool each.
@@ -40,6 +54,12 @@ serve: $(VENV)/.installed
 
 test: $(VENV)/.installed sysdeps
 	$(PY) -m pytest
+
+# Static checks, configured in pyproject.toml: ruff on the repository's Python, mypy on the app
+# (execapp, plugins, config). .ci/run runs this before `make test`.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
 
 bench: $(VENV)/.installed
 	$(PY) bench/run.py

@@ -48,6 +48,7 @@ def _examples() -> dict[str, Any]:
 
 def _lua_bare(code: str) -> dict[str, Callable[[], Any]]:
     import lupa.lua54 as lupa
+
     from plugins.runtimes.lua import _LuaVM, compile_bytecode
 
     spec = _spec("echo", "lua", code, "pooled")
@@ -94,6 +95,7 @@ def _lua_bare(code: str) -> dict[str, Callable[[], Any]]:
 
 def _wasm_bare(module_bytes: bytes) -> dict[str, Callable[[], Any]]:
     import wasmtime
+
     from plugins.runtimes.base import to_json
     from plugins.runtimes.wasm import ENGINE, LINKER, _abi_event
 
@@ -121,6 +123,7 @@ def _wasm_bare(module_bytes: bytes) -> dict[str, Callable[[], Any]]:
 
 def _js_bare(code: str) -> dict[str, Callable[[], Any]]:
     import quickjs
+
     from plugins.runtimes.base import scan_json, to_json
 
     def context() -> Any:

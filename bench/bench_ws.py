@@ -1,9 +1,9 @@
 """WebSocket ingestion through the real server (issue 4, item 6).
 
 One server process (``python -m execapp.serve``: uvicorn with httptools, websockets-sansio,
-uvloop, permessage-deflate off; the in-memory channel layer) with the bundled plugins loaded
-and the bench-only bare route enabled (EXECAPP_BENCH_BASELINE=1). Load comes from a separate
-client process (``websockets`` on uvloop) over loopback, N connections.
+uvloop, permessage-deflate off; the in-memory channel layer) with the bundled plugins loaded,
+serving ``bench.bench_app:application`` (config.asgi plus the bench-only bare routes). Load
+comes from a separate client process (``websockets`` on uvloop) over loopback, N connections.
 
 (a) closed loop, 10 connections, each sending ``/ping`` and waiting for its ``done``: events/s
     and latency p50/p99 of the engine path (``/ws/events/``, the bundled Lua ``ping`` plugin,
@@ -41,6 +41,8 @@ from bench.common import row  # noqa: E402
 
 BENCH = "websocket"
 CONNECTIONS = 10
+#: The served application: config.asgi with the baselines in front (bench/bench_app.py).
+APP = "bench.bench_app:application"
 
 
 # -- the server -----------------------------------------------------------------------------------
@@ -62,18 +64,17 @@ def _manage(env: dict[str, str], *args: str) -> str:
 
 
 class Server:
-    """A server subprocess serving config.asgi with the bench routes."""
+    """A server subprocess serving APP: config.asgi with the bench routes."""
 
     def __init__(self, kind: str, env: dict[str, str]) -> None:
         self.kind = kind
         self.port = _free_port()
         self.log = open(Path(env["BENCH_DIR"]) / f"{kind}.log", "wb")
         if kind == "uvicorn":
-            cmd = [sys.executable, "-m", "execapp.serve", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--workers", "1", "--log-level", "warning", "--no-access-log"]
+            cmd = [sys.executable, "-m", "execapp.serve", "--app", APP, "--host", "127.0.0.1", "--port",
+                   str(self.port), "--workers", "1", "--log-level", "warning", "--no-access-log"]
         else:
-            cmd = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), "-v", "0",
-                   "config.asgi:application"]
+            cmd = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), "-v", "0", APP]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         import socket
@@ -86,7 +87,7 @@ class Server:
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{kind} did not listen in 60 s")
+                    raise RuntimeError(f"{kind} did not listen in 60 s") from None
                 time.sleep(0.1)
 
     def url(self, path: str) -> str:
@@ -309,7 +310,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
     rates = [1000] if quick else [1000, 2000]
     workdir = tempfile.mkdtemp(prefix="bench-ws-")
     env = {**os.environ, "DATABASE_URL": f"sqlite:///{workdir}/db.sqlite3", "REDIS_URL": "",
-           "EXECAPP_BENCH_BASELINE": "1", "BENCH_DIR": workdir, "PYTHONUNBUFFERED": "1",
+           "BENCH_DIR": workdir, "PYTHONUNBUFFERED": "1",
            "EXECAPP_LOG_LEVEL": "WARNING", "DJANGO_SETTINGS_MODULE": "config.settings"}
     _manage(env, "migrate", "--noinput")
     _manage(env, "loadplugins")

@@ -2,7 +2,8 @@
 
 Everything that differs between the embedded default (one process, SQLite, in-memory channel
 layer) and production (many ASGI workers, PostgreSQL, Redis) comes from the environment:
-``DATABASE_URL``, ``REDIS_URL``, ``SECRET_KEY``, ``DEBUG``, ``ALLOWED_HOSTS``.
+``DATABASE_URL``, ``REDIS_URL``, ``SECRET_KEY``, ``DEBUG``, ``ALLOWED_HOSTS``, ``LOG_FORMAT``; and any
+``EXECAPP`` setting as ``EXECAPP_<NAME>`` (execapp/conf.py).
 """
 import os
 from pathlib import Path
@@ -75,13 +76,26 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 
 REDIS_URL = os.environ.get("REDIS_URL", "")
 if REDIS_URL:
+    from redis.asyncio.retry import Retry as _Retry
+    from redis.backoff import NoBackoff as _NoBackoff
+    from redis.exceptions import ConnectionError as _RedisConnectionError
+
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
             # redis-py 8 defaults socket_timeout to 5 s, the same as channels_redis' server-side
             # blocking pop (brpop_timeout = 5): every idle consumer's receive then raises
             # TimeoutError and its WebSocket drops every ~5 s. Read timeout above the pop's.
-            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 15}], "capacity": 1500, "expiry": 30,
+            # Recovery from a Redis restart is not left to these timeouts: each worker's
+            # LayerWatch checks the layer every EXECAPP['LAYER_CHECK_SECONDS'] (1 s) and re-adds its
+            # memberships once Redis answers (docs/operations.md, "When Redis goes away"). A pooled
+            # connection idle for 2 s is PINGed before reuse (health_check_interval) and a command
+            # that finds its connection dead is retried once on a new one (retry): after a restart,
+            # no group_send fails on a socket of the old server. Connecting gives up after 2 s.
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 15, "socket_connect_timeout": 2,
+                                  "health_check_interval": 2,
+                                  "retry": _Retry(_NoBackoff(), 1, supported_errors=(_RedisConnectionError,))}],
+                       "capacity": 1500, "expiry": 30,
                        # Namespaces channels, groups and the control registry: two deployments
                        # sharing one Redis must differ in REDIS_PREFIX (or in the database).
                        "prefix": os.environ.get("REDIS_PREFIX", "asgi")},
@@ -106,11 +120,16 @@ STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "staticfiles"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# LOG_FORMAT=json: one JSON object per line (execapp/logjson.py) for log shippers; plain otherwise.
+LOG_FORMAT = os.environ.get("LOG_FORMAT", "plain").strip().lower()
+if LOG_FORMAT not in ("plain", "json"):
+    raise ValueError(f"LOG_FORMAT={LOG_FORMAT!r}: use plain (the default) or json")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+                   "json": {"()": "execapp.logjson.JsonFormatter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT}},
     "loggers": {
         "execapp": {"handlers": ["console"], "level": os.environ.get("EXECAPP_LOG_LEVEL", "INFO")},
         "plugins": {"handlers": ["console"], "level": os.environ.get("EXECAPP_LOG_LEVEL", "INFO")},

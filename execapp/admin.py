@@ -8,6 +8,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
+from django.utils.html import format_html
 
 from .models import ApiToken, hash_token
 
@@ -48,7 +49,8 @@ class ApiTokenAdmin(admin.ModelAdmin):
 # -- Observability: persisted execution profiles and the live pool dashboard ---------------------
 
 from .dashboard import DashboardAdmin  # noqa: E402
-from .models import Dashboard, ExecProfileRecord  # noqa: E402
+from .history_admin import EventTraceAdmin, events_url  # noqa: E402
+from .models import Dashboard, EventTrace, ExecProfileRecord  # noqa: E402
 
 
 @admin.register(ExecProfileRecord)
@@ -56,10 +58,14 @@ class ExecProfileRecordAdmin(admin.ModelAdmin):
     """Persisted execution profiles, merged from every worker's flushes: read-only; delete to relearn."""
 
     list_display = ("matcher", "plugin", "state", "p50_ms", "p99_ms", "runs", "errors", "timeouts", "promotions",
-                    "demotions", "promoted_at", "demoted_at", "updated_at")
+                    "demotions", "promoted_at", "demoted_at", "updated_at", "failures_link")
     list_filter = ("state", "plugin")
     search_fields = ("matcher", "plugin", "last_error")
-    readonly_fields = [f.name for f in ExecProfileRecord._meta.fields]
+    readonly_fields = ["failures_link", *(f.name for f in ExecProfileRecord._meta.fields)]
+
+    @admin.display(description="recent failures")
+    def failures_link(self, obj: ExecProfileRecord) -> str:
+        return format_html('<a href="{}">events</a>', events_url(matcher=obj.matcher, outcome="failed"))
 
     @admin.display(description="p50 (ms)", ordering="p50_seconds")
     def p50_ms(self, obj: ExecProfileRecord) -> str:
@@ -77,3 +83,4 @@ class ExecProfileRecordAdmin(admin.ModelAdmin):
 
 
 admin.site.register(Dashboard, DashboardAdmin)
+admin.site.register(EventTrace, EventTraceAdmin)

@@ -17,6 +17,8 @@ from django.core.handlers.asgi import ASGIRequest
 from django.db import Error as DatabaseError
 from django.middleware.csrf import CsrfViewMiddleware
 
+from . import metrics
+from .codes import UNAUTHORIZED
 from .engine.ratelog import RateLimitedLog
 
 log = logging.getLogger("execapp.auth")
@@ -32,7 +34,9 @@ _MAX_REASON_BYTES = 123
 _GATE_REACHED = "execapp_gate_reached"
 
 Scope = dict[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def token_from_scope(scope: Scope) -> str | None:
@@ -54,8 +58,10 @@ def _authenticate(raw: str) -> Any:
 
 
 async def deny(scope: Scope, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]],
-               code: str, message: str) -> None:
-    """Refuse a handshake before accepting it: the server answers HTTP 403; the reason is logged.
+               code: str, message: str, outcome: str | None = UNAUTHORIZED) -> None:
+    """Refuse a handshake before accepting it: the server answers HTTP 403; the reason is logged,
+    and ``outcome`` (an authentication refusal by default; None: not counted) is counted in
+    ``execapp_events_total``.
 
     (An HTTP body through the ``websocket.http.response`` extension would carry the reason to
     the client, but uvicorn 0.54 then logs "ASGI callable returned without completing
@@ -65,6 +71,8 @@ async def deny(scope: Scope, receive: Callable[[], Awaitable[dict]], send: Calla
     if first.get("type") != "websocket.connect":
         return
     log.info("refused WebSocket %s (%s): %s", scope.get("path"), code, message)
+    if outcome is not None:
+        metrics.count_event(outcome)
     await send({"type": "websocket.close"})
 
 
@@ -106,7 +114,7 @@ class _SessionGate:
         if user is None or not user.is_authenticated:
             return await deny(scope, receive, send, "auth_required",
                               "pass an API token as ?token=<t> or 'Authorization: Bearer <t>' (create one with "
-                              "`python manage.py create_token <name>`), or log in to the admin as staff")
+                              "`.venv/bin/python manage.py create_token <name>`), or log in to the admin as staff")
         if not (user.is_active and user.is_staff):
             return await deny(scope, receive, send, "not_staff",
                               f"user {user.get_username()!r} is not active staff; use an API token")
@@ -157,7 +165,7 @@ class TokenAuthMiddleware:
         if token is None:
             return await deny(scope, receive, send, "bad_token",
                               "the API token is unknown or revoked; create one with "
-                              "`python manage.py create_token <name>`")
+                              "`.venv/bin/python manage.py create_token <name>`")
         scope = {**scope, "execapp_auth": {"kind": "token", "name": token.name, "owner": token.owner}}
         return await self.inner(scope, receive, send)
 

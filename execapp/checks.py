@@ -7,6 +7,7 @@ from django.conf import settings
 from django.core import checks
 
 from . import conf
+from .engine.engine import OVERFLOW_POLICIES
 
 _POSITIVE_INTS = ("POOL_MAX_WORKERS", "POOL_QUEUE_SIZE", "PROFILE_WINDOW", "MAX_FRAME_BYTES",
                   "MAX_IN_FLIGHT_PER_CONNECTION", "MAX_FRAME_DEPTH")
@@ -32,19 +33,19 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     for key in _POSITIVE_INTS:
         value = conf.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            errors.append(checks.Error(f"EXECAPP[{key!r}] is {value!r}, it must be a positive integer",
+            errors.append(checks.Error(f"EXECAPP[{key!r}] is {value!r}{_from(key)}, it must be a positive integer",
                                        hint=f"Set it to a whole number above 0 (default {conf.DEFAULTS[key]}).",
                                        id="execapp.E003"))
     for key in _POSITIVE_NUMBERS:
         value = conf.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            errors.append(checks.Error(f"EXECAPP[{key!r}] is {value!r}, it must be a positive number of seconds",
-                                       hint=f"Set it to a number above 0 (default {conf.DEFAULTS[key]}).",
-                                       id="execapp.E004"))
+            errors.append(checks.Error(f"EXECAPP[{key!r}] is {value!r}{_from(key)}, it must be a positive number "
+                                       "of seconds", hint=f"Set it to a number above 0 (default "
+                                       f"{conf.DEFAULTS[key]}).", id="execapp.E004"))
     policy = conf.get("OVERFLOW_POLICY")
-    if policy not in conf.OVERFLOW_POLICIES:
+    if policy not in OVERFLOW_POLICIES:
         errors.append(checks.Error(f"EXECAPP['OVERFLOW_POLICY'] is {policy!r}",
-                                   hint=f"Use one of {', '.join(conf.OVERFLOW_POLICIES)}.", id="execapp.E005"))
+                                   hint=f"Use one of {', '.join(OVERFLOW_POLICIES)}.", id="execapp.E005"))
     if conf.get("WORKER_DROP_SECONDS") < conf.get("WORKER_STALE_SECONDS"):
         errors.append(checks.Warning("WORKER_DROP_SECONDS is below WORKER_STALE_SECONDS: workers are dropped before "
                                      "they are ever shown as stale", hint="Make WORKER_DROP_SECONDS the larger.",
@@ -52,7 +53,101 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     errors += _inline_timeout_checks()
     errors += _watchdog_checks()
     errors += _frame_depth_checks()
+    errors += _env_checks()
+    errors += _history_checks()
+    errors += _duration_bucket_checks()
+    errors += _resilience_checks()
     return errors
+
+
+def _resilience_checks() -> list[checks.CheckMessage]:
+    """Outbox limits, the channel-layer check interval, the resend lease and retention."""
+    errors: list[checks.CheckMessage] = []
+    for key in ("OUTBOX_MAX_FRAMES", "OUTBOX_MAX_BYTES"):
+        value = conf.get(key)
+        if not _number(value, True) or value < 0:
+            errors.append(checks.Error(
+                f"EXECAPP[{key!r}] is {value!r}{_from(key)}, it must be a whole number >= 0 (0: no limit)",
+                hint=f"Default {conf.DEFAULTS[key]!r}: a client that stops reading then costs its worker at most "
+                     "that much.", id="execapp.E100"))
+        elif value == 0:
+            errors.append(checks.Warning(
+                f"EXECAPP[{key!r}] is 0{_from(key)}: a session member that stops reading grows its worker's memory "
+                "until the keepalive closes it", hint=f"Keep a limit (default {conf.DEFAULTS[key]!r}).",
+                id="execapp.W100"))
+    for key, low, high in (("LAYER_CHECK_SECONDS", 0.05, 60.0), ("RESEND_LEASE_SECONDS", 0.5, 3600.0),
+                           ("RESEND_RETENTION_SECONDS", 1.0, 30 * 86400.0)):
+        value = conf.get(key)
+        if not _number(value) or not low <= value <= high:
+            errors.append(checks.Error(
+                f"EXECAPP[{key!r}] is {value!r}{_from(key)}, it must be a number of seconds from {low:g} to {high:g}",
+                hint=f"Default {conf.DEFAULTS[key]!r} (docs/operations.md, \"Settings\").", id="execapp.E101"))
+    return errors
+
+
+def _from(key: str) -> str:
+    """" (from the environment variable EXECAPP_X)" when that is where the value came from."""
+    where = conf.source(key)
+    return f" (from the {where})" if where.startswith("environment") else ""
+
+
+def _env_checks() -> list[checks.CheckMessage]:
+    """EXECAPP_<NAME> environment overrides whose values do not read as their settings' types."""
+    return [checks.Error(str(exc), hint="Numbers as 64 or 0.5, booleans as true/false, lists as 0.1,1,10.",
+                         id="execapp.E007") for exc in conf.env_errors()]
+
+
+def _number(value: Any, integer: bool = False) -> bool:
+    kinds = (int,) if integer else (int, float)
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
+def _history_checks() -> list[checks.CheckMessage]:
+    """The event history's settings (execapp/history.py): sizes and retention."""
+    errors: list[checks.CheckMessage] = []
+    for key, integer, low in (("HISTORY_MAX_EVENTS", True, 0), ("HISTORY_FAILURE_DAYS", False, 0),
+                              ("HISTORY_TEXT_CHARS", True, 0), ("HISTORY_REPLY_BYTES", True, 0)):
+        value = conf.get(key)
+        if not _number(value, integer) or value < low:
+            errors.append(checks.Error(
+                f"EXECAPP[{key!r}] is {value!r}{_from(key)}, it must be {'a whole number' if integer else 'a number'}"
+                f" >= {low}", hint=f"Set it to {conf.DEFAULTS[key]!r} (the default) or another value >= {low}.",
+                id="execapp.E080"))
+    flush = conf.get("HISTORY_FLUSH_SECONDS")
+    if not _number(flush) or not 0 < flush <= 60:
+        errors.append(checks.Error(f"EXECAPP['HISTORY_FLUSH_SECONDS'] is {flush!r}{_from('HISTORY_FLUSH_SECONDS')}"
+                                   ", it must be a number of seconds above 0 and at most 60",
+                                   hint="The buffer between flushes is bounded: keep it short (default 0.5).",
+                                   id="execapp.E081"))
+    return errors
+
+
+def _duration_bucket_checks() -> list[checks.CheckMessage]:
+    """DURATION_BUCKETS: increasing positive seconds reaching MAX_HANDLER_TIMEOUT_SECONDS, no big jumps."""
+    out: list[checks.CheckMessage] = []
+    limit = conf.get("MAX_HANDLER_TIMEOUT_SECONDS")
+    if not _number(limit) or limit <= 0:
+        return [checks.Error(f"EXECAPP['MAX_HANDLER_TIMEOUT_SECONDS'] is {limit!r}"
+                             f"{_from('MAX_HANDLER_TIMEOUT_SECONDS')}, it must be a positive number of seconds",
+                             hint="Default 60.", id="execapp.E090")]
+    buckets = conf.get("DURATION_BUCKETS")
+    if (not isinstance(buckets, (list, tuple)) or not buckets or not all(_number(b) and b > 0 for b in buckets)
+            or any(b >= c for b, c in zip(buckets, buckets[1:]))):
+        return [checks.Error(f"EXECAPP['DURATION_BUCKETS'] is {buckets!r}{_from('DURATION_BUCKETS')}: it must be "
+                             "increasing positive numbers of seconds", hint="Leave it out for the default.",
+                             id="execapp.E091")]
+    if buckets[-1] < limit:
+        out.append(checks.Error(
+            f"EXECAPP['DURATION_BUCKETS'] ends at {buckets[-1]!r} s, below MAX_HANDLER_TIMEOUT_SECONDS ({limit!r})",
+            hint="Add buckets up to the longest timeout a handler may have (a longer run counts only in +Inf).",
+            id="execapp.E092"))
+    jumps = [(b, c) for b, c in zip(buckets, buckets[1:]) if b >= 1 and c / b > 2.5]
+    if jumps:
+        out.append(checks.Warning(
+            f"EXECAPP['DURATION_BUCKETS'] jumps {', '.join(f'{b:g} -> {c:g} s' for b, c in jumps)}: a percentile "
+            "inside such a bucket is read as anywhere in it", hint="Add buckets in between (at most 2.5x apart).",
+            id="execapp.W090"))
+    return out
 
 
 #: Python's JSON decoder and copy.deepcopy recurse once per level; past a few hundred a frame can

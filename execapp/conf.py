@@ -6,29 +6,50 @@ from typing import Any
 
 from django.conf import settings
 
-#: Every setting the app reads, with its default. Documented in docs/architecture.md.
+from .engine import engine, pool, profile
+
+#: Every setting the app reads, with its default: listed with what each does in
+#: docs/operations.md ("Settings"; a test keeps that list and this dict in step). The engine's
+#: defaults are its own constants (execapp/engine/ imports no Django), read here.
 DEFAULTS: dict[str, Any] = {
     # Worker pool (one per ASGI worker process).
-    "POOL_MAX_WORKERS": 64,
-    "POOL_QUEUE_SIZE": 128,
-    "POOL_IDLE_SECONDS": 2.0,
+    "POOL_MAX_WORKERS": pool.MAX_WORKERS,
+    "POOL_QUEUE_SIZE": pool.QUEUE_SIZE,
+    "POOL_IDLE_SECONDS": pool.IDLE_SECONDS,
     # Execution profiles.
-    "PROFILE_WINDOW": 32,
-    "SLOW_THRESHOLD_SECONDS": 0.050,
+    "PROFILE_WINDOW": profile.WINDOW,
+    "SLOW_THRESHOLD_SECONDS": profile.SLOW_THRESHOLD,
     # The inline budget: how long a handler proven fast may hold the event loop before it is
     # stopped (sandboxed plugins) and moved to the pool at once (execapp/engine/engine.py
     # INLINE_TIMEOUT: chosen for "no /ping waits more than 250 ms behind a misbehaving handler").
-    "INLINE_TIMEOUT_SECONDS": 0.1,
-    # Asyncio overflow policy when the pool is full: "wait" (per-client backpressure,
-    # then refuse with code "overloaded"), "reject" (refuse at once) or "inline".
-    "OVERFLOW_POLICY": "wait",
-    "OVERFLOW_WAIT_SECONDS": 1.0,
+    "INLINE_TIMEOUT_SECONDS": engine.INLINE_TIMEOUT,
+    # Asyncio overflow policy when the pool is full (engine.OVERFLOW_POLICIES): "wait" (per-client
+    # backpressure for up to OVERFLOW_WAIT_SECONDS, then refuse with code "overloaded"), "reject"
+    # (refuse at once) or "inline".
+    "OVERFLOW_POLICY": engine.OVERFLOW_POLICIES[0],
+    "OVERFLOW_WAIT_SECONDS": engine.OVERFLOW_WAIT,
     # WebSocket protocol.
     "MAX_FRAME_BYTES": 64 * 1024,
     "MAX_IN_FLIGHT_PER_CONNECTION": 100,
     # Deepest nesting of arrays/objects in a frame (the event object is level 1), checked before
     # the JSON decoder runs: deeper frames get "too_deep" (docs/protocol.md).
     "MAX_FRAME_DEPTH": 32,
+    # Each connection's outbox (execapp/outbox.py, docs/protocol.md "Limits and flow control"):
+    # frames queued for a client that reads slower than they come. Past either limit, frames of
+    # other session members are dropped (the member gets one `lagged` frame with the count once
+    # it caught up) and the connection stops reading the client's own frames until it drains.
+    "OUTBOX_MAX_FRAMES": 1000,
+    "OUTBOX_MAX_BYTES": 1_048_576,
+    # The channel layer (execapp/layer_watch.py, docs/operations.md "When Redis goes away"): how
+    # often each worker checks it and, once it answers again, re-adds its session and control
+    # memberships. This sets the time from Redis' return to working sessions and control.
+    "LAYER_CHECK_SECONDS": 1.0,
+    # Safe resend (execapp/resend.py, docs/protocol.md "Resending after a lost connection"): a
+    # running `"resend": true` event holds a lease its worker renews (a killed worker's lapses
+    # after this long, then a resend runs it again); a completed one is answered from its record
+    # for this long.
+    "RESEND_LEASE_SECONDS": 3.0,
+    "RESEND_RETENTION_SECONDS": 600.0,
     # Background work of each worker.
     "PROFILE_FLUSH_SECONDS": 5.0,
     "SNAPSHOT_SECONDS": 1.0,
@@ -56,17 +77,102 @@ DEFAULTS: dict[str, Any] = {
     # "Authorization: Bearer <token>".
     "METRICS_TOKEN": None,
     "METRICS_ALLOWED_NETWORKS": None,
+    # Event history (execapp/history.py, docs/observability.md "Event history"): every event's
+    # trace in a bounded recent store (Redis with REDIS_URL, else this process), failures also in
+    # the database for HISTORY_FAILURE_DAYS (`manage.py prune_history`). 0 events: store none
+    # (failures are still counted for the dashboard and /metrics).
+    "HISTORY_MAX_EVENTS": 100_000,
+    "HISTORY_FAILURE_DAYS": 7.0,
+    # How much of an event a trace keeps: its text's first characters, its replies' bytes.
+    "HISTORY_TEXT_CHARS": 200,
+    "HISTORY_REPLY_BYTES": 4096,
+    "HISTORY_FLUSH_SECONDS": 0.5,
+    # The longest timeout a handler may have (a plugin's timeout_ms is refused above it), and the
+    # fixed buckets of execapp_handler_duration_seconds: they reach past it (a run stopped at its
+    # timeout plus the engine's grace still lands in a bucket) and no bucket from 1 s on is more
+    # than 2.5x the one before, so a percentile read from them is within that bucket's width.
+    "MAX_HANDLER_TIMEOUT_SECONDS": 60.0,
+    "DURATION_BUCKETS": (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75,
+                         1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.5, 10.0, 12.5, 15.0, 20.0, 25.0, 30.0,
+                         40.0, 50.0, 60.0, 75.0),
 }
 
-OVERFLOW_POLICIES = ("wait", "reject", "inline")
+#: Every setting may also come from the environment: ``EXECAPP_<NAME>`` (e.g.
+#: ``EXECAPP_MAX_IN_FLIGHT_PER_CONNECTION=200``) wins over settings.EXECAPP and the default.
+#: The value is read as the default's type (numbers, ``true``/``false``, comma-separated lists;
+#: text for settings whose default is None); ``manage.py check`` names a value that does not read.
+ENV_PREFIX = "EXECAPP_"
+
+
+class EnvValueError(ValueError):
+    """An EXECAPP_<NAME> environment variable whose value is not of its setting's type."""
+
+    code = "bad_setting"
+
+
+def _from_env(name: str, raw: str) -> Any:
+    """The value of the environment variable for setting ``name``, read as its default's type."""
+    default = DEFAULTS[name]
+    text = raw.strip()
+    try:
+        if isinstance(default, bool):
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("not a boolean")
+        if isinstance(default, int):
+            return int(text.replace("_", ""))
+        if isinstance(default, float):
+            return float(text)
+        if isinstance(default, (tuple, list)):
+            return tuple(float(v) for v in text.replace(" ", "").split(",") if v)
+    except ValueError:
+        kind = {bool: "true or false", int: "a whole number", float: "a number"}.get(
+            type(default), "comma-separated numbers")
+        raise EnvValueError(f"environment variable {ENV_PREFIX}{name}={raw!r} is not {kind} (the type of "
+                            f"EXECAPP[{name!r}], default {default!r}); fix or unset it") from None
+    return text if text else None
 
 
 def get(name: str) -> Any:
-    """Return the value of one EXECAPP setting (user value over default), read at call time."""
+    """Return the value of one EXECAPP setting, read at call time: the environment variable
+    EXECAPP_<name> if set, else settings.EXECAPP[name], else the default. An environment value
+    that does not read as the setting's type is returned as its raw text (``manage.py check``
+    reports it)."""
     if name not in DEFAULTS:
         raise KeyError(f"unknown EXECAPP setting {name!r}; known: {', '.join(sorted(DEFAULTS))}")
+    raw = os.environ.get(ENV_PREFIX + name)
+    if raw is not None:
+        try:
+            return _from_env(name, raw)
+        except EnvValueError:
+            return raw
     user = getattr(settings, "EXECAPP", {}) or {}
     return user.get(name, DEFAULTS[name])
+
+
+def source(name: str) -> str:
+    """Where the value of setting ``name`` comes from, for messages: the environment variable,
+    settings.EXECAPP, or the default."""
+    if ENV_PREFIX + name in os.environ:
+        return f"environment variable {ENV_PREFIX}{name}"
+    if name in (getattr(settings, "EXECAPP", {}) or {}):
+        return "settings.EXECAPP"
+    return "default"
+
+
+def env_errors() -> list[EnvValueError]:
+    """The EXECAPP_<NAME> environment variables whose values do not read as their settings' types."""
+    errors = []
+    for name in DEFAULTS:
+        raw = os.environ.get(ENV_PREFIX + name)
+        if raw is not None:
+            try:
+                _from_env(name, raw)
+            except EnvValueError as exc:
+                errors.append(exc)
+    return errors
 
 
 def redis_url() -> str:

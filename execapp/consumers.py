@@ -1,8 +1,7 @@
-"""The Channels consumer of /ws/events/: a thin adapter from Channels to ``execapp.protocol``."""
+"""The Channels consumer of /ws/events/: a thin adapter from Channels to ``execapp.connection``."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any
 from urllib.parse import parse_qs
@@ -15,20 +14,25 @@ from django.db import Error as DatabaseError
 
 from . import worker as worker_module
 from .auth import CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, close_reason, database_unavailable
+from .connection import Connection
 from .engine.ratelog import RateLimitedLog
-from .protocol import Connection, Limits, ProtocolError, check_session, group_name, owner_digest
+from .layer_watch import LayerWatch, watch_for
+from .protocol import Limits, ProtocolError, check_session, owner_digest, session_of
 
 log = logging.getLogger("execapp.consumers")
 _rare = RateLimitedLog(log, 60.0)
 
 #: How long a disconnect waits, per attempt, for the channel-layer reader to stop.
 _READER_STOP_SECONDS = 0.5
+#: A reader whose receive keeps failing although the layer answers waits this long, doubling.
+_READER_BACKOFF_SECONDS = (0.05, 1.0)
 
 
 async def aget_worker() -> worker_module.Worker:
     """The process's Worker; the first call builds it off the loop (its services may touch the DB)."""
-    if worker_module._worker is not None:
-        return worker_module._worker
+    worker = worker_module.current_worker()
+    if worker is not None:
+        return worker
     return await sync_to_async(worker_module.get_worker, thread_sensitive=False)()
 
 
@@ -45,6 +49,9 @@ class EventConsumer(AsyncWebsocketConsumer):
       channel, and the task reading it, when it first joins a session. Connections without
       sessions never touch the layer; and a disconnect bounds how long it waits for that reader
       (channels_redis 4.3 with redis-py 8 can swallow a cancellation inside its blocking pop).
+    - The layer may go away (a Redis restart): the reader survives a failed receive, and the
+      memberships go through the process's ``LayerWatch``, which re-adds them when Redis is
+      back (execapp/layer_watch.py; docs/operations.md, "When Redis goes away").
     """
 
     conn: Connection | None = None
@@ -57,6 +64,7 @@ class EventConsumer(AsyncWebsocketConsumer):
         self.channel_layer = get_channel_layer(self.channel_layer_alias)
         self.channel_name = None
         self._reader: asyncio.Task | None = None
+        self._watch: LayerWatch | None = None
         try:
             while True:
                 await self.dispatch(await receive())
@@ -130,33 +138,48 @@ class EventConsumer(AsyncWebsocketConsumer):
                 except ProtocolError as exc:
                     problems.append(exc)
         await self.accept()
-        for exc in problems:
-            self.conn.error(exc.code, exc.message)
+        for problem in problems:
+            self.conn.error(problem.code, problem.message)
 
     async def disconnect(self, code: int) -> None:
         if self.conn is None:
             return
         self.conn.close()
-        if self.channel_name is not None:
-            for session in self.conn.sessions:
-                try:
-                    await self.channel_layer.group_discard(group_name(self.owner, session), self.channel_name)
-                except Exception:  # the layer is down: its group expiry cleans up
-                    log.warning("leaving session %s failed", session, exc_info=True)
+        if self.channel_name is not None and self._watch is not None:
+            for group in self.conn.groups():
+                await self._watch.discard(group, self.channel_name)  # never raises: a down layer expires it
 
     async def _send_text(self, text: str) -> None:
         await self.base_send({"type": "websocket.send", "text": text})
 
     async def _join(self, group: str) -> None:
-        if self.channel_name is None:
-            self.channel_name = await self.channel_layer.new_channel()
+        channel, watch = self.channel_name, self._watch
+        if channel is None or watch is None:
+            channel = self.channel_name = await self.channel_layer.new_channel()
+            watch = self._watch = watch_for(self.channel_layer)
             self._reader = asyncio.get_running_loop().create_task(self._read_layer(), name="execapp-ws-layer")
-        await self.channel_layer.group_add(group, self.channel_name)
+        # Remembered by the watch even while the layer is down (joined for real once it is back).
+        await watch.add(group, channel)
 
     async def _read_layer(self) -> None:
-        """Hand this connection's channel-layer messages (session frames) to dispatch."""
+        """Hand this connection's channel-layer messages (session frames) to dispatch, surviving
+        the layer: a failed receive waits (off the layer) until the watch has it back, memberships
+        re-added, then receives again."""
+        watch = self._watch
+        assert watch is not None and self.channel_name is not None
+        backoff = _READER_BACKOFF_SECONDS[0]
         while True:
-            message = await self.channel_layer.receive(self.channel_name)
+            try:
+                message = await self.channel_layer.receive(self.channel_name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                watch.failed(exc)
+                await asyncio.sleep(backoff)  # an error the watch cannot see must not spin either
+                backoff = min(backoff * 2, _READER_BACKOFF_SECONDS[1])
+                await watch.wait_up()
+                continue
+            backoff = _READER_BACKOFF_SECONDS[0]
             try:
                 await self.dispatch(message)
             except Exception:
@@ -173,7 +196,8 @@ class EventConsumer(AsyncWebsocketConsumer):
 
     async def _publish(self, group: str, frame: str) -> None:
         await self.channel_layer.group_send(group, {"type": "session.frame", "frame": frame,
-                                                    "sender": self.channel_name, "owner": self.owner_tag})
+                                                    "session": session_of(group), "sender": self.channel_name,
+                                                    "owner": self.owner_tag})
 
     async def session_frame(self, message: dict[str, Any]) -> None:
         """A frame of another member of one of this client's sessions (the sender has its own).
@@ -182,28 +206,6 @@ class EventConsumer(AsyncWebsocketConsumer):
         else publishing on a shared channel layer can reach a client of another owner."""
         if (message.get("sender") != self.channel_name and message.get("owner") == self.owner_tag
                 and self.conn is not None and not self.conn.closed and isinstance(message.get("frame"), str)):
-            self.conn.outbox.push(message["frame"])
-
-
-class BareBaselineConsumer(AsyncWebsocketConsumer):
-    """Benchmark baseline only (routed when EXECAPP_BENCH_BASELINE=1): answers each frame with a
-    reply and a done, without the engine, the way a plain Channels consumer would."""
-
-    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
-        frame = json.loads(text_data or "{}")
-        eid = frame.get("id")
-        await self.send(json.dumps({"type": "reply", "id": eid, "matcher": "command:ping", "plugin": None,
-                                    "text": "pong", "data": None, "exec": "sync", "elapsed_ms": 0.0}))
-        await self.send(json.dumps({"type": "done", "id": eid, "matched": 1, "replies": 1, "errors": 0,
-                                    "blocked_by": None, "elapsed_ms": 0.0}))
-
-
-class DirectBaselineConsumer(BareBaselineConsumer):
-    """Benchmark baseline only: the bare consumer with EventConsumer's direct message routing
-    (no per-frame close_old_connections hop), to isolate what the engine path itself costs."""
-
-    async def dispatch(self, message: dict[str, Any]) -> None:
-        if message["type"] == "websocket.receive":
-            await self.receive(message.get("text"), message.get("bytes"))
-        else:
-            await super().dispatch(message)
+            # Bounded: past the outbox's limits the frame is dropped and counted (a `lagged` frame
+            # tells the member once it caught up).
+            self.conn.session_frame(message["frame"], str(message.get("session") or ""))

@@ -13,15 +13,15 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 
-from . import snapshots
+from .dashboard_data import collect
 
 
 def dashboard_data(request: HttpRequest) -> JsonResponse:
-    """GET .../data/: every worker's snapshot, the total, chart history, matchers and plugin pools."""
-    from .worker import get_worker
+    """GET .../data/: every worker's snapshot, the total, chart history, matchers and plugin pools.
 
-    get_worker()  # this serving process is a worker of the deployment too: make sure it publishes
-    return JsonResponse(snapshots.collect(refresh=True))
+    It reads what the workers published and starts nothing: a worker of this process (if any)
+    re-publishes first, so its own numbers are exact; the others' are at most SNAPSHOT_SECONDS old."""
+    return JsonResponse(collect(refresh=True))
 
 
 class DashboardAdmin(admin.ModelAdmin):
@@ -61,6 +61,8 @@ class DashboardAdmin(admin.ModelAdmin):
             "opts": self.model._meta,
             "data_url": reverse("admin:execapp_dashboard_data", current_app=self.admin_site.name),
             "profiles_url": reverse("admin:execapp_execprofilerecord_changelist", current_app=self.admin_site.name),
+            # The Events page (execapp/history_admin.py): "last error" links to its trace there.
+            "events_url": reverse("admin:execapp_eventtrace_changelist", current_app=self.admin_site.name),
             **(extra_context or {}),
         }
         return TemplateResponse(request, "execapp/dashboard.html", context)

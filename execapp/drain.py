@@ -1,7 +1,7 @@
 """Draining one worker process: refuse new events, finish what was accepted, flush, report.
 
 Run by the control listener (``manage.py drain``) and by the server's SIGTERM sequence
-(execapp.serve), always off the event loop: the loop must stay free to send the `done`
+(execapp.server.ExecServer), always off the event loop: the loop must stay free to send the `done`
 frames the drain is waiting for.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable
 
 from .engine.engine import running_handlers
-from .worker import Worker
+from .seams import WorkerLike
 
 log = logging.getLogger("execapp.drain")
 
@@ -20,7 +20,7 @@ log = logging.getLogger("execapp.drain")
 POLL_SECONDS = 0.005
 
 
-def drain_worker(worker: Worker, timeout: float, *, flush: bool = True,
+def drain_worker(worker: WorkerLike, timeout: float, *, flush: bool = True,
                  abort: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Drain ``worker`` within ``timeout`` seconds and return the report sent to the operator.
 
@@ -96,7 +96,7 @@ def drain_pool(pool: Any, timeout: float) -> bool:
             return False
 
 
-def undrain_worker(worker: Worker) -> dict[str, Any]:
+def undrain_worker(worker: WorkerLike) -> dict[str, Any]:
     """Take new events again: reopen the pool, then admit events (the reverse of a drain)."""
     was_draining = worker.draining
     worker.pool.resume()
@@ -105,7 +105,7 @@ def undrain_worker(worker: Worker) -> dict[str, Any]:
     return {"worker": worker.id, "ok": True, "was_draining": was_draining}
 
 
-def flush_services(worker: Worker) -> list[str]:
+def flush_services(worker: WorkerLike) -> list[str]:
     """Call ``flush()`` on every service that has one (the persisted profiles); returns the errors.
 
     Called from the drain's thread while the housekeeper may tick the same service: a service's
@@ -125,24 +125,3 @@ def flush_services(worker: Worker) -> list[str]:
             errors.append(f"{type(service).__name__}: {exc}")
     connections.close_all()  # this thread's connections only: a drain must not leak one per call
     return errors
-
-
-def worker_status(worker: Worker) -> dict[str, Any]:
-    """The worker's status plus its plugins' instance pools, as JSON-safe data (for execstatus)."""
-    status = dict(worker.status())
-    status["instance_pools"] = instance_pools()
-    status["uptime_seconds"] = round(time.time() - worker.started_at, 1)
-    return json.loads(json.dumps(status, default=str))
-
-
-def instance_pools() -> Any:
-    """``plugins.sync.instance_pool_stats()`` when the plugins app provides it, else None."""
-    try:
-        from plugins.sync import instance_pool_stats  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    try:
-        return instance_pool_stats()
-    except Exception as exc:  # status must answer even when a plugin pool misbehaves
-        log.exception("instance_pool_stats failed")
-        return {"error": str(exc)}

@@ -113,3 +113,35 @@ class Dashboard(ExecProfileRecord):
         proxy = True
         verbose_name = "live pool dashboard"
         verbose_name_plural = "live pool dashboard"
+
+
+class EventTrace(models.Model):
+    """A failed event's trace, kept in the database for EXECAPP['HISTORY_FAILURE_DAYS'] (execapp/history.py).
+
+    Every event's trace is first kept in the bounded recent store (Redis or this process); the
+    failures are also written here, so they outlive that store. The admin's *Events* page reads both.
+    """
+
+    uid = models.CharField(max_length=64, unique=True, help_text="The trace's own id (worker tag and sequence).")
+    event_id = models.CharField(max_length=64, db_index=True)
+    owner = models.CharField(max_length=200, blank=True, default="", db_index=True)
+    session = models.CharField(max_length=64, blank=True, default="")
+    event_type = models.CharField(max_length=64, blank=True, default="")
+    text = models.TextField(blank=True, default="", help_text="A bounded prefix of the event's text.")
+    outcome = models.CharField(max_length=40, db_index=True, help_text="error, or the code that refused the event.")
+    codes = models.CharField(max_length=400, blank=True, default="", help_text="Failure codes, comma-separated.")
+    # ",a,b,": a filter for one name is a `contains` of ",name," (names may hold any character but ",").
+    matchers = models.TextField(blank=True, default="")
+    plugins = models.TextField(blank=True, default="")
+    worker = models.CharField(max_length=200, blank=True, default="")
+    created_at = models.DateTimeField(db_index=True, help_text="When the event was accepted.")
+    duration_seconds = models.FloatField(null=True, blank=True)
+    trace = models.JSONField(default=dict)
+
+    class Meta:
+        verbose_name = "event"
+        verbose_name_plural = "events"
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.event_id} [{self.outcome}]"

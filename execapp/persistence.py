@@ -38,12 +38,14 @@ from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 
 from . import conf
-from .engine import Engine
+from .engine.profile import COUNTERS as PROFILE_COUNTERS
 from .models import ExecProfileRecord
+from .seams import EngineLike, WorkerLike
 
 log = logging.getLogger("execapp.persistence")
 
-COUNTERS = ("runs", "errors", "timeouts", "promotions", "demotions")
+#: The profile counters persisted per matcher (summed over workers as deltas).
+COUNTERS = PROFILE_COUNTERS
 _FIELDS = ["plugin", "state", "window", "p50_seconds", "p99_seconds", *COUNTERS, "promoted_at", "demoted_at",
            "last_error", "updated_at", "proven_size", "quarantined"]
 _SAME_TIME = 0.001  # seconds: timestamps round-trip through the database at microsecond precision
@@ -160,7 +162,7 @@ def merge_into(row: ExecProfileRecord, snap: dict[str, Any], deltas: dict[str, i
 class ProfileStore:
     """Background service: loads persisted profiles into an engine and flushes the changed ones."""
 
-    def __init__(self, engine: Engine, *, window: int | None = None, interval: float | None = None) -> None:
+    def __init__(self, engine: EngineLike, *, window: int | None = None, interval: float | None = None) -> None:
         self.engine = engine
         self.window = window or conf.get("PROFILE_WINDOW")
         self.interval = interval if interval is not None else conf.get("PROFILE_FLUSH_SECONDS")
@@ -247,7 +249,7 @@ class ProfileStore:
         off_loop(self.flush)
 
 
-def profile_store(worker: Any) -> ProfileStore:
+def profile_store(worker: WorkerLike) -> ProfileStore:
     """Service factory (SERVICE_FACTORIES): warm-starts the worker's engine, then flushes in the background."""
     store = ProfileStore(worker.engine)
     started = time.perf_counter()

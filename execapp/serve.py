@@ -2,10 +2,8 @@
 
     python -m execapp.serve --workers 2 --host 0.0.0.0 --port 8000
 
-uvicorn's own shutdown closes every WebSocket (code 1012) before it waits for anything, which
-would cut accepted events before their `done`. ``ExecServer`` runs the worker's drain first
-(execapp.drain, bounded by EXECAPP['SHUTDOWN_GRACE_SECONDS']) and only then lets uvicorn close
-the connections. A ``Supervisor`` runs every worker, ``--workers 1`` included, as a spawned
+Each worker process is an ``execapp.server.ExecServer`` (uvicorn that drains before it closes
+connections). A ``Supervisor`` runs every worker, ``--workers 1`` included, as a spawned
 process (one Worker, ExecPool and engine each): it forwards SIGTERM/SIGINT, restarts a process
 that dies, waits for the drains, and is the watchdog (execapp.watchdog): it kills and replaces a
 worker whose event loop stalls past EXECAPP['LOOP_STALL_SECONDS'], quarantining the matcher it
@@ -16,9 +14,7 @@ See docs/operations.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
-import faulthandler
 import functools
 import logging
 import os
@@ -38,159 +34,18 @@ import uvicorn
 from uvicorn._subprocess import get_subprocess
 from uvicorn.config import STARTUP_FAILURE
 
-from . import watchdog
+from . import logjson, watchdog
+from .server import reuse_port_socket, run_worker_process
 
 log = logging.getLogger("execapp.serve")
 
 DEFAULT_APP = "config.asgi:application"
 #: Seconds uvicorn gives clients to answer its 1012 close after the drain (then it cancels).
 DEFAULT_CLOSE_TIMEOUT = 5
-#: Longest wait at start for the worker's first round of service ticks (plugins loaded).
-STARTUP_READY_SECONDS = 30
 #: How often the supervisor reads the workers' slots (heartbeats, recycle requests, exits).
 POLL_SECONDS = 0.1
 #: How long a stalled worker gets to write its threads' stacks (SIGUSR1) before its SIGKILL.
 STACK_DUMP_SECONDS = 0.5
-#: The close a WebSocket client gets when it connects to a worker that is shutting down.
-DRAINING_CLOSE = (1012, "draining: this worker is restarting; reconnect")
-
-
-class DrainGate:
-    """ASGI wrapper: once its server shuts down, a new WebSocket handshake is accepted and closed
-    at once with 1012 and a reason (reconnect), instead of joining a worker about to close it."""
-
-    def __init__(self, app: Any, server: "ExecServer") -> None:
-        self.app = app
-        self.server = server
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "websocket" and self.server.refusing:
-            message = await receive()
-            if message["type"] == "websocket.connect":
-                await send({"type": "websocket.accept"})
-                await send({"type": "websocket.close", "code": DRAINING_CLOSE[0], "reason": DRAINING_CLOSE[1]})
-            return
-        await self.app(scope, receive, send)
-
-
-class ExecServer(uvicorn.Server):
-    """uvicorn's server with the process's Worker started before listening and drained before closing.
-
-    Under the supervisor it also beats its watchdog slot from the loop and reports its state
-    there (starting, ready, draining, exiting).
-    """
-
-    def __init__(self, config: uvicorn.Config, grace: float | None = None) -> None:
-        super().__init__(config)
-        self.grace = grace
-        self.worker: Any = None
-        self.drain_report: dict[str, Any] | None = None
-        self.watch = watchdog.WorkerWatch.from_env()
-        self.refusing = False  # set at shutdown: DrainGate closes new WebSockets with 1012
-        self.handed_over = False  # the listener closed at once: sibling workers serve its clients
-        self._heartbeat: asyncio.Task[None] | None = None
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        from . import worker as worker_module
-
-        if self.watch is not None:
-            # First of all: from here on the supervisor sees this loop beat (or stall).
-            self.watch.slot.state = watchdog.STATE_STARTING
-            self._heartbeat = self.watch.start_heartbeat()
-        self.config.loaded_app = DrainGate(self.config.loaded_app, self)
-        # Built off the loop (its services may touch the database) and before the socket
-        # listens, so the control listener is up and the plugins' matchers are installed (the
-        # housekeeper's first round of ticks, which also applies the watchdog's quarantine list)
-        # before the first client arrives: a new worker of a rolling deploy never answers an
-        # event with `matched: 0` because it was still starting.
-        self.worker = await asyncio.to_thread(worker_module.get_worker)
-        if not await asyncio.to_thread(self.worker.ready.wait, STARTUP_READY_SECONDS):
-            log.warning("worker %s: services not ready after %d s; serving anyway", self.worker.id,
-                        STARTUP_READY_SECONDS)
-        await super().startup(sockets)
-        if self.watch is not None and self.started and not self.should_exit:
-            self.watch.slot.state = watchdog.STATE_READY  # listening: the supervisor may retire a predecessor
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        # 1. New clients. If sibling workers serve (a recycle, or one worker stopped alone), close
-        #    the listener now: the kernel sends new connections and probes to them. If this is the
-        #    last worker serving (one worker, or the supervisor stops them all), keep listening
-        #    through the drain, so a probe gets /healthz 503 `draining` instead of a refused
-        #    connection; new WebSocket clients are closed with 1012 (DrainGate) meanwhile.
-        self.refusing = True
-        if self.watch is not None:
-            self.watch.slot.state = watchdog.STATE_DRAINING
-            self.handed_over = (not self.watch.supervisor_stopping
-                                and self.watch.slots.serving_siblings(self.watch.slot.index) > 0)
-        if self.handed_over:
-            for server in getattr(self, "servers", []):
-                server.close()
-        # 2. Drain in a thread: the loop must keep running to send the `done` frames waited for.
-        if self.worker is not None and not self.force_exit:
-            from . import conf
-            from .drain import drain_worker
-
-            self.worker.set_draining(True)  # /healthz says `draining` from this moment
-            grace = float(self.grace if self.grace is not None else conf.get("SHUTDOWN_GRACE_SECONDS"))
-            log.info("draining worker %s before shutdown (grace %.1f s, %s)", self.worker.id, grace,
-                     "listener handed over to sibling workers" if self.handed_over else "still listening")
-            self.drain_report = await asyncio.to_thread(drain_worker, self.worker, grace,
-                                                        abort=lambda: self.force_exit)
-            if self.drain_report["ok"]:
-                log.info("worker %s drained: %s events, %s tasks in %.2f s", self.worker.id,
-                         self.drain_report["finished"]["events"], self.drain_report["finished"]["tasks"],
-                         self.drain_report["elapsed_seconds"])
-            else:
-                log.error("worker %s NOT drained (%s) after %.2f s; still running: %s; %s events without done",
-                          self.worker.id, self.drain_report["reason"], self.drain_report["elapsed_seconds"],
-                          ", ".join(self.drain_report["still_running"]) or "-",
-                          self.drain_report["events_in_flight"])
-        # 3. uvicorn's own sequence: close the listener, close connections (1012), wait for them.
-        await super().shutdown(sockets)
-        # 4. Stop the worker: final profile flush, leave the control group and registry.
-        if self.worker is not None:
-            await asyncio.to_thread(self.worker.stop, 1.0)
-        if self.watch is not None:
-            self.watch.slot.state = watchdog.STATE_EXITING  # the heartbeat ends with the loop: no stall
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-
-
-def reuse_port_socket(config: uvicorn.Config, listen: bool = True) -> socket.socket:
-    """A socket bound to the config's host:port with SO_REUSEPORT: one per worker process, so the
-    kernel spreads new connections evenly over the workers (a shared socket lets whichever
-    process wakes first take a whole burst, and WebSocket connections stay where they land)."""
-    family = socket.AF_INET6 if config.host and ":" in config.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((config.host, config.port))
-    except OSError as exc:
-        sock.close()
-        log.error("cannot bind %s:%s: %s", config.host, config.port, exc)
-        sys.exit(STARTUP_FAILURE)
-    if listen:
-        sock.listen(config.backlog)
-    sock.set_inheritable(True)
-    return sock
-
-
-def _run_child(config: uvicorn.Config, grace: float | None, reuse_port: bool, watch_dir: str, slot: int,
-               sockets: list[socket.socket]) -> None:
-    """Body of one spawned worker process (picklable: the supervisor hands it to multiprocessing)."""
-    # The worker learns its watchdog slot from the environment (execapp.watchdog.WorkerWatch).
-    os.environ[watchdog.ENV_DIR] = watch_dir
-    os.environ[watchdog.ENV_SLOT] = str(slot)
-    # The supervisor sends SIGUSR1 before it kills a stalled worker: faulthandler writes every
-    # thread's stack to stderr from the signal handler itself, even while the loop is stuck in C.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    server = ExecServer(config, grace)
-    if reuse_port:
-        # Bound now but listening only once the worker is ready (ExecServer.startup), so the
-        # kernel never hands a connection to a worker still loading its plugins.
-        sockets = [reuse_port_socket(config, listen=False)]
-    server.run(sockets=sockets)
 
 
 @dataclass(eq=False)
@@ -242,7 +97,7 @@ class Supervisor:
         self.should_exit.set()
 
     def _spawn(self, replaces: Child | None = None) -> Child | None:
-        assert self.slots is not None and self._sock is not None
+        assert self.slots is not None and self._sock is not None and self.watch_dir is not None  # run() set them
         if not self._free:
             log.error("no free watchdog slot for a new worker process (%d in use); retrying", self.slots.count)
             return None
@@ -250,9 +105,11 @@ class Supervisor:
         # mark, for a post-mortem) is reused as late as possible.
         slot = self.slots.slot(self._free.popleft())
         slot.clear()
-        target = functools.partial(_run_child, self.config, self.grace, self.reuse_port, self.watch_dir, slot.index)
+        target = functools.partial(run_worker_process, self.config, self.grace, self.reuse_port, self.watch_dir,
+                                   slot.index)
         process = get_subprocess(self.config, target, [] if self.reuse_port else [self._sock])
         process.start()
+        assert process.pid is not None  # a started process has one
         slot.pid = process.pid
         child = Child(process, slot, replaces=replaces)
         self.children.append(child)
@@ -444,6 +301,9 @@ def make_config(args: argparse.Namespace) -> uvicorn.Config:
         ws_per_message_deflate=False, timeout_graceful_shutdown=args.close_timeout,
         log_level=args.log_level, access_log=not args.no_access_log,
         forwarded_allow_ips=args.forwarded_allow_ips,
+        # LOG_FORMAT=json (config/settings.py): uvicorn's own lines are JSON as well.
+        log_config=logjson.uvicorn_log_config(uvicorn.config.LOGGING_CONFIG) if logjson.wanted()
+        else uvicorn.config.LOGGING_CONFIG,
     )
 
 

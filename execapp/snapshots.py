@@ -1,10 +1,10 @@
-"""Worker snapshots for the dashboard: every worker publishes its state, the dashboard collects them.
+"""Worker snapshots for the dashboard: what a worker publishes, where, and the service that does it.
 
 Through Redis when ``settings.REDIS_URL`` is set (so the dashboard of any worker shows every
 worker of the deployment), in this process's memory otherwise. Each worker keeps its latest
 snapshot in one hash field and a short history of points (one per ``SNAPSHOT_SECONDS``,
-``DASHBOARD_HISTORY_SECONDS`` long) for the charts. A worker silent for
-``WORKER_STALE_SECONDS`` is marked stale; after ``WORKER_DROP_SECONDS`` it is dropped.
+``DASHBOARD_HISTORY_SECONDS`` long) for the charts. The dashboard's side, which reads them, is
+``execapp.dashboard_data``.
 """
 from __future__ import annotations
 
@@ -15,19 +15,44 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol, Sequence
 
-from . import conf
-from .metrics import plugin_pool_rows
+from . import conf, extensions, history
+from .codes import REFUSAL_CODES
+from .engine.engine import COUNTERS as ENGINE_COUNTERS
+from .seams import EngineLike, WorkerLike
+from .worker_slot import worker_slot
 
 log = logging.getLogger("execapp.snapshots")
 
-#: The fields of one history point, in order (the JSON carries arrays, not objects).
-SERIES_FIELDS = ("t", "capacity", "in_flight", "queued", "queue_capacity", "events_per_second", "delay_p50",
-                 "delay_p99", "submitted", "fallbacks", "failed", "overloaded")
-_SUMMED = ("capacity", "in_flight", "queued", "queue_capacity", "events_per_second", "submitted", "fallbacks",
-           "failed", "overloaded")
+
+class HistoryPoint(NamedTuple):
+    """One point of a worker's chart history, one per SNAPSHOT_SECONDS. Stored and sent as a JSON
+    array in this field order (``SERIES_FIELDS``, which the dashboard's script reads)."""
+
+    t: float
+    capacity: int
+    in_flight: int
+    queued: int
+    queue_capacity: int
+    events_per_second: float
+    delay_p50: float | None
+    delay_p99: float | None
+    submitted: int
+    fallbacks: int
+    failed: int
+    overloaded: int
+    refused: int  # handlers and events refused so far (REFUSAL_CODES), from the event history
+
+
+SERIES_FIELDS = HistoryPoint._fields
 KEY_PREFIX = "execapp:obs:"
+
+
+def as_point(values: Sequence[Any]) -> HistoryPoint | None:
+    """A stored array as a HistoryPoint, or None when it has another shape (a point written by an
+    older version during a rolling deploy)."""
+    return HistoryPoint(*values) if len(values) == len(SERIES_FIELDS) else None
 
 
 def _pct(ordered: list[float], q: float) -> float | None:
@@ -46,11 +71,11 @@ class Backend(Protocol):
 
     name: str
 
-    def publish(self, snapshot: dict[str, Any], point: list | None) -> None: ...
+    def publish(self, snapshot: dict[str, Any], point: HistoryPoint | None) -> None: ...
 
     def remove(self, worker_id: str) -> None: ...
 
-    def load(self) -> list[tuple[dict[str, Any], list[list]]]: ...
+    def load(self) -> list[tuple[dict[str, Any], list[HistoryPoint]]]: ...
 
     def drop(self, worker_id: str) -> None: ...
 
@@ -64,7 +89,7 @@ class LocalBackend:
         self._lock = threading.Lock()
         self._workers: dict[str, tuple[dict[str, Any], collections.deque]] = {}
 
-    def publish(self, snapshot: dict[str, Any], point: list | None) -> None:
+    def publish(self, snapshot: dict[str, Any], point: Sequence[Any] | None) -> None:
         with self._lock:
             _, series = self._workers.get(snapshot["worker"], (None, collections.deque(maxlen=history_points())))
             if point is not None:
@@ -74,9 +99,10 @@ class LocalBackend:
     def remove(self, worker_id: str) -> None:
         self.drop(worker_id)
 
-    def load(self) -> list[tuple[dict[str, Any], list[list]]]:
+    def load(self) -> list[tuple[dict[str, Any], list[HistoryPoint]]]:
         with self._lock:
-            return [(dict(snap), list(series)) for snap, series in self._workers.values()]  # collect() edits
+            workers = [(dict(snap), list(series)) for snap, series in self._workers.values()]  # collect() edits
+        return [(snap, points(series)) for snap, series in workers]
 
     def drop(self, worker_id: str) -> None:
         with self._lock:
@@ -98,7 +124,7 @@ class RedisBackend:
     def _series_key(self, worker_id: str) -> str:
         return f"{self.key_prefix}series:{worker_id}"
 
-    def publish(self, snapshot: dict[str, Any], point: list | None) -> None:
+    def publish(self, snapshot: dict[str, Any], point: HistoryPoint | None) -> None:
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(self.workers_key, snapshot["worker"], json.dumps(snapshot, default=str))
         if point is not None:
@@ -111,7 +137,7 @@ class RedisBackend:
     def remove(self, worker_id: str) -> None:
         self.drop(worker_id)
 
-    def load(self) -> list[tuple[dict[str, Any], list[list]]]:
+    def load(self) -> list[tuple[dict[str, Any], list[HistoryPoint]]]:
         raw = self.client.hgetall(self.workers_key)
         snaps = []
         for value in raw.values():
@@ -123,13 +149,18 @@ class RedisBackend:
         for snap in snaps:
             pipe.lrange(self._series_key(snap["worker"]), 0, -1)
         series = pipe.execute() if snaps else []
-        return [(snap, [json.loads(p) for p in points]) for snap, points in zip(snaps, series)]
+        return [(snap, points(json.loads(p) for p in stored)) for snap, stored in zip(snaps, series)]
 
     def drop(self, worker_id: str) -> None:
         pipe = self.client.pipeline(transaction=False)
         pipe.hdel(self.workers_key, worker_id)
         pipe.delete(self._series_key(worker_id))
         pipe.execute()
+
+
+def points(stored: Any) -> list[HistoryPoint]:
+    """The stored arrays of one history as HistoryPoints (those of another shape left out)."""
+    return [p for p in map(as_point, stored) if p is not None]
 
 
 _local = LocalBackend()
@@ -149,10 +180,16 @@ def backend() -> Backend:
 
 
 RECENT_RUNS = 1000  # per matcher: the dashboard's p50/p99 are over these runs
+#: Events per second is the rate over this many seconds (at most): one busy second between quiet
+#: ones (a burst of events whose handlers then run for seconds) shows as a rate, not as 0.
+RATE_WINDOW_SECONDS = 10.0
 
 
-def matcher_rows(engine: Any, recent: dict[str, collections.deque] | None = None) -> list[dict[str, Any]]:
-    """One row per registered matcher: its plugin, kind and profile (without the window).
+def matcher_rows(engine: EngineLike, recent: dict[str, collections.deque] | None = None,
+                 failures: dict[str, dict[str, int]] | None = None,
+                 last_failure: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One row per registered matcher: its plugin, kind and profile (without the window), and
+    from the event history its failures and refusals by code and its newest failure.
 
     p50/p99 are over the matcher's last ``RECENT_RUNS`` runs in this worker when it has run
     here (``recent``); otherwise over the profile's window. The profile's own window is a
@@ -166,14 +203,28 @@ def matcher_rows(engine: Any, recent: dict[str, collections.deque] | None = None
         runs = sorted(recent[m.name]) if recent and recent.get(m.name) else None
         if runs:
             snap["p50"], snap["p99"] = _pct(runs, 0.50), _pct(runs, 0.99)
-        rows.append({"matcher": m.name, "plugin": m.plugin, "kind": m.kind.value, "pattern": m.pattern, **snap})
+        codes = (failures or {}).get(m.name, {})
+        rows.append({"matcher": m.name, "plugin": m.plugin, "kind": m.kind.value, "pattern": m.pattern, **snap,
+                     "failures": codes, "refused": sum(n for c, n in codes.items() if c in REFUSAL_CODES),
+                     "last_failure": (last_failure or {}).get(m.name)})
     return rows
+
+
+def history_counts(worker: WorkerLike) -> tuple[list[list[Any]], dict[str, int], dict[str, dict[str, Any]]]:
+    """This worker's failed and refused handlers ([matcher, plugin, code, count]), refused events
+    by code, and each matcher's newest failure, from the event history's recorder (empty without one)."""
+    rec = history.current()
+    if rec is None or rec.worker is not worker:
+        return [], {}, {}
+    # dict(...) copies in one C call, safe while the housekeeper's flush updates the counters.
+    failures = [[mt, plugin, code, n] for (mt, plugin, code), n in dict(rec.handler_failures).items()]
+    return failures, dict(rec.event_refusals), dict(rec.last_failure)
 
 
 class SnapshotPublisher:
     """Worker service: publishes the worker's snapshot and a history point every ``interval``."""
 
-    def __init__(self, worker: Any, store: Backend | None = None, interval: float | None = None) -> None:
+    def __init__(self, worker: WorkerLike, store: Backend | None = None, interval: float | None = None) -> None:
         self.worker = worker
         self.store = store or backend()
         self.interval = interval if interval is not None else conf.get("SNAPSHOT_SECONDS")
@@ -182,7 +233,7 @@ class SnapshotPublisher:
         self._delays: collections.deque = collections.deque(maxlen=100_000)
         self._runs: collections.deque = collections.deque(maxlen=100_000)
         self._recent: dict[str, collections.deque] = {}
-        self._last: tuple[float, int] | None = None  # (time, events) at the last point
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()  # (time, events) per point
         self._eps = 0.0
         self._interval_delay: tuple[float | None, float | None] = (None, None)
         self.stopped = False
@@ -203,7 +254,7 @@ class SnapshotPublisher:
             ring.append(elapsed)
         return recent
 
-    def snapshot(self, advance: bool) -> tuple[dict[str, Any], list | None]:
+    def snapshot(self, advance: bool) -> tuple[dict[str, Any], HistoryPoint | None]:
         """Build the snapshot; with ``advance`` also close the interval and make a history point."""
         status = self.worker.status()
         pool = status.pop("pool", None) or {}
@@ -212,11 +263,17 @@ class SnapshotPublisher:
         if advance:
             delays = sorted(self._delays.popleft() for _ in range(len(self._delays)))
             self._interval_delay = (_pct(delays, 0.50), _pct(delays, 0.99))
-            if self._last is not None and now > self._last[0]:
-                self._eps = max(0.0, (events - self._last[1]) / (now - self._last[0]))
-            self._last = (now, events)
-        counts = {k: status.pop(k) for k in ("events", "inline", "pooled", "fallbacks", "overloaded", "errors")
-                  if k in status}
+            self._samples.append((now, events))
+            while len(self._samples) > 1 and self._samples[1][0] <= now - RATE_WINDOW_SECONDS:
+                self._samples.popleft()
+        self._eps = self._rate(now, events)
+        counts = {k: status.pop(k) for k in ENGINE_COUNTERS if k in status}
+        failures, event_refusals, last_failure = history_counts(self.worker)
+        by_matcher: dict[str, dict[str, int]] = {}
+        for mt, _, code, n in failures:
+            by_matcher.setdefault(mt, {})[code] = by_matcher.get(mt, {}).get(code, 0) + n
+        refused = (sum(n for _, _, code, n in failures if code in REFUSAL_CODES)
+                   + sum(n for code, n in event_refusals.items() if code in REFUSAL_CODES))
         snap = {
             **status,
             "host": self.host,
@@ -224,19 +281,37 @@ class SnapshotPublisher:
             "stopped": self.stopped,
             "pool": pool,
             "counts": counts,
+            "slot": worker_slot(self.worker),
             "events_per_second": self._eps,
+            "rate_window_seconds": RATE_WINDOW_SECONDS,
             "interval_delay_p50": self._interval_delay[0],
             "interval_delay_p99": self._interval_delay[1],
-            "matchers": matcher_rows(self.worker.engine, self._recent_runs()),
-            "plugin_pools": plugin_pool_rows(),
+            "matchers": matcher_rows(self.worker.engine, self._recent_runs(), by_matcher, last_failure),
+            "plugin_pools": extensions.rows("plugin_pools"),
+            "failures": failures,
+            "event_refusals": event_refusals,
+            "refused": refused,
         }
         point = None
         if advance:
-            point = [round(now, 3), pool.get("capacity", 0), pool.get("in_flight", 0), pool.get("queued", 0),
-                     pool.get("queue_capacity", 0), round(self._eps, 3), self._interval_delay[0],
-                     self._interval_delay[1], pool.get("submitted", 0), counts.get("fallbacks", 0),
-                     pool.get("failed", 0), counts.get("overloaded", 0)]
+            point = HistoryPoint(
+                t=round(now, 3), capacity=pool.get("capacity", 0), in_flight=pool.get("in_flight", 0),
+                queued=pool.get("queued", 0), queue_capacity=pool.get("queue_capacity", 0),
+                events_per_second=round(self._eps, 3), delay_p50=self._interval_delay[0],
+                delay_p99=self._interval_delay[1], submitted=pool.get("submitted", 0),
+                fallbacks=counts.get("fallbacks", 0), failed=pool.get("failed", 0),
+                overloaded=counts.get("overloaded", 0), refused=refused)
         return snap, point
+
+    def _rate(self, now: float, events: int) -> float:
+        """Events per second since the oldest sample within RATE_WINDOW_SECONDS (the one at or
+        just before the window's start): over whole published points, so it never reads 0 in
+        the seconds after a burst while the window still holds it."""
+        if not self._samples:
+            return 0.0
+        t0, e0 = self._samples[0]
+        span = now - t0
+        return max(0.0, (events - e0) / span) if span >= 0.5 * self.interval and span > 0 else self._eps
 
     def publish(self, advance: bool = True) -> dict[str, Any]:
         """Publish now; ``advance=False`` refreshes the latest snapshot without a history point."""
@@ -246,8 +321,20 @@ class SnapshotPublisher:
             return snap
 
     def tick(self) -> None:
-        """Housekeeper tick: publish the snapshot and a history point."""
-        self.publish(advance=True)
+        """Housekeeper tick: publish the snapshot and a history point. While Redis is down (a
+        restart) each tick tries again: one warning when publishing fails, one when it works again
+        (not a traceback a second)."""
+        try:
+            self.publish(advance=True)
+        except Exception as exc:
+            if not getattr(self, "_publish_failing", False):
+                log.warning("snapshot of %s not published (retrying every %.1f s): %r", self.worker.id,
+                            self.interval, exc)
+            self._publish_failing = True
+            return
+        if getattr(self, "_publish_failing", False):
+            log.warning("snapshot of %s published again", self.worker.id)
+            self._publish_failing = False
 
     def close(self) -> None:
         """At worker stop: publish a last snapshot marked stopped (the dashboard drops it when stale)."""
@@ -262,7 +349,7 @@ class SnapshotPublisher:
 _publishers: "weakref.WeakSet[SnapshotPublisher]" = weakref.WeakSet()
 
 
-def snapshot_publisher(worker: Any) -> SnapshotPublisher:
+def snapshot_publisher(worker: WorkerLike) -> SnapshotPublisher:
     """Service factory (SERVICE_FACTORIES): publishes this worker's snapshot for the dashboard."""
     publisher = SnapshotPublisher(worker)
     try:
@@ -279,125 +366,3 @@ def refresh_local() -> None:
             publisher.publish(advance=False)
         except Exception as exc:
             log.warning("snapshot refresh failed: %s", exc)
-
-
-# -- collection (the dashboard's side) ----------------------------------------------------------
-
-def _total_series(workers: list[dict[str, Any]], period: float) -> list[list]:
-    """Sum of the workers' histories on a common time grid (each worker's latest point counts
-    while it is at most 2.5 periods old); scheduling delay is the worst worker's."""
-    events = sorted((p[0], w["worker"], p) for w in workers for p in w["series"])
-    if not events:
-        return []
-    idx = {f: i for i, f in enumerate(SERIES_FIELDS)}
-    latest: dict[str, list] = {}
-    out: list[list] = []
-    i = 0
-    start = int(events[0][0] // period)
-    end = int(events[-1][0] // period)
-    for slot in range(start, end + 1):
-        t_end = (slot + 1) * period
-        while i < len(events) and events[i][0] < t_end:
-            latest[events[i][1]] = events[i][2]
-            i += 1
-        live = [p for p in latest.values() if t_end - p[0] <= 2.5 * period]
-        if not live:
-            continue
-        point: list = [None] * len(SERIES_FIELDS)
-        point[0] = round(max(p[0] for p in live), 3)
-        for f in _SUMMED:
-            point[idx[f]] = round(sum(p[idx[f]] or 0 for p in live), 3)
-        for f in ("delay_p50", "delay_p99"):
-            values = [p[idx[f]] for p in live if p[idx[f]] is not None]
-            point[idx[f]] = max(values) if values else None
-        out.append(point)
-    return out
-
-
-def _aggregate_matchers(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per matcher over every worker: counts summed, percentiles the worst worker's, classes listed."""
-    rows: dict[str, dict[str, Any]] = {}
-    for w in workers:
-        for m in w.get("matchers", []):
-            row = rows.get(m["matcher"])
-            if row is None:
-                row = rows[m["matcher"]] = {"matcher": m["matcher"], "plugin": m.get("plugin"),
-                                            "kind": m.get("kind"), "pattern": m.get("pattern"), "classes": {},
-                                            "states": {}, "p50": None, "p99": None, "runs": 0, "errors": 0,
-                                            "timeouts": 0, "promotions": 0, "demotions": 0, "promoted_at": None,
-                                            "demoted_at": None, "last_error": "", "workers": 0,
-                                            "quarantined": None}
-            row["workers"] += 1
-            row["classes"][m["exec_class"]] = row["classes"].get(m["exec_class"], 0) + 1
-            row["states"][m["state"]] = row["states"].get(m["state"], 0) + 1
-            for k in ("runs", "errors", "timeouts", "promotions", "demotions"):
-                row[k] += m.get(k) or 0
-            for k in ("p50", "p99", "promoted_at", "demoted_at"):
-                if m.get(k) is not None and (row[k] is None or m[k] > row[k]):
-                    row[k] = m[k]
-            if m.get("last_error"):
-                row["last_error"] = m["last_error"]
-            if m.get("quarantined"):  # pinned to the pool on some worker (the watchdog's reason)
-                row["quarantined"] = m["quarantined"]
-    for row in rows.values():
-        row["exec_class"] = "/".join(sorted(row["classes"]))
-        row["state"] = "/".join(sorted(row["states"]))
-    return sorted(rows.values(), key=lambda r: r["matcher"])
-
-
-def _total(live: list[dict[str, Any]]) -> dict[str, Any]:
-    total: dict[str, Any] = {"workers": len(live)}
-    for key in ("capacity", "in_flight", "queued", "queue_capacity", "workers", "idle_workers", "submitted",
-                "completed", "failed", "rejected", "stuck", "stuck_total"):
-        total["threads" if key == "workers" else key] = sum((w["pool"] or {}).get(key, 0) for w in live)
-    for key in ("events", "inline", "pooled", "fallbacks", "overloaded", "errors"):
-        total[key] = sum(w["counts"].get(key, 0) for w in live)
-    room = total["capacity"] + total["queue_capacity"]
-    total["saturation"] = (total["in_flight"] + total["queued"]) / room if room else 0.0
-    total["events_per_second"] = sum(w.get("events_per_second", 0.0) for w in live)
-    total["recycling"] = sum(1 for w in live if w.get("recycling"))
-    for key in ("delay_p50", "delay_p99"):
-        values = [(w["pool"] or {}).get(key) for w in live if (w["pool"] or {}).get(key) is not None]
-        total[key] = max(values) if values else None
-    return total
-
-
-def collect(refresh: bool = True) -> dict[str, Any]:
-    """Everything the dashboard shows: workers (stale marked, long-silent dropped), total, charts,
-    matchers and plugin instance pools."""
-    if refresh:
-        refresh_local()
-    store = backend()
-    now = time.time()
-    stale_after = conf.get("WORKER_STALE_SECONDS")
-    drop_after = conf.get("WORKER_DROP_SECONDS")
-    period = conf.get("SNAPSHOT_SECONDS")
-    workers = []
-    for snap, series in store.load():
-        age = now - snap.get("ts", 0)
-        if age > drop_after or (snap.get("stopped") and age > stale_after):
-            store.drop(snap["worker"])
-            continue
-        snap["age"] = age
-        snap["stale"] = age > stale_after
-        snap["series"] = series
-        workers.append(snap)
-    workers.sort(key=lambda w: (w.get("host", ""), w.get("started_at", 0), w["worker"]))
-    live = [w for w in workers if not w["stale"] and not w.get("stopped")]
-    plugin_pools = [{"worker": w["worker"], **row} for w in workers for row in w.pop("plugin_pools", [])]
-    matchers = _aggregate_matchers(live or workers)
-    for w in workers:
-        w["matcher_count"] = len(w.pop("matchers", []))
-    return {
-        "now": now,
-        "backend": store.name,
-        "interval": period,
-        "poll_seconds": min(2.0, max(0.5, period)),
-        "stale_seconds": stale_after,
-        "drop_seconds": drop_after,
-        "series_fields": list(SERIES_FIELDS),
-        "workers": workers,
-        "total": {**_total(live), "series": _total_series(live, period)},
-        "matchers": matchers,
-        "plugin_pools": plugin_pools,
-    }

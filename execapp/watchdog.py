@@ -35,7 +35,10 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # types only: the supervisor (execapp.serve) imports this module and stays light
+    from .seams import EngineLike, WorkerLike
 
 log = logging.getLogger("execapp.watchdog")
 
@@ -339,7 +342,7 @@ class WatchdogService:
 
     interval = 0.5
 
-    def __init__(self, worker: Any, stuck_limit: int) -> None:
+    def __init__(self, worker: WorkerLike, stuck_limit: int) -> None:
         self.worker = worker
         self.watch: WorkerWatch | None = getattr(worker, "watch", None)
         self.stuck_limit = stuck_limit
@@ -410,12 +413,12 @@ class WatchdogService:
         pass
 
 
-def _is_quarantined(engine: Any, name: str) -> bool:
+def _is_quarantined(engine: EngineLike, name: str) -> bool:
     profile = engine.profiles.get(name)
     return profile is not None and bool(getattr(profile, "quarantined", None))
 
 
-def watchdog_service(worker: Any) -> WatchdogService:
+def watchdog_service(worker: WorkerLike) -> WatchdogService:
     """Service factory (SERVICE_FACTORIES): the worker's side of the supervisor's watchdog."""
     from . import conf
 

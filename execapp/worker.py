@@ -9,41 +9,55 @@ import socket
 import threading
 import time
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
-from . import conf
+from . import conf, extensions
 from .engine import Engine, ExecPool, ExecProfile
+from .seams import Service, ServiceFactory
 from .watchdog import WorkerWatch
 
 log = logging.getLogger("execapp.worker")
 
-
-class Service(Protocol):
-    """A background job of a worker, ticked every ``interval`` seconds off the event loop."""
-
-    interval: float
-
-    def tick(self) -> None: ...
-
-    def close(self) -> None: ...
+__all__ = ["Service", "Worker", "current_worker", "get_worker", "reset_worker", "service_factories", "set_worker"]
 
 
-#: Dotted paths of ``factory(worker) -> Service``, built in this order when a worker starts.
+#: In SERVICE_FACTORIES: the services the apps above execapp registered (execapp.extensions),
+#: in their registration order; the plugins app's registry sync (plugins/sync.py) is one.
+EXTENSION_SERVICES = "<execapp.extensions.services>"
+
+#: ``factory(worker) -> Service`` by dotted path (imported when a worker starts: they use Django
+#: models), built in this order. Tests replace the list to run a worker with fewer services.
 SERVICE_FACTORIES: list[str] = [
     # First, so persisted profiles are restored before any matcher runs (docs/observability.md).
     "execapp.persistence.profile_store",
     # drain/undrain/execstatus over the channel layer (idle with the in-memory layer, which
-    # cannot reach other processes); see execapp/control.py and docs/operations.md.
-    "execapp.control.control_service",
+    # cannot reach other processes); see execapp/control_thread.py and docs/operations.md.
+    "execapp.control_thread.control_service",
+    # The event history (before the metrics and snapshots, which read its failure counts).
+    "execapp.history.recorder",
     # Prometheus gauges and the dashboard's per-worker snapshots.
-    "execapp.metrics.metrics_updater",
+    "execapp.metrics_updater.metrics_updater",
     "execapp.snapshots.snapshot_publisher",
-    # Build the engine's matchers from the plugin registry and re-sync on change (plugins/sync.py).
-    "plugins.sync.registry_sync",
-    # The supervisor's watchdog: applies its quarantine list (after the sync, so a new worker's
-    # first round of ticks pins the offenders before it listens) and watches stuck pool threads.
+    # The registered services: the plugin registry sync builds the engine's matchers.
+    EXTENSION_SERVICES,
+    # The supervisor's watchdog: applies its quarantine list (after the extensions, so a new
+    # worker's first round of ticks pins the offenders among the matchers they installed
+    # before it listens) and watches stuck pool threads.
     "execapp.watchdog.watchdog_service",
 ]
+
+
+def service_factories() -> list[tuple[str, ServiceFactory]]:
+    """(name, factory) of every service a worker starts now, in order: SERVICE_FACTORIES with
+    EXTENSION_SERVICES replaced by what the apps registered."""
+    factories: list[tuple[str, ServiceFactory]] = []
+    for path in SERVICE_FACTORIES:
+        if path == EXTENSION_SERVICES:
+            factories += [(s.name, s.factory) for s in extensions.services()]
+            continue
+        module, _, name = path.rpartition(".")
+        factories.append((path, getattr(importlib.import_module(module), name)))
+    return factories
 
 
 class Worker:
@@ -86,9 +100,7 @@ class Worker:
         """Build the services and start the housekeeping thread (idempotent)."""
         if self._thread is not None:
             return
-        for path in SERVICE_FACTORIES:
-            module, _, name = path.rpartition(".")
-            factory = getattr(importlib.import_module(module), name)
+        for _, factory in service_factories():
             self.services.append(factory(self))
         self._thread = threading.Thread(target=self._housekeep, name="execapp-housekeeper", daemon=True)
         self._thread.start()
@@ -165,6 +177,21 @@ def get_worker() -> Worker:
                 worker.start()
                 _worker = worker
     return _worker
+
+
+def current_worker() -> Worker | None:
+    """The process's Worker if one was created, else None (creates nothing: for readers such as
+    the dashboard and the health probe's fast path)."""
+    return _worker
+
+
+def set_worker(worker: Worker | None) -> Worker | None:
+    """Make ``worker`` the process's Worker (None: none) and return the one it replaces; the
+    caller starts and stops them (tests, and embedders that build their own Worker)."""
+    global _worker
+    with _worker_lock:
+        previous, _worker = _worker, worker
+    return previous
 
 
 def reset_worker() -> None:

@@ -5,9 +5,35 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.db import transaction
+from django.utils.html import format_html
+
+from execapp.history_admin import events_url
 
 from .forms import BindingFormSet, PluginForm
+from .kv import kv_store
 from .models import QUOTA_FIELDS, Binding, KVEntry, Plugin, RegistryState
+from .runtimes import registry
+from .sync import refresh_tracked_engines
+
+
+def runtime_label(name: str) -> str:
+    """A runtime's label from the registry (its bare name if it is no longer registered)."""
+    runtime = registry.get(name)
+    return runtime.label if runtime is not None else f"{name} (not registered)"
+
+
+class RuntimeFilter(admin.SimpleListFilter):
+    """The runtimes the stored plugins use, by their registry labels (the field has no choices)."""
+
+    title = "runtime"
+    parameter_name = "runtime"
+
+    def lookups(self, request: Any, model_admin: Any) -> list[tuple[str, str]]:
+        used = Plugin.objects.order_by("runtime").values_list("runtime", flat=True).distinct()
+        return [(name, runtime_label(name)) for name in used]
+
+    def queryset(self, request: Any, queryset: Any) -> Any:
+        return queryset.filter(runtime=self.value()) if self.value() else queryset
 
 
 class BindingInline(admin.TabularInline):
@@ -21,17 +47,17 @@ class BindingInline(admin.TabularInline):
 class PluginAdmin(admin.ModelAdmin):
     form = PluginForm
     inlines = [BindingInline]
-    list_display = ["name", "runtime", "enabled", "version", "strategy_shown", "timeout_ms", "memory_mb",
-                    "max_concurrency", "binding_count", "updated_at"]
-    list_filter = ["runtime", "enabled", "strategy"]
+    list_display = ["name", "runtime_shown", "enabled", "version", "strategy_shown", "timeout_ms", "memory_mb",
+                    "max_concurrency", "binding_count", "updated_at", "failures_link"]
+    list_filter = [RuntimeFilter, "enabled", "strategy"]
     search_fields = ["name", "description"]
-    readonly_fields = ["version", "module_size", "kv_stored", "created_at", "updated_at"]
+    readonly_fields = ["version", "module_size", "kv_stored", "created_at", "updated_at", "failures_link"]
     actions = ["enable_plugins", "disable_plugins"]
     fieldsets = [
         (None, {"fields": ["name", "description", "runtime", "enabled", "version"]}),
         ("Code", {"fields": ["source", "upload", "module_size"],
-                  "description": "Edit the source, or upload a file (.lua, .js, .wat, or a .wasm binary). "
-                                 "Saving validates it in the sandbox."}),
+                  "description": "Edit the source, or upload a file (a runtime's source text, or its binary, "
+                                 "e.g. .wasm). Saving validates it in the sandbox."}),
         ("Permissions", {"fields": ["permissions", "http_allowlist"]}),
         ("Limits and instances", {"fields": ["timeout_ms", "memory_mb", "max_concurrency", "strategy", "pool_size",
                                              "shard_count"]}),
@@ -39,11 +65,15 @@ class PluginAdmin(admin.ModelAdmin):
                          "description": "A KV or HTTP quota ends the call with its code (quota_kv, "
                                         "quota_kv_writes, quota_http); log lines past a log quota are dropped "
                                         "and counted in one summary line. 0 allows none; empty: the default."}),
-        ("History", {"fields": ["created_at", "updated_at"]}),
+        ("History", {"fields": ["created_at", "updated_at", "failures_link"]}),
     ]
 
     def get_queryset(self, request: Any) -> Any:
         return super().get_queryset(request).prefetch_related("bindings")
+
+    @admin.display(description="runtime", ordering="runtime")
+    def runtime_shown(self, obj: Plugin) -> str:
+        return runtime_label(obj.runtime)
 
     @admin.display(description="strategy")
     def strategy_shown(self, obj: Plugin) -> str:
@@ -57,14 +87,18 @@ class PluginAdmin(admin.ModelAdmin):
     def kv_stored(self, obj: Plugin) -> str:
         if not obj.pk:
             return "-"
-        from .kv import kv_store
         try:
             keys, total = kv_store().usage(obj.name)
         except Exception as exc:  # the admin page must open even when Redis is down
             return f"unavailable ({type(exc).__name__}: {exc})"
         return f"{keys} keys, {total} bytes"
 
-    @admin.display(description="WASM module")
+    @admin.display(description="recent failures")
+    def failures_link(self, obj: Plugin) -> str:
+        # The Events page (execapp/history_admin.py), filtered to this plugin's failed events.
+        return format_html('<a href="{}">events</a>', events_url(plugin=obj.name, outcome="failed")) if obj.pk else "-"
+
+    @admin.display(description="binary module")
     def module_size(self, obj: Plugin) -> str:
         return f"{len(obj.module)} bytes" if obj.module else "-"
 
@@ -76,7 +110,6 @@ class PluginAdmin(admin.ModelAdmin):
         with transaction.atomic():
             count = queryset.update(enabled=enabled)
             RegistryState.bump()
-            from .sync import refresh_tracked_engines
             transaction.on_commit(refresh_tracked_engines)
         self.message_user(request, f"{count} plugin(s) {'enabled' if enabled else 'disabled'}.", messages.SUCCESS)
 

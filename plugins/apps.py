@@ -1,5 +1,9 @@
-"""Django app config for the plugin system."""
+"""Django app config for the plugin system: wires the plugins app into execapp at startup."""
 from django.apps import AppConfig
+
+from execapp import extensions
+
+from .runtimes import kvstore
 
 
 class PluginsConfig(AppConfig):
@@ -8,4 +12,12 @@ class PluginsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import signals  # noqa: F401  (registry version bumps and in-process refresh)
+        """Connect the signals, give the runtimes' host API its KV store, and register with
+        execapp what its workers run and report (execapp never imports this app)."""
+        # Imported here, not at the top: Django imports apps.py before models can be loaded.
+        from . import kv, signals, sync  # noqa: F401  (signals: connects the receivers)
+
+        kvstore.install(kv.ConfiguredKV())
+        extensions.add_service("plugins.sync", sync.registry_sync)
+        extensions.add_stats_provider("plugin_pools", sync.instance_pool_stats)
+        extensions.add_hint_provider("plugins.disabled", sync.unmatched_hint)

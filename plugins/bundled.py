@@ -1,10 +1,13 @@
 """Loading plugin directories (the bundled examples) into the registry, idempotently."""
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable
 
+from django.contrib.admin.models import LogEntry
+from django.contrib.contenttypes.models import ContentType
 from django.db import transaction
 
 from . import spec as specs
@@ -31,27 +34,77 @@ def _defaults(entry: dict[str, Any], source: str) -> dict[str, Any]:
     }
 
 
-def load_directory(directory: Path = EXAMPLES_DIR, say: Callable[[str], None] = lambda s: None) -> list[str]:
-    """Create or update every plugin in ``directory/manifest.json``; unchanged ones are not
-    saved again (no registry bump). Returns "created"/"updated"/"unchanged" per plugin.
-    Raises PluginInvalid (nothing is saved) if any plugin or binding fails validation."""
+def _binding_rows(bindings: Any) -> list[list[Any]]:
+    return sorted([b["kind"], b["pattern"], b["handler"], b["priority"], b["block"], b["enabled"]] for b in bindings)
+
+
+def fingerprint(fields: dict[str, Any], bindings: list[list[Any]]) -> str:
+    """A hash of a plugin's loadable state: its fields, its source and every binding."""
+    state = json.dumps({"fields": {f: fields[f] for f in ("source", *_FIELDS)}, "bindings": bindings},
+                       sort_keys=True, default=str)
+    return hashlib.sha256(state.encode()).hexdigest()
+
+
+def _wanted_bindings(entry: dict[str, Any]) -> list[list[Any]]:
+    return _binding_rows({"kind": b.get("kind", "command"), "pattern": b["pattern"], "handler": b["handler"],
+                          "priority": b.get("priority", 0), "block": b.get("block", False), "enabled": True}
+                         for b in entry.get("bindings", []))
+
+
+def current_fingerprint(plugin: Plugin) -> str:
+    """The fingerprint of a stored plugin as it is now (admin edits included)."""
+    fields = {f: getattr(plugin, f) for f in ("source", *_FIELDS)}
+    return fingerprint(fields, _binding_rows(plugin.bindings.values("kind", "pattern", "handler", "priority",
+                                                                     "block", "enabled")))
+
+
+def _legacy_unedited(plugin: Plugin) -> bool:
+    """A plugin loaded before loaded_fingerprint existed: unedited unless the admin logged a change."""
+    if plugin.loaded_fingerprint:
+        return False
+    return not LogEntry.objects.filter(content_type=ContentType.objects.get_for_model(Plugin),
+                                       object_id=str(plugin.pk)).exists()
+
+
+def load_directory(directory: Path = EXAMPLES_DIR, say: Callable[[str], None] = lambda s: None,
+                   force: bool = False) -> list[str]:
+    """Create or update every plugin in ``directory/manifest.json``; returns per plugin "created",
+    "updated", "unchanged" or "skipped".
+
+    A plugin is updated only when it is as loadplugins last wrote it (its ``loaded_fingerprint``):
+    one edited since (in the admin or anywhere else) is "skipped" and kept as it is, unless
+    ``force``, which makes it exactly the manifest's (bindings it does not list are deleted).
+    Unchanged plugins are not saved again (no registry bump). Raises PluginInvalid (nothing is
+    saved) if any plugin or binding fails validation."""
     manifest = json.loads((directory / "manifest.json").read_text())
     results = []
     with transaction.atomic():
         for entry in manifest["plugins"]:
             source = (directory / entry["file"]).read_text()
             wanted = _defaults(entry, source)
+            wanted_fp = fingerprint(wanted, _wanted_bindings(entry))
             plugin = Plugin.objects.filter(name=entry["name"]).first()
             if plugin is None:
                 plugin, state = Plugin(name=entry["name"], **wanted), "created"
-            elif any(getattr(plugin, f) != wanted[f] for f in ("source", *_FIELDS)):
+            else:
+                now_fp = current_fingerprint(plugin)
+                if now_fp == wanted_fp:
+                    if plugin.loaded_fingerprint != wanted_fp:  # same as the manifest: loaded from now on
+                        Plugin.objects.filter(pk=plugin.pk).update(loaded_fingerprint=wanted_fp)
+                    say(f"{entry['name']} ({entry['runtime']}): unchanged")
+                    results.append("unchanged")
+                    continue
+                if not force and now_fp != plugin.loaded_fingerprint and not _legacy_unedited(plugin):
+                    say(f"{entry['name']} ({entry['runtime']}): skipped: edited since it was loaded (kept as it is; "
+                        "--force overwrites it with the manifest's)")
+                    results.append("skipped")
+                    continue
                 for field, value in wanted.items():
                     setattr(plugin, field, value)
                 state = "updated"
-            else:
-                state = "unchanged"
-            if state != "unchanged":
-                plugin.save(check_bindings=False)  # the bindings below are validated one by one
+            plugin.loaded_fingerprint = wanted_fp
+            plugin.save(check_bindings=False)  # the bindings below are validated one by one
+            keep = []
             for b in entry.get("bindings", []):
                 binding, created = Binding.objects.get_or_create(
                     plugin=plugin, kind=b.get("kind", "command"), pattern=b["pattern"], handler=b["handler"],
@@ -61,9 +114,9 @@ def load_directory(directory: Path = EXAMPLES_DIR, say: Callable[[str], None] = 
                     for k, v in want.items():
                         setattr(binding, k, v)
                     binding.save()
-                    state = "updated" if state == "unchanged" else state
-                elif created and state == "unchanged":
-                    state = "updated"
+                keep.append(binding.pk)
+            # The manifest's bindings only: ours were checked unchanged above, or this is --force.
+            plugin.bindings.exclude(pk__in=keep).delete()
             say(f"{entry['name']} ({entry['runtime']}): {state}")
             results.append(state)
     return results

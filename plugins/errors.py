@@ -30,7 +30,8 @@ class PluginBusy(ExecAppError):
 
 
 class PluginUnavailable(ExecAppError):
-    """The plugin was disabled, deleted or replaced while the call was being set up."""
+    """The plugin version an event was matched to was closed (replaced, disabled or deleted)
+    before its call started: raised by the strategy's call (plugins.strategies); not run."""
 
     code = "plugin_unavailable"
 
@@ -48,7 +49,7 @@ class HostDenied(ExecAppError):
 
 
 # Raised by runtimes and turned into HandlerError / HandlerTimeout / PluginMemoryExceeded
-# (with the plugin and handler named) by plugins.loaded.
+# (with the plugin and handler named) by plugins.strategies (the per-call path).
 
 
 class GuestError(Exception):
@@ -85,8 +86,9 @@ class CompileError(Exception):
         self.code = code
 
 
-# Host quotas (plugins/host.py, plugins/kv.py). A quota stop ends the call like a timeout: the
-# guest cannot catch it and go on (Lua marks the call failed, JS leaves the host loop, WASM traps).
+# Host quotas (plugins/runtimes/host.py, plugins/runtimes/kvstore.py). A quota stop ends the call
+# like a timeout: the guest cannot catch it and go on (Lua marks the call failed, JS leaves the
+# host loop, WASM traps).
 
 #: Each quota code a plugin can meet, and what it means (execapp.protocol.ERROR_CODES repeats them).
 QUOTA_CODES: dict[str, str] = {

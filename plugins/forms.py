@@ -10,16 +10,19 @@ from django.forms.models import BaseInlineFormSet
 from .errors import PluginInvalid
 from .loaded import validate
 from .models import QUOTA_FIELDS, Plugin
+from .runtimes import registry
 from .spec import PERMISSIONS
 
 MAX_UPLOAD_BYTES = 4 << 20
 
 
 class PluginForm(forms.ModelForm):
-    """Plugin settings plus an optional file upload (.lua, .js, .wat or a .wasm binary)."""
+    """Plugin settings plus an optional file upload (a runtime's source text or binary): the
+    runtime choices, upload kinds and help texts come from the runtime registry."""
 
-    upload = forms.FileField(required=False, help_text="Replaces the code: .lua or .js source, .wat text, "
-                                                       "or a .wasm binary for a WASM plugin.")
+    # Callable choices: read at every render, so a runtime registered later is offered too.
+    runtime = forms.ChoiceField(choices=lambda: [("", "---------"), *registry.choices()])
+    upload = forms.FileField(required=False)
     permissions = forms.MultipleChoiceField(choices=[(p, p) for p in PERMISSIONS], required=False,
                                             widget=forms.CheckboxSelectMultiple,
                                             help_text="Host API calls this plugin may make.")
@@ -37,33 +40,48 @@ class PluginForm(forms.ModelForm):
         for name in QUOTA_FIELDS:
             if name in self.fields:
                 self.fields[name].required = False
+        self.fields["upload"].help_text = "Replaces the code: " + "; ".join(map(_upload_kinds, registry.all_runtimes()))
+        self.fields["source"].help_text = "The code as text: " + "; ".join(
+            f"{r.label} ({' or '.join(r.source_extensions)})" for r in registry.all_runtimes() if r.source_extensions)
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean()
         for name in QUOTA_FIELDS:
             if cleaned.get(name) is None:
                 cleaned[name] = Plugin._meta.get_field(name).get_default()
+        runtime = registry.get(cleaned.get("runtime") or "")
         upload = cleaned.get("upload")
         if upload:
             if upload.size > MAX_UPLOAD_BYTES:
                 raise ValidationError(f"{upload.name} is {upload.size} bytes; the limit is {MAX_UPLOAD_BYTES}")
             data = upload.read()
-            if upload.name.endswith(".wasm") or data[:4] == b"\0asm":
-                if cleaned.get("runtime") != "wasm":
-                    raise ValidationError(f"{upload.name} is a WASM binary: set the runtime to WebAssembly")
+            binary = registry.binary_upload(upload.name, data)
+            if binary is not None:
+                if cleaned.get("runtime") != binary.name:
+                    raise ValidationError(f"{upload.name} is a {binary.name.upper()} binary: set the runtime to "
+                                          f"{binary.label}")
                 self.instance.module = data
                 cleaned["source"] = ""  # the binary is the code now
             else:
                 try:
                     cleaned["source"] = data.decode("utf-8")
                 except UnicodeDecodeError:
-                    raise ValidationError(f"{upload.name} is neither UTF-8 source text nor a .wasm binary") from None
-                if cleaned.get("runtime") == "wasm":
+                    raise ValidationError(f"{upload.name} is neither UTF-8 source text nor a "
+                                          f"{' or '.join(registry.binary_extensions())} binary") from None
+                if runtime is not None and runtime.binary:
                     self.instance.module = None
-        elif cleaned.get("runtime") == "wasm" and cleaned.get("source", "").strip():
-            self.instance.module = None  # recompiled from the .wat on validation
+        elif runtime is not None and runtime.binary and cleaned.get("source", "").strip():
+            self.instance.module = None  # recompiled from the text form on validation
         cleaned["permissions"] = list(cleaned.get("permissions") or [])
         return cleaned
+
+
+def _upload_kinds(runtime: registry.Runtime) -> str:
+    """What the upload takes for one runtime, e.g. "WebAssembly: .wat text or a .wasm binary"."""
+    kinds = [f"{' or '.join(runtime.source_extensions)} {'text' if runtime.binary else 'source'}"] \
+        if runtime.source_extensions else []
+    kinds += [f"a {ext} binary" for ext in runtime.binary_extensions]
+    return f"{runtime.label}: {' or '.join(kinds)}"
 
 
 class BindingFormSet(BaseInlineFormSet):

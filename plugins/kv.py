@@ -1,66 +1,29 @@
-"""The host key-value store: one namespace per plugin, in the database or in Redis.
+"""The KV stores behind the host API's ``kv_get``/``kv_set``: one namespace per plugin, in the
+database (the embedded default) or in Redis (when ``REDIS_URL`` is set).
 
-Both backends keep each plugin's stored totals (keys, and UTF-8 bytes of keys plus values) and
-check a write against the plugin's quotas atomically with the write itself: the database in
-one transaction holding the plugin's KVUsage row, Redis in one Lua script. A write that would
-grow a total past its quota raises GuestQuota (code ``quota_kv``); overwriting a key with a
-value no larger is always allowed, so a plugin over a lowered quota can still shrink.
+The runtimes know only the protocol (plugins.runtimes.kvstore.KVStore); the plugins app installs
+``ConfiguredKV`` at ``AppConfig.ready``, which sends each call to the backend the settings name
+now. Both backends check a write against the plugin's quotas atomically with the write: the
+database in one transaction holding the plugin's KVUsage row, Redis in one Lua script.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Callable, TypeVar
 
-from .errors import GuestQuota
+from django.db import IntegrityError, close_old_connections, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from execapp import conf
+
+from .models import KVEntry, KVUsage
+from .runtimes.kvstore import KVStore, bytes_refused, check_quota, entry_bytes, keys_refused
 from .spec import Quotas
 
-MAX_KEY_CHARS = 200
-MAX_VALUE_CHARS = 64 * 1024
-
-
-class KVStore(Protocol):
-    """get/set of string values in a plugin's namespace; survives restarts."""
-
-    def get(self, plugin: str, key: str, timeout: float) -> str | None: ...
-
-    def set(self, plugin: str, key: str, value: str, timeout: float, quotas: Quotas | None = None) -> None:
-        """Store ``value``; with ``quotas``, raise GuestQuota instead if a stored total would grow past one."""
-        ...
-
-    def usage(self, plugin: str) -> tuple[int, int]:
-        """``(keys, bytes)`` the plugin has stored now."""
-        ...
-
-
-def entry_bytes(key: str, value: str) -> int:
-    """What one entry counts against the byte quota: UTF-8 bytes of its key and its value."""
-    return len(key.encode()) + len(value.encode())
-
-
-def check_quota(plugin: str, quotas: Quotas, keys: int, total: int, old_total: int, new_key: bool) -> None:
-    """Raise GuestQuota if storing would leave ``keys``/``total`` past the plugin's quotas.
-
-    Only growth is refused: a new key past the key quota, or more bytes than before past the
-    byte quota.
-    """
-    if new_key and keys > quotas.kv_keys:
-        raise keys_refused(plugin, quotas, keys - 1)
-    if total > quotas.kv_bytes and total > old_total:
-        raise bytes_refused(plugin, quotas, total)
-
-
-def keys_refused(plugin: str, quotas: Quotas, stored: int) -> GuestQuota:
-    """The error for a new key when the plugin already stores ``stored`` keys."""
-    return GuestQuota("quota_kv", f"kv_set: plugin {plugin!r} already stores {stored} keys, its KV keys quota is "
-                                  f"{quotas.kv_keys}; overwrite an existing key, or raise the plugin's KV keys quota")
-
-
-def bytes_refused(plugin: str, quotas: Quotas, total: int) -> GuestQuota:
-    """The error for a write that would leave the plugin storing ``total`` bytes."""
-    return GuestQuota("quota_kv", f"kv_set: plugin {plugin!r} would store {total} bytes, over its KV bytes quota "
-                                  f"of {quotas.kv_bytes}; store less, or raise the plugin's KV bytes quota")
+T = TypeVar("T")
 
 
 class DatabaseKV:
@@ -71,7 +34,7 @@ class DatabaseKV:
         # and they would stall the loop: such calls hop to this one thread instead.
         self._hop = ThreadPoolExecutor(max_workers=2, thread_name_prefix="plugins-kv")
 
-    def _run(self, fn, timeout: float):  # type: ignore[no-untyped-def]
+    def _run(self, fn: Callable[[], T], timeout: float) -> T:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -79,19 +42,12 @@ class DatabaseKV:
         return self._hop.submit(_with_connection_cleanup, fn).result(timeout=max(timeout, 0.001))
 
     def get(self, plugin: str, key: str, timeout: float) -> str | None:
-        from .models import KVEntry
-
         def query() -> str | None:
             row = KVEntry.objects.filter(plugin=plugin, key=key).values_list("value", flat=True).first()
             return row
         return self._run(query, timeout)
 
     def set(self, plugin: str, key: str, value: str, timeout: float, quotas: Quotas | None = None) -> None:
-        from django.db import transaction
-        from django.utils import timezone
-
-        from .models import KVEntry, KVUsage
-
         def write() -> None:
             with transaction.atomic():
                 usage = _locked_usage(plugin)
@@ -100,7 +56,7 @@ class DatabaseKV:
                 total = usage.bytes - (entry_bytes(key, old[1]) if old else 0) + entry_bytes(key, value)
                 if quotas is not None:
                     check_quota(plugin, quotas, keys, total, usage.bytes, old is None)
-                # update()/bulk_create() send no post_save: KVEntry's signal handlers (models.py)
+                # update()/bulk_create() send no post_save: KVEntry's signal handlers (signals.py)
                 # recount only after writes made elsewhere (the admin).
                 if old:
                     KVEntry.objects.filter(pk=old[0]).update(value=value, updated_at=timezone.now())
@@ -110,28 +66,22 @@ class DatabaseKV:
         self._run(write, timeout)
 
     def usage(self, plugin: str) -> tuple[int, int]:
-        from .models import KVUsage
         row = KVUsage.objects.filter(plugin=plugin).values_list("keys", "bytes").first()
         return (row[0], row[1]) if row else recount(plugin)
 
 
-def _with_connection_cleanup(fn):  # type: ignore[no-untyped-def]
-    from django.db import close_old_connections
+def _with_connection_cleanup(fn: Callable[[], T]) -> T:
     close_old_connections()
     return fn()
 
 
-def _locked_usage(plugin: str):  # type: ignore[no-untyped-def]
+def _locked_usage(plugin: str) -> KVUsage:
     """The plugin's KVUsage row, locked until the transaction ends (made from its entries if new).
 
     The first statement is an UPDATE: on SQLite it takes the database's write lock at once (a
     read first, upgraded later, can deadlock two writers), on PostgreSQL the row's lock; either
     way concurrent writes of one plugin are serialized and its totals stay exact.
     """
-    from django.db import IntegrityError, transaction
-    from django.db.models import F
-
-    from .models import KVUsage
     for _ in range(2):
         if KVUsage.objects.filter(plugin=plugin).update(keys=F("keys")):
             return KVUsage.objects.select_for_update().get(plugin=plugin)
@@ -146,7 +96,6 @@ def _locked_usage(plugin: str):  # type: ignore[no-untyped-def]
 
 def recount(plugin: str) -> tuple[int, int]:
     """``(keys, bytes)`` of the plugin's database entries, counted from the rows themselves."""
-    from .models import KVEntry
     keys = total = 0
     for key, value in KVEntry.objects.filter(plugin=plugin).values_list("key", "value").iterator():
         keys += 1
@@ -156,9 +105,6 @@ def recount(plugin: str) -> tuple[int, int]:
 
 def reset_usage(plugin: str) -> None:
     """Set the plugin's stored KVUsage from its entries (after entries were edited outside kv_set)."""
-    from django.db import transaction
-
-    from .models import KVUsage
     with transaction.atomic():
         keys, total = recount(plugin)
         KVUsage.objects.update_or_create(plugin=plugin, defaults={"keys": keys, "bytes": total})
@@ -169,13 +115,16 @@ class RedisKV:
     every worker."""
 
     def __init__(self, url: str) -> None:
+        # Imported on first use, like execapp's Redis clients: the embedded setup (no REDIS_URL)
+        # never loads redis-py.
         import redis
 
-        from execapp.conf import redis_key
-        self.client = redis.Redis.from_url(url, socket_timeout=5, decode_responses=True)
-        self.prefix = redis_key("execapp:plugins:kv:")
+        # Any: redis-py's annotations cover async clients and bytes replies; with
+        # decode_responses=True every reply here is a str (or an int for counts).
+        self.client: Any = redis.Redis.from_url(url, socket_timeout=5, decode_responses=True)
+        self.prefix = conf.redis_key("execapp:plugins:kv:")
         #: One hash of every plugin's stored bytes (field: plugin); keys are the hash's HLEN.
-        self.usage_key = redis_key("execapp:plugins:kvbytes")
+        self.usage_key = conf.redis_key("execapp:plugins:kvbytes")
         self._set = self.client.register_script(_REDIS_SET)
 
     def get(self, plugin: str, key: str, timeout: float) -> str | None:
@@ -233,7 +182,6 @@ _lock = threading.Lock()
 def kv_store() -> KVStore:
     """The process's KV backend: Redis when settings.REDIS_URL is set, else the database."""
     global _store, _store_url
-    from execapp import conf
     url = conf.redis_url()
     if _store is None or url != _store_url:
         with _lock:
@@ -241,3 +189,17 @@ def kv_store() -> KVStore:
                 _store = RedisKV(url) if url else DatabaseKV()
                 _store_url = url
     return _store
+
+
+class ConfiguredKV:
+    """The KVStore the plugins app installs for the host API: every call goes to ``kv_store()``,
+    so a change of ``REDIS_URL`` (tests' settings overrides) takes effect at the next call."""
+
+    def get(self, plugin: str, key: str, timeout: float) -> str | None:
+        return kv_store().get(plugin, key, timeout)
+
+    def set(self, plugin: str, key: str, value: str, timeout: float, quotas: Quotas | None = None) -> None:
+        kv_store().set(plugin, key, value, timeout, quotas)
+
+    def usage(self, plugin: str) -> tuple[int, int]:
+        return kv_store().usage(plugin)

@@ -11,9 +11,10 @@ from typing import Any, Callable, Iterable
 from execapp.engine import Context, ExecClass, HandlerTimeout
 
 from .errors import CompileError, PluginInvalid
-from .runtimes import Compiled, compile_plugin
+from .runtimes.base import Compiled
+from .runtimes.registry import compile_plugin
 from .spec import PluginSpec
-from .strategies import Slots, Strategy, make_strategy
+from .strategies import PluginCall, Slots, Strategy, make_strategy
 
 log = logging.getLogger("plugins")
 _now = time.monotonic
@@ -32,17 +33,12 @@ ENGINE_GRACE_SECONDS = 0.5
 
 @atexit.register
 def _drop_compiled() -> None:
-    # Free compiled modules while their libraries are still loaded: wasmtime objects
-    # collected during interpreter teardown print "Exception ignored" noise.
+    # Free compiled plugins while their runtimes' libraries are still loaded: wasmtime objects
+    # collected during interpreter teardown print "Exception ignored" noise. (The loaded
+    # plugins, plugins.sync, and the runtimes' own caches, plugins.runtimes.wasm, are dropped
+    # by their modules' exit hooks.)
     with _compiled_lock:
         _compiled.clear()
-    try:
-        from .sync import manager
-        manager.clear()
-        from .runtimes import wasm
-        wasm.drop_caches()
-    except Exception:
-        pass
 
 
 def compiled_for(spec: PluginSpec) -> Compiled:
@@ -85,29 +81,25 @@ class LoadedPlugin:
     """A plugin version with its strategy and its per-plugin concurrency limit (shared by every
     engine of the process, so one plugin can never take the whole ExecPool)."""
 
+    #: ``call(handler, event, blocking=True, deadline=None)``: run ``handler`` on ``event`` under
+    #: the plugin's limits; the reply (str, dict, list or None). ``blocking=False`` (inline on
+    #: the event loop) never waits for a slot: PluginBusy at once. ``deadline``
+    #: (time.monotonic()): the guest stops by min(its own timeout, deadline). Raises
+    #: HandlerTimeout, HandlerError (PluginMemoryExceeded, QuotaExceeded), PluginBusy, or
+    #: PluginUnavailable once the plugin is closed. It is the strategy's own ``call`` (slot,
+    #: instance, guest, error mapping), bound here so a call through the plugin costs no extra frame.
+    call: PluginCall
+
     def __init__(self, spec: PluginSpec, compiled: Compiled | None = None) -> None:
         self.spec = spec
         self.compiled = compiled or compiled_for(spec)
         self.strategy: Strategy = make_strategy(spec, self.compiled)
         self.slots: Slots = self.strategy.slots
-        # The strategy's call is the whole call path (slot, instance, guest, error mapping);
-        # bound here so that a call through the plugin costs no extra frame.
-        self.call = self.strategy.call  # type: ignore[method-assign]
+        self.call = self.strategy.call
 
     @property
     def name(self) -> str:
         return self.spec.name
-
-    def call(self, handler: str, event: dict[str, Any], blocking: bool = True,  # noqa: F811
-             deadline: float | None = None) -> Any:
-        """Run ``handler`` on ``event`` under the plugin's limits; the reply (str, dict, list or None).
-
-        ``blocking=False`` (inline on the event loop) never waits for a slot: PluginBusy at once.
-        ``deadline`` (time.monotonic()): the guest stops by min(its own timeout, deadline).
-        Raises HandlerTimeout, HandlerError (PluginMemoryExceeded) or PluginBusy. (Documents the
-        strategy's ``call``, which each instance binds in its place.)
-        """
-        return self.strategy.call(handler, event, blocking, deadline)
 
     @property
     def calls_total(self) -> int:
@@ -169,5 +161,6 @@ class LoadedPlugin:
         }
 
     def close(self) -> None:
-        """Stop handing out instances; in-flight calls finish and their instances are dropped."""
+        """Stop handing out instances: calls running now finish and their instances are dropped;
+        a call that gets its slot after this is refused with PluginUnavailable."""
         self.strategy.close()

@@ -1,16 +1,19 @@
 """The plugin registry: plugins, their bindings, their key-value data and the registry version."""
 from __future__ import annotations
 
+import re
+from typing import Any
+
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
-from django.db.models import F
-from django.db.models.functions import Greatest
-from django.db.models.signals import post_delete, post_save
-from django.dispatch import receiver
+
+from execapp import conf
 
 from . import spec as specs
 from .errors import CompileError, PluginInvalid
+from .loaded import validate
+from .runtimes import registry
 
 NAME_VALIDATOR = RegexValidator(r"^[a-z0-9][a-z0-9_-]{0,62}$",
                                 "Use 1-63 lowercase letters, digits, '_' or '-', starting with a letter or digit.")
@@ -25,20 +28,21 @@ class Plugin(models.Model):
     """A sandboxed plugin: its code, runtime, limits, permissions and instance strategy.
 
     Saving validates inside the sandbox (the code compiles, a WASM module instantiates, every
-    enabled binding's handler exists) and is refused with PluginInvalid otherwise.
+    enabled binding's handler exists) and is refused with PluginInvalid otherwise. ``runtime``
+    names an entry of the runtime registry (plugins.runtimes.registry), checked in ``clean()``
+    and at save, not by field choices: a new runtime needs no migration.
     """
-
-    RUNTIMES = [("lua", "Lua 5.4"), ("wasm", "WebAssembly"), ("js", "JavaScript (QuickJS)")]
-    STRATEGIES = [("", "runtime default"), ("per_request", "per request (fresh instance)"),
-                  ("pooled", "pooled"), ("sharded", "sharded by session")]
 
     name = models.CharField(max_length=63, unique=True, validators=[NAME_VALIDATOR])
     description = models.CharField(max_length=200, blank=True, default="")
-    runtime = models.CharField(max_length=8, choices=RUNTIMES)
+    runtime = models.CharField(max_length=registry.MAX_NAME_LENGTH,
+                               help_text="A registered runtime (plugins.runtimes.registry), e.g. lua, wasm, js.")
     source = models.TextField(blank=True, default="",
-                              help_text="Lua or JS source, or WebAssembly text (.wat) for a WASM plugin.")
+                              help_text="Source text, or the text form of a binary runtime's code (e.g. WebAssembly "
+                                        ".wat).")
     module = models.BinaryField(blank=True, null=True, editable=False,
-                                help_text="The WASM binary (uploaded, or compiled from the .wat source).")
+                                help_text="The binary of a binary runtime, e.g. WebAssembly (uploaded, or compiled "
+                                          "from the text form in source).")
     version = models.CharField(max_length=16, editable=False, default="",
                                help_text="Content hash of the code: changes with every edit.")
     enabled = models.BooleanField(default=True)
@@ -53,7 +57,8 @@ class Plugin(models.Model):
     max_concurrency = models.PositiveIntegerField(default=specs.DEFAULT_MAX_CONCURRENCY,
                                                   validators=[MinValueValidator(1)],
                                                   help_text="Calls of this plugin running at once, per worker.")
-    strategy = models.CharField(max_length=12, choices=STRATEGIES, blank=True, default="")
+    strategy = models.CharField(max_length=12, choices=[("", "runtime default"), *registry.STRATEGIES.items()],
+                                blank=True, default="")
     pool_size = models.PositiveIntegerField(default=specs.DEFAULT_POOL_SIZE, validators=[MinValueValidator(1)])
     shard_count = models.PositiveIntegerField(default=specs.DEFAULT_SHARD_COUNT, validators=[MinValueValidator(1)])
     # Host quotas (plugins.spec.Quotas; docs/plugins.md "Limits and quotas"). 0 allows none.
@@ -80,6 +85,9 @@ class Plugin(models.Model):
         help_text="Response body bytes one handler call may receive over all its http_get calls (quota_http).")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+    # What `loadplugins` last wrote (plugins.bundled.fingerprint): a plugin whose state differs
+    # from it was edited since it was loaded, and loadplugins keeps it unless told --force.
+    loaded_fingerprint = models.CharField(max_length=64, blank=True, default="", editable=False)
 
     class Meta:
         ordering = ["name"]
@@ -89,22 +97,26 @@ class Plugin(models.Model):
 
     @property
     def effective_strategy(self) -> str:
-        return self.strategy or specs.DEFAULT_STRATEGY[self.runtime]
+        """The strategy the plugin runs under: its own, else its runtime's default."""
+        return self.strategy or registry.default_strategy(self.runtime)
 
     def code(self) -> str | bytes:
-        """What the runtime loads: source text, or the WASM binary."""
-        if self.runtime == "wasm":
+        """What the runtime loads: source text, or the binary of a binary runtime."""
+        runtime = registry.get(self.runtime)
+        if runtime is not None and runtime.binary:
             return bytes(self.module) if self.module else self.source
         return self.source
 
     def prepare_code(self) -> None:
-        """Compile .wat source to the stored WASM binary and refresh the version hash."""
-        if self.runtime == "wasm" and self.source.strip():
-            from .runtimes.wasm import wat_to_wasm
+        """Compile a binary runtime's text form (e.g. .wat) to the stored binary, and refresh the
+        version hash."""
+        runtime = registry.get(self.runtime)
+        if runtime is not None and runtime.binary_compiler is not None and self.source.strip():
             try:
-                self.module = wat_to_wasm(self.source)
+                self.module = runtime.binary_compiler(self.source)
             except CompileError as exc:
-                raise PluginInvalid(f"plugin {self.name!r}: the wasm runtime refused the code: {exc}") from None
+                raise PluginInvalid(f"plugin {self.name!r}: the {self.runtime} runtime refused the code: {exc}",
+                                    code=exc.code) from None
         code = self.code()
         self.version = specs.code_version(self.runtime, code) if code else ""
 
@@ -129,22 +141,29 @@ class Plugin(models.Model):
 
     def check_fields(self) -> None:
         """Field rules the database cannot express; raises PluginInvalid."""
-        if self.runtime not in specs.RUNTIMES:
-            raise PluginInvalid(f"plugin {self.name!r}: runtime {self.runtime!r} is not one of lua, wasm, js")
-        if self.strategy and self.strategy not in specs.STRATEGIES:
+        if registry.get(self.runtime) is None:
+            raise PluginInvalid(f"plugin {self.name!r}: runtime {self.runtime!r} is not one of "
+                                f"{', '.join(registry.names())}")
+        if self.strategy and self.strategy not in registry.STRATEGIES:
             raise PluginInvalid(f"plugin {self.name!r}: strategy {self.strategy!r} is not one of "
-                                f"{', '.join(specs.STRATEGIES)}")
+                                f"{', '.join(registry.STRATEGIES)}")
         bad = [p for p in (self.permissions or []) if p not in specs.PERMISSIONS]
         if not isinstance(self.permissions, list) or bad:
             raise PluginInvalid(f"plugin {self.name!r}: unknown permission(s) {bad or self.permissions!r}; "
                                 f"use a list of {', '.join(specs.PERMISSIONS)}")
+        longest = conf.get("MAX_HANDLER_TIMEOUT_SECONDS")
+        if self.timeout_ms / 1000 > longest:
+            raise PluginInvalid(f"plugin {self.name!r}: timeout_ms {self.timeout_ms} is above the longest handler "
+                                f"timeout, EXECAPP['MAX_HANDLER_TIMEOUT_SECONDS'] = {longest:g} s; lower it (or raise "
+                                "that setting together with EXECAPP['DURATION_BUCKETS'])")
         if not self.code():
-            raise PluginInvalid(f"plugin {self.name!r}: no code; give source (or a .wasm module for WASM)")
+            binaries = " or ".join(r.name.upper() for r in registry.all_runtimes() if r.binary)
+            raise PluginInvalid(f"plugin {self.name!r}: no code; give source (or a "
+                                f"{' or '.join(registry.binary_extensions())} module for {binaries})")
 
     def validate_code(self, handlers: list[str] | None = None) -> None:
         """Compile and load the code in its sandbox and check the handlers (default: the enabled
         bindings already saved); raises PluginInvalid naming plugin, handler and runtime message."""
-        from .loaded import validate
         self.prepare_code()
         self.check_fields()
         if handlers is None:
@@ -158,7 +177,7 @@ class Plugin(models.Model):
         except PluginInvalid as exc:
             raise ValidationError(str(exc)) from None
 
-    def save(self, *args, check_bindings: bool = True, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def save(self, *args: Any, check_bindings: bool = True, **kwargs: Any) -> None:
         """Validate in the sandbox, then save. ``check_bindings=False`` checks the code only
         (for a caller that validated the new bindings itself, like the admin's formset)."""
         self.validate_code(handlers=None if check_bindings else [])
@@ -187,7 +206,6 @@ class Binding(models.Model):
 
     def check_pattern(self) -> None:
         """The pattern must make a valid matcher; raises PluginInvalid."""
-        import re
         if self.kind == "regex":
             try:
                 re.compile(self.pattern)
@@ -210,13 +228,12 @@ class Binding(models.Model):
 
     def validate_handler(self) -> None:
         """The plugin's code defines this binding's handler; raises PluginInvalid."""
-        from .loaded import validate
         self.check_pattern()
         plugin = self.plugin
         plugin.prepare_code()
         validate(plugin.to_spec(), [self.handler])
 
-    def save(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def save(self, *args: Any, **kwargs: Any) -> None:
         if self.enabled:
             self.validate_handler()
         super().save(*args, **kwargs)
@@ -254,23 +271,6 @@ class KVUsage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.plugin}: {self.keys} keys, {self.bytes} bytes"
-
-
-# kv_set writes without signals (plugins.kv.DatabaseKV); these keep KVUsage exact when entries
-# are edited or deleted another way (the admin, a shell).
-
-@receiver(post_save, sender=KVEntry, dispatch_uid="plugins.kv.entry_saved")
-def _kv_entry_saved(sender: type, instance: KVEntry, **kwargs: object) -> None:
-    from .kv import reset_usage
-    reset_usage(instance.plugin)
-
-
-@receiver(post_delete, sender=KVEntry, dispatch_uid="plugins.kv.entry_deleted")
-def _kv_entry_deleted(sender: type, instance: KVEntry, **kwargs: object) -> None:
-    from .kv import entry_bytes
-    size = entry_bytes(instance.key, instance.value)
-    KVUsage.objects.filter(plugin=instance.plugin).update(keys=Greatest(F("keys") - 1, 0),
-                                                          bytes=Greatest(F("bytes") - size, 0))
 
 
 class RegistryState(models.Model):

@@ -1,20 +1,16 @@
-"""PluginSpec: the immutable, Django-free description of one plugin version that runtimes load."""
+"""PluginSpec: the immutable, Django-free description of one plugin version that runtimes load.
+
+The runtimes a spec may name, their default strategies and the strategy names live in the
+runtime registry (plugins.runtimes.registry).
+"""
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
 
-RUNTIMES = ("lua", "wasm", "js")
-STRATEGIES = ("per_request", "pooled", "sharded")
-PERMISSIONS = ("log", "kv", "sleep", "http")
+from .runtimes.registry import default_strategy
 
-#: Each runtime's default strategy, chosen by bench/bench_plugins.py (docs/benchmarks.md, Plugins):
-#: Lua: a fresh environment per call on a per-thread runtime costs ~3.8 us against ~2.3 us
-#: pooled (a fresh runtime + sandbox per call would be ~130 us), so full isolation is the
-#: default. WASM: a fresh Store+Instance per call is ~72 us against ~17 us pooled, so pooled.
-#: JS: a new QuickJS Context per call is ~170 us against ~4 us reused, so pooled (per-thread
-#: Contexts, QuickJS being thread-bound).
-DEFAULT_STRATEGY = {"lua": "per_request", "wasm": "pooled", "js": "pooled"}
+PERMISSIONS = ("log", "kv", "sleep", "http")
 
 #: Limits every plugin gets unless its row says otherwise.
 DEFAULT_TIMEOUT_MS = 1000
@@ -61,7 +57,7 @@ class PluginSpec:
     timeout: float = DEFAULT_TIMEOUT_MS / 1000  # seconds, enforced inside the sandbox
     memory_bytes: int = DEFAULT_MEMORY_MB << 20
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY
-    strategy: str = ""  # "" means the runtime's default
+    strategy: str = ""  # "" means the runtime's default (its registry entry)
     pool_size: int = DEFAULT_POOL_SIZE
     shard_count: int = DEFAULT_SHARD_COUNT
     permissions: frozenset[str] = frozenset({"log"})
@@ -73,7 +69,7 @@ class PluginSpec:
         if not self.version:
             object.__setattr__(self, "version", code_version(self.runtime, self.code))
         if not self.strategy:
-            object.__setattr__(self, "strategy", DEFAULT_STRATEGY.get(self.runtime, "pooled"))
+            object.__setattr__(self, "strategy", default_strategy(self.runtime))
 
     @property
     def config_key(self) -> tuple:

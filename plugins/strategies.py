@@ -1,4 +1,4 @@
-"""Instance strategies (design.md §3): per_request, pooled and sharded, for every runtime.
+"""Instance strategies (docs/plugins.md, "Choosing a strategy"): per_request, pooled and sharded, for every runtime.
 
 A strategy's ``call`` is the whole per-call path of a loaded plugin (LoadedPlugin.call is bound
 to it): the plugin's concurrency slot, the instance, the deadline, the guest call, putting the
@@ -22,13 +22,22 @@ import queue
 import threading
 import time
 import weakref
-from zlib import crc32
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
+from zlib import crc32
 
 from execapp.engine import HandlerError, HandlerTimeout
 
-from .errors import GuestError, GuestMemory, GuestQuota, GuestTimeout, PluginBusy, PluginMemoryExceeded, QuotaExceeded
+from .errors import (
+    GuestError,
+    GuestMemory,
+    GuestQuota,
+    GuestTimeout,
+    PluginBusy,
+    PluginMemoryExceeded,
+    PluginUnavailable,
+    QuotaExceeded,
+)
 from .runtimes.base import Compiled, Instance
 from .spec import PluginSpec
 
@@ -90,6 +99,13 @@ class Slots:
 
     def release(self) -> None:
         self.give(None)
+
+
+class PluginCall(Protocol):
+    """A loaded plugin's call: ``handler`` on ``event`` under its limits; the reply (str, dict, list or None)."""
+
+    def __call__(self, handler: str, event: dict[str, Any], blocking: bool = True,
+                 deadline: float | None = None) -> Any: ...
 
 
 class Strategy(abc.ABC):
@@ -170,6 +186,13 @@ class Strategy(abc.ABC):
     def _busy_fix(self) -> str:
         return "retry, or raise the plugin's max concurrency"
 
+    def _closed(self, handler: str) -> PluginUnavailable:
+        """The refusal of a call that got its slot after close() (its instances are going, or gone)."""
+        spec = self.spec
+        return PluginUnavailable(f"plugin {spec.name!r} handler {handler!r}: version {spec.version} was replaced, "
+                                 "disabled or deleted before this call started; send the event again (it runs on "
+                                 "the plugin's current version, if the plugin is still enabled)")
+
     def _failed(self, handler: str, exc: GuestError) -> Exception:
         """Count a guest failure and turn it into the engine's error naming plugin and handler."""
         spec = self.spec
@@ -199,6 +222,7 @@ class Strategy(abc.ABC):
                 self.discarded_total += 1
 
     def close(self) -> None:
+        """Refuse new calls (PluginUnavailable); running calls finish, their instances are dropped."""
         self.closed = True
 
 
@@ -216,6 +240,9 @@ class PerRequest(Strategy):
             self._take_slot()
         except _Empty:
             self._no_slot(handler, blocking, deadline)
+        if self.closed:
+            self._give_slot(None)
+            raise self._closed(handler)
         try:
             # The deadline starts when the guest is about to run, after any wait for a slot.
             due = _now() + self._timeout
@@ -252,7 +279,9 @@ class Pooled(Strategy):
     def __init__(self, spec: PluginSpec, compiled: Compiled) -> None:
         super().__init__(spec, compiled)
         self._free: list[Instance] = []
-        self._pop, self._push = self._free.pop, self._free.append  # atomic under the GIL
+        # Atomic under the GIL; PooledPerThread points them at its per-thread slot.
+        self._pop: Callable[[], Instance] = self._free.pop
+        self._push: Callable[[Instance], None] = self._free.append
 
     def limit(self) -> int:
         return min(self.spec.max_concurrency, self.spec.pool_size)
@@ -270,6 +299,9 @@ class Pooled(Strategy):
             self._take_slot()
         except _Empty:
             self._no_slot(handler, blocking, deadline)
+        if self.closed:
+            self._give_slot(None)
+            raise self._closed(handler)
         inst: Instance | None = None
         try:
             try:
@@ -407,6 +439,11 @@ class Sharded(Strategy):
             if limited:
                 self._give_slot(None)
             raise
+        if self.closed:  # a thread-bound shard's thread has stopped: nothing would run the call
+            shard.lock.release()
+            if limited:
+                self._give_slot(None)
+            raise self._closed(handler)
         try:
             if self._thread_bound:
                 return self._on_shard_thread(shard, lambda: self._run(shard, handler, event, deadline))
@@ -498,11 +535,12 @@ def _shard_loop(jobs: queue.SimpleQueue) -> None:
             fut.set_exception(exc)
 
 
-STRATEGIES: dict[str, type[Strategy]] = {"per_request": PerRequest, "pooled": Pooled, "sharded": Sharded}
+#: Each strategy's class by its name; the names are those of runtimes.registry.STRATEGIES.
+IMPLEMENTATIONS: dict[str, type[Strategy]] = {cls.name: cls for cls in (PerRequest, Pooled, Sharded)}
 
 
 def make_strategy(spec: PluginSpec, compiled: Compiled) -> Strategy:
     """The strategy object for ``spec.strategy`` (and the runtime's thread rules)."""
     if spec.strategy == "pooled" and compiled.thread_bound:
         return PooledPerThread(spec, compiled)
-    return STRATEGIES[spec.strategy](spec, compiled)
+    return IMPLEMENTATIONS[spec.strategy](spec, compiled)

@@ -5,10 +5,12 @@
   indexed query otherwise). Matcher names are ``<plugin>.<handler>`` (plus ``@kind:pattern``
   when one plugin binds a handler twice): stable, so profiles survive refreshes.
 - ``registry_sync(worker)`` is the worker service that polls the version every
-  ``EXECAPP['REGISTRY_POLL_SECONDS']``. Within one process a save or delete also refreshes
+  ``EXECAPP['REGISTRY_POLL_SECONDS']`` (registered as ``"plugins.sync"`` with
+  execapp.extensions by plugins.apps). Within one process a save or delete also refreshes
   every engine synced before, on commit: an edit takes effect on the next event there;
   other processes see it within one poll interval.
-- ``instance_pool_stats()`` has one row per loaded plugin (dashboard, Prometheus).
+- ``instance_pool_stats()`` has one row per loaded plugin (dashboard, Prometheus, execstatus:
+  the stats provider ``"plugin_pools"`` of execapp.extensions).
 
 A stored plugin the runtime refuses (code that no longer compiles, or a top level that runs
 past its budget, ``timeout``) is skipped with one error log naming it while every other plugin
@@ -18,17 +20,23 @@ retried after ``REFUSAL_RETRY_SECONDS`` in case the machine was only busy.
 """
 from __future__ import annotations
 
+import atexit
 import logging
+import re
 import threading
 import time
 import weakref
 from typing import Any
 
+from django.db import close_old_connections
+
 from execapp import conf
-from execapp.engine import Engine, Matcher
+from execapp.engine import Matcher
+from execapp.seams import EngineLike, WorkerLike
 
 from .errors import PluginInvalid
 from .loaded import LoadedPlugin, validate
+from .models import Binding, Plugin, RegistryState
 
 log = logging.getLogger("plugins.sync")
 
@@ -44,12 +52,16 @@ class PluginManager:
 
     def __init__(self) -> None:
         self._loaded: dict[str, LoadedPlugin] = {}
+        # Versions load() replaced, closed by the next retain(): after the engine has switched
+        # to the new matchers, so only events already on their way meet a closed version.
+        self._replaced: list[LoadedPlugin] = []
         # name -> (config_key, the refusal, when): a refused version is not validated again
         self._refused: dict[str, tuple[tuple, PluginInvalid, float]] = {}
         self._lock = threading.Lock()
 
     def load(self, plugin: Any) -> LoadedPlugin:
-        """The LoadedPlugin for a Plugin row, rebuilt only when its code or limits changed.
+        """The LoadedPlugin for a Plugin row, rebuilt only when its code or limits changed (the
+        version it replaces serves on until the next ``retain``).
 
         Raises PluginInvalid if the runtime refuses it; the same refusal again (without running
         the code) while the plugin is unchanged (a ``timeout`` one for REFUSAL_RETRY_SECONDS).
@@ -76,14 +88,17 @@ class PluginManager:
         loaded = LoadedPlugin(spec, compiled)
         with self._lock:
             old, self._loaded[spec.name] = self._loaded.get(spec.name), loaded
-        if old is not None:
-            old.close()
+            if old is not None:
+                self._replaced.append(old)
         return loaded
 
     def retain(self, names: set[str]) -> None:
-        """Close every loaded plugin not in ``names`` (disabled or deleted)."""
+        """Close every loaded plugin not in ``names`` (disabled or deleted) and every version
+        ``load`` replaced; a call that reaches a closed one is refused with PluginUnavailable."""
         with self._lock:
             gone = [self._loaded.pop(n) for n in list(self._loaded) if n not in names]
+            gone += self._replaced
+            self._replaced = []
             for name in [n for n in self._refused if n not in names]:
                 del self._refused[name]
         for loaded in gone:
@@ -101,24 +116,26 @@ class PluginManager:
 
 
 manager = PluginManager()
-_synced: "weakref.WeakKeyDictionary[Engine, int]" = weakref.WeakKeyDictionary()
+# Close the loaded plugins (their instances) while the runtimes' libraries are still loaded.
+atexit.register(manager.clear)
+_synced: "weakref.WeakKeyDictionary[EngineLike, int]" = weakref.WeakKeyDictionary()
 _sync_lock = threading.Lock()
 
 
-def sync_engine(engine: Engine, force: bool = False) -> bool:
+def sync_engine(engine: EngineLike, force: bool = False) -> bool:
     """Install matchers for the enabled plugins if the registry changed; True if it did."""
-    from .models import Plugin, RegistryState
-
     version = RegistryState.current()  # read first: a change racing this sync is seen next time
     with _sync_lock:
         if not force and _synced.get(engine) == version:
             return False
         plugins = list(Plugin.objects.filter(enabled=True).prefetch_related("bindings"))
         matchers: list[Matcher] = []
+        not_loaded: dict[str, str] = {}
         for plugin in plugins:
             try:
                 loaded = manager.load(plugin)
             except PluginInvalid as exc:  # saved before a runtime upgrade, or edited in SQL
+                not_loaded[plugin.name] = exc.code
                 # Logged once per refusal (a remembered one is raised again at every sync).
                 if not getattr(exc, "logged", False):
                     exc.logged = True  # type: ignore[attr-defined]
@@ -126,13 +143,63 @@ def sync_engine(engine: Engine, force: bool = False) -> bool:
                 continue
             matchers.extend(_matchers(engine, plugin, loaded))
         engine.set_matchers(matchers)
+        _set_hints(plugins, not_loaded)
         manager.retain({p.name for p in plugins})
         _synced[engine] = version
     log.info("engine synced to registry version %s: %d plugins, %d matchers", version, len(plugins), len(matchers))
     return True
 
 
-def _matchers(engine: Engine, plugin: Any, loaded: LoadedPlugin) -> list[Matcher]:
+#: Why an unmatched event matched nothing, by (kind, pattern): bindings of disabled plugins,
+#: disabled bindings, plugins that did not load. Replaced whole at each sync (read lock-free).
+_hints: dict[tuple[str, str], str] = {}
+
+
+def _set_hints(enabled: list[Any], not_loaded: dict[str, str]) -> None:
+    """Rebuild ``_hints`` from this sync's registry read (one more query, on a registry change only)."""
+    global _hints
+    hints: dict[tuple[str, str], str] = {}
+    for plugin in enabled:
+        for b in plugin.bindings.all():
+            if plugin.name in not_loaded:
+                hints.setdefault((b.kind, b.pattern), f"plugin {plugin.name!r} is enabled but did not load "
+                                 f"({not_loaded[plugin.name]}); the server log says why")
+            elif not b.enabled:
+                hints.setdefault((b.kind, b.pattern), f"its binding in plugin {plugin.name!r} is disabled (enable it "
+                                 "in the admin's Plugins page)")
+    for b in Binding.objects.filter(plugin__enabled=False).select_related("plugin"):
+        hints.setdefault((b.kind, b.pattern), f"plugin {b.plugin.name!r} is disabled (enable it in the admin's "
+                         "Plugins page)")
+    _hints = hints
+
+
+def unmatched_hint(event_type: str, text: str) -> str | None:
+    """Why an event matched no handler, when a disabled or unloaded plugin binds it (the hint
+    provider plugins.apps registers with execapp.extensions): "/slow: plugin 'slow' is disabled"."""
+    hints = _hints
+    if not hints:
+        return None
+    if event_type == "message" and text.startswith("/"):
+        word = text[1:].split(None, 1)[0] if text[1:].strip() else ""
+        why = hints.get(("command", word))
+        if why:
+            return f"no enabled handler for /{word}: {why}"
+    why = hints.get(("event", event_type))
+    if why:
+        return f"no enabled handler for events of type {event_type!r}: {why}"
+    if event_type == "message":
+        for (kind, pattern), why in hints.items():
+            if kind == "regex":
+                try:
+                    found = re.search(pattern, text) is not None
+                except re.error:
+                    continue
+                if found:
+                    return f"no enabled handler matched; regex {pattern!r} would have: {why}"
+    return None
+
+
+def _matchers(engine: EngineLike, plugin: Any, loaded: LoadedPlugin) -> list[Matcher]:
     out: list[Matcher] = []
     seen: set[str] = set()
     for b in sorted(plugin.bindings.all(), key=lambda b: b.pk):
@@ -153,7 +220,7 @@ def _matchers(engine: Engine, plugin: Any, loaded: LoadedPlugin) -> list[Matcher
     return out
 
 
-def track(engine: Engine) -> None:
+def track(engine: EngineLike) -> None:
     """Refresh ``engine`` whenever this process commits a registry change."""
     with _sync_lock:
         _synced.setdefault(engine, -1)
@@ -177,7 +244,7 @@ def instance_pool_stats() -> list[dict[str, Any]]:
 class RegistrySync:
     """Worker service: polls the registry version and re-syncs the worker's engine on change."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: WorkerLike) -> None:
         self.engine = worker.engine
         self.interval = float(conf.get("REGISTRY_POLL_SECONDS"))
         self._last_error = ""
@@ -190,7 +257,6 @@ class RegistrySync:
         first.join(FIRST_SYNC_WAIT_SECONDS)
 
     def tick(self) -> None:
-        from django.db import close_old_connections
         close_old_connections()
         try:
             sync_engine(self.engine)
@@ -201,10 +267,9 @@ class RegistrySync:
                 log.warning("plugin registry sync failed (retrying every %gs): %s", self.interval, exc)
 
     def close(self) -> None:
-        from django.db import close_old_connections
         close_old_connections()
 
 
-def registry_sync(worker: Any) -> RegistrySync:
-    """Factory listed in execapp.worker.SERVICE_FACTORIES."""
+def registry_sync(worker: WorkerLike) -> RegistrySync:
+    """The worker service factory plugins.apps registers as ``"plugins.sync"``."""
     return RegistrySync(worker)

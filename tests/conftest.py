@@ -2,23 +2,40 @@
 
 Under CI (``EXECAPP_REQUIRE_SERVICES=1``) a missing service fails the test that needs it;
 elsewhere it skips with the reason, so a laptop without Redis can still run the rest.
+
+Runs of the suite on one machine share its Redis and PostgreSQL without meeting: each run writes
+Redis keys under its own prefix only (``REDIS_RUN_PREFIX``; nobody flushes a database) and gets
+its own PostgreSQL database (``postgres_url``); both are deleted when the run ends.
 """
 from __future__ import annotations
 
+import asyncio
 import os
+import secrets
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlparse
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The Redis the runs share (one database for all: runs are told apart by key prefix, not flushed).
 REDIS_TEST_URL = os.environ.get("REDIS_TEST_URL", "redis://127.0.0.1:6379/15")
+#: The PostgreSQL database each run connects to first, to create (and drop) a database of its own.
 POSTGRES_TEST_URL = os.environ.get("POSTGRES_TEST_URL", "postgres://postgres@127.0.0.1:5432/test")
+
+#: This run's id: the pid tells whose it is, the random part keeps a recycled pid apart.
+RUN_ID = f"{os.getpid()}-{secrets.token_hex(4)}"
+#: Every Redis key of this run starts with it: the channel layer's and the app's (conf.redis_key)
+#: in this process, and those of the servers the tests start (their REDIS_PREFIX).
+REDIS_RUN_PREFIX = f"execapp-test-{RUN_ID}"
+# Servers the tests start inherit the environment: a server given REDIS_URL and no REDIS_PREFIX
+# of its own still writes inside this run's namespace.
+os.environ["REDIS_PREFIX"] = REDIS_RUN_PREFIX
 
 
 def _reachable(url: str) -> bool:
@@ -34,13 +51,26 @@ def _reachable(url: str) -> bool:
 LIVENESS = 10.0
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = LIVENESS) -> bool:
-    """Poll ``predicate`` until it holds; False if it never did within ``timeout``."""
+def wait_until(predicate: Callable[[], Any], timeout: float = LIVENESS, interval: float = 0.001) -> bool:
+    """Poll ``predicate`` every ``interval`` seconds until it holds; False if it never did within
+    ``timeout``. A larger ``interval`` for predicates that cost something (a subprocess, a scrape)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.001)
+        time.sleep(interval)
+    return True
+
+
+async def wait_until_async(predicate: Callable[[], Any], timeout: float = LIVENESS, interval: float = 0.001) -> bool:
+    """``wait_until`` for a test on an event loop: polls without blocking the loop, so the work
+    it waits for (on the same loop) goes on meanwhile."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(interval)
     return True
 
 
@@ -54,20 +84,103 @@ def require_service(name: str, url: str) -> str:
     pytest.skip(message)
 
 
-@pytest.fixture
-def redis_url() -> str:
-    """A reachable Redis URL (database 15, flushed before the test)."""
-    url = require_service("Redis", REDIS_TEST_URL)
+def redis_test_prefix(tag: str) -> str:
+    """A fresh key prefix inside this run's namespace, for one test or one server (``tag`` says whose)."""
+    return f"{REDIS_RUN_PREFIX}-{tag}-{secrets.token_hex(4)}"
+
+
+def delete_redis_keys(url: str, prefix: str) -> int:
+    """Delete every key starting with ``prefix`` (SCAN MATCH, never KEYS or FLUSHDB); how many."""
     import redis
 
-    redis.Redis.from_url(url).flushdb()
+    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=10)
+    try:
+        deleted, batch = 0, []
+        for key in client.scan_iter(match=f"{prefix}*", count=1000):
+            batch.append(key)
+            if len(batch) >= 500:
+                deleted += client.delete(*batch)
+                batch = []
+        if batch:
+            deleted += client.delete(*batch)
+        return deleted
+    finally:
+        client.close()
+
+
+def _with_layer_prefix(layers: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """CHANNEL_LAYERS with the default layer's key prefix set (any backend: in-memory ignores it)."""
+    from channels import DEFAULT_CHANNEL_LAYER
+
+    layer = dict(layers.get(DEFAULT_CHANNEL_LAYER) or {"BACKEND": "channels.layers.InMemoryChannelLayer"})
+    layer["CONFIG"] = {**(layer.get("CONFIG") or {}), "prefix": prefix}
+    return {**layers, DEFAULT_CHANNEL_LAYER: layer}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _redis_run_namespace() -> Iterator[None]:
+    """This process's default channel layer prefix is the run's; at the end, the run's keys go.
+
+    Runs before any test (session, autouse) and ends after every server fixture has stopped.
+    """
+    from django.conf import settings
+    from django.test import override_settings
+
+    # override_settings, not assignment: channels drops layers built from the old settings.
+    namespaced = override_settings(CHANNEL_LAYERS=_with_layer_prefix(settings.CHANNEL_LAYERS, REDIS_RUN_PREFIX))
+    namespaced.enable()
+    yield
+    namespaced.disable()
+    if _reachable(REDIS_TEST_URL):
+        delete_redis_keys(REDIS_TEST_URL, REDIS_RUN_PREFIX)
+
+
+@pytest.fixture
+def redis_url(settings: Any) -> str:
+    """A reachable Redis URL, with a key prefix of this test alone in the channel layer settings:
+    the app's keys (conf.redis_key) start in an empty namespace, as a flushed database would give,
+    without touching anyone else's keys."""
+    url = require_service("Redis", REDIS_TEST_URL)
+    settings.CHANNEL_LAYERS = _with_layer_prefix(settings.CHANNEL_LAYERS, redis_test_prefix("t"))
     return url
 
 
+def _database_url(base: str, name: str) -> str:
+    return urlparse(base)._replace(path=f"/{name}").geturl()
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """This run's own PostgreSQL database (``test_execapp_<pid>_<random>``), created empty on first
+    use through POSTGRES_TEST_URL and dropped when the run ends; tests may migrate it."""
+    import psycopg
+
+    base = require_service("PostgreSQL", POSTGRES_TEST_URL)
+    name = "test_execapp_" + RUN_ID.replace("-", "_")
+    with psycopg.connect(base, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield _database_url(base, name)
+    finally:
+        with psycopg.connect(base, autocommit=True) as conn:
+            # FORCE: a server a test started may still hold a connection (PostgreSQL 13+).
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture
-def postgres_url() -> str:
-    """A reachable PostgreSQL URL (the machine's `test` database)."""
-    return require_service("PostgreSQL", POSTGRES_TEST_URL)
+def install_worker() -> Iterator[Callable[[Any], Any]]:
+    """Install a Worker as this process's worker for one test (what ``get_worker()``, the views and
+    the consumers see): ``install_worker(w)`` returns ``w``; the previous worker is put back after."""
+    from execapp.worker import current_worker, set_worker
+
+    previous = current_worker()
+
+    def install(worker: Any) -> Any:
+        set_worker(worker)
+        return worker
+
+    yield install
+    set_worker(previous)
 
 
 def free_port() -> int:
@@ -118,16 +231,18 @@ class AsgiServer(ServerProcess):
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """Return once the server accepts connections; raise if it exits or never listens."""
+        def listening() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return
+                    return True
             except OSError:
-                time.sleep(0.1)
-        raise RuntimeError(f"server did not listen within {timeout}s: {self.log()}")
+                return False
+
+        if not wait_until(listening, timeout, interval=0.05):
+            raise RuntimeError(f"server did not listen within {timeout}s: {self.log()}")
 
 
 def manage(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

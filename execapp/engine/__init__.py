@@ -1,7 +1,6 @@
-"""The adaptive execution engine: plain Python, no Django import (design.md §2)."""
+"""The adaptive execution engine: plain Python, no Django import (docs/architecture.md, "Design rules")."""
 from .engine import Engine
-from .errors import (BadEvent, ConfigError, ExecAppError, HandlerError, HandlerTimeout, Overloaded,
-                     PoolClosed)
+from .errors import BadEvent, ConfigError, ExecAppError, HandlerError, HandlerTimeout, Overloaded, PoolClosed
 from .event import Completion, Context, Event, EventRun, Failure, Reply
 from .matcher import Matcher, MatcherKind, parse_command
 from .pool import ExecPool

@@ -8,13 +8,14 @@ import sys
 import threading
 from functools import partial
 from time import monotonic
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from types import FrameType
+from typing import Any, Callable, Coroutine, Iterable, Mapping, NamedTuple
 
 from .backpressure import SlotWaiters
 from .errors import BadEvent, ConfigError, ExecAppError, HandlerError, HandlerTimeout, Overloaded, PoolClosed
 from .event import Completion, Context, Event, EventRun, Failure, OutcomeCallback, Reply
-from .matcher import MARK_SIZE, Handler, Matcher, MatcherKind, parse_command
-from .pool import ExecPool, Watch, count_value
+from .matcher import MARK_SIZE, Handler, Matcher, MatcherKind, Routes
+from .pool import MAX_WORKERS, QUEUE_SIZE, ExecPool, Watch, count_value
 from .profile import ExecClass, ExecProfile
 from .ratelog import RateLimitedLog
 
@@ -30,6 +31,9 @@ _rlog = RateLimitedLog(log)
 #: default promote-at-once bound (2 x SLOW_THRESHOLD_SECONDS): a run it stops would have been
 #: promoted anyway.
 INLINE_TIMEOUT = 0.1
+#: The default longest wait for a pool slot under the ``wait`` overflow policy (seconds),
+#: EXECAPP['OVERFLOW_WAIT_SECONDS']: it bounds how long a client can wait before `overloaded`.
+OVERFLOW_WAIT = 1.0
 
 # One clock for deadlines and durations: on Linux time.monotonic is CLOCK_MONOTONIC with ns
 # resolution (as perf_counter), and one call per run serves both.
@@ -38,26 +42,30 @@ _clock = monotonic
 #: Observer of every finished handler run: (matcher, exec class, elapsed seconds, outcome code).
 RunObserver = Callable[[Matcher, ExecClass, float, str], None]
 
-OVERFLOW_POLICIES = ("inline", "wait", "reject")
+#: What ``process_event_async`` does when the pool is full (see Engine), the default first.
+OVERFLOW_POLICIES = ("wait", "reject", "inline")
+#: The engine's counters (``Engine.counts``; the dashboard and /metrics read them by these names).
 COUNTERS = ("events", "inline", "pooled", "fallbacks", "overloaded", "errors")
 
 _POOL = ExecClass.POOL
 _SYNC = ExecClass.SYNC
+_COMMAND = MatcherKind.COMMAND
+_REGEX = MatcherKind.REGEX
 
 
 class _Parked(NamedTuple):
     """A dispatch suspended on a full pool (asyncio path, policy ``wait``): where to resume."""
 
-    matchers: tuple[Matcher, ...]
-    index: int
+    plan: tuple[Matcher, ...]
+    at: int  # the plan's index of the parked matcher (``index`` would shadow tuple.index)
     task: Callable[[], None]
     matcher: Matcher
     blocking: bool
-    command: tuple[str, str] | None
+    cmd_args: str
 
 
 class Engine:
-    """The adaptive dispatcher (design.md §2).
+    """The adaptive dispatcher (docs/architecture.md, "Design rules": the adaptive engine).
 
     ``pool``: a shared ExecPool owned by the caller (``shutdown`` leaves it running);
     otherwise the engine makes and owns one (``shutdown`` drains it). ``pool_enabled=False``
@@ -80,8 +88,9 @@ class Engine:
     event completes. The synchronous ``process_event`` always falls back inline: its caller
     is a thread, not a loop, and the event must not be dropped.
 
-    Containment (design.md §3): an inline run gets ``ctx.deadline = start + inline_timeout``
-    (a sandboxed plugin is stopped there; None disables the budget); a run that times out or
+    Containment (docs/architecture.md, "Design rules"): an inline run gets
+    ``ctx.deadline = start + inline_timeout`` (a sandboxed plugin is stopped there; None
+    disables the budget); a run that times out or
     overruns it while inline promotes its matcher at once. A pooled run of a matcher with a
     ``timeout`` is watched by the pool's watcher: past it the handler is reported ``timeout``,
     the event completes, the thread is counted stuck and its late result is discarded. A
@@ -95,11 +104,11 @@ class Engine:
         *,
         pool: ExecPool | None = None,
         pool_enabled: bool = True,
-        max_workers: int = 64,
-        queue_size: int = 128,
+        max_workers: int = MAX_WORKERS,
+        queue_size: int = QUEUE_SIZE,
         profile_factory: Callable[[], ExecProfile] = ExecProfile,
-        overflow: str = "wait",
-        overflow_wait: float = 5.0,
+        overflow: str = OVERFLOW_POLICIES[0],
+        overflow_wait: float = OVERFLOW_WAIT,
         inline_timeout: float | None = INLINE_TIMEOUT,
     ) -> None:
         if overflow not in OVERFLOW_POLICIES:
@@ -111,6 +120,7 @@ class Engine:
         self.inline_timeout = inline_timeout
         # The watchdog's view of the loop (set_inline_slot): None, or a writable 64-byte buffer.
         self._slot: memoryview | None = None
+        self._slot_mark = b""  # the mark the slot holds past its first byte (see _run_inline)
         self.owns_pool = pool is None and pool_enabled
         self.pool: ExecPool | None = pool if pool is not None else (
             ExecPool(max_workers, queue_size) if pool_enabled else None)
@@ -120,8 +130,9 @@ class Engine:
         self._profile_factory = profile_factory
         self.profiles: dict[str, ExecProfile] = {}
         self._profiles_lock = threading.Lock()
-        # Copy-on-write: dispatch iterates a tuple that registration replaces, never mutates.
-        self._matchers: tuple[Matcher, ...] = ()
+        # Copy-on-write: dispatch reads one Routes (the matchers and their per-event-shape
+        # candidates) that registration replaces, never mutates.
+        self._routes = Routes()
         self._register_lock = threading.Lock()
         self._naming_lock = threading.Lock()
         self._seq = itertools.count()
@@ -132,6 +143,7 @@ class Engine:
         self._tally = {key: itertools.count() for key in COUNTERS}
         self._n_events = self._tally["events"]
         self._n_inline = self._tally["inline"]
+        self._n_pooled = self._tally["pooled"]
         self._waiters = SlotWaiters()  # dispatches awaiting a pool slot (asyncio path, policy "wait")
         if self.pool is not None:
             # Freed room in the pool wakes the oldest waiter; the listener holds the waiters, not
@@ -169,18 +181,18 @@ class Engine:
     def add(self, matcher: Matcher) -> Matcher:
         """Register one matcher."""
         with self._register_lock:
-            self._matchers = tuple(sorted(self._matchers + (matcher,), key=Matcher.sort_key))
+            self._routes = Routes(tuple(sorted(self._routes.matchers + (matcher,), key=Matcher.sort_key)))
         return matcher
 
     def set_matchers(self, matchers: Iterable[Matcher]) -> None:
         """Replace every matcher at once (a plugin refresh); events in flight keep the old set."""
         with self._register_lock:
-            self._matchers = tuple(sorted(matchers, key=Matcher.sort_key))
+            self._routes = Routes(tuple(sorted(matchers, key=Matcher.sort_key)))
 
     @property
     def matchers(self) -> tuple[Matcher, ...]:
         """Registered matchers in dispatch order."""
-        return self._matchers
+        return self._routes.matchers
 
     def on_command(self, name: str, handler: Handler, *, priority: int = 0, block: bool = False,
                    matcher_name: str | None = None, plugin: str | None = None,
@@ -208,7 +220,7 @@ class Engine:
         with self._naming_lock:
             if name is None:
                 base = f"{kind.value}:{pattern}"
-                taken = {m.name for m in self._matchers}
+                taken = {m.name for m in self._routes.matchers}
                 name = base if base not in taken else next(
                     f"{base}#{n}" for n in itertools.count(2) if f"{base}#{n}" not in taken)
             return self.add(self.make_matcher(kind, pattern, handler, priority=priority, block=block, name=name,
@@ -234,6 +246,7 @@ class Engine:
                               f"buffer of at least {MARK_SIZE} bytes")
         view = view[:MARK_SIZE]
         view[0] = 0
+        self._slot_mark = b""
         self._slot = view
 
     def quarantine(self, name: str, reason: str = "quarantined") -> ExecProfile:
@@ -255,23 +268,41 @@ class Engine:
     def process_event(self, event: Event | Mapping[str, Any], on_outcome: OutcomeCallback | None = None) -> EventRun:
         """Dispatch adaptively; a full pool falls back inline. Wait on or await the returned run."""
         run = EventRun(event if type(event) is Event else _as_event(event), on_outcome)
-        self._dispatch(run, self._matchers, 0, self.pool_enabled, False)
+        self._dispatch(run, self.pool_enabled, False)
         return run
 
     def process_event_sync(self, event: Event | Mapping[str, Any],
                            on_outcome: OutcomeCallback | None = None) -> Completion:
         """Run every matched handler inline, in order, and return the completion (deterministic)."""
         run = EventRun(event if type(event) is Event else _as_event(event), on_outcome)
-        self._dispatch(run, self._matchers, 0, False, False)
+        self._dispatch(run, False, False)
         return run.completion  # type: ignore[return-value]
 
     async def process_event_async(self, event: Event | Mapping[str, Any],
                                   on_outcome: OutcomeCallback | None = None) -> EventRun:
         """Dispatch from an event loop: inline handlers run here, pooled ones in threads, and a
         full pool applies the overflow policy instead of blocking the loop. Returns once every
-        handler is running or done; await the run for completion."""
+        handler is running or done; await the run for completion (``run.completion`` is already
+        set when every handler ran inline). Awaits nothing unless a handler waits for a slot."""
         run = EventRun(event if type(event) is Event else _as_event(event), on_outcome)
-        parked = self._dispatch(run, self._matchers, 0, self.pool_enabled, True)
+        parked = self._dispatch(run, self.pool_enabled, True)
+        if parked is not None:
+            await self._finish_parked(run, parked)
+        return run
+
+    def start_event(self, event: Event | Mapping[str, Any], on_outcome: OutcomeCallback | None = None
+                    ) -> tuple[EventRun, Coroutine[Any, Any, EventRun] | None]:
+        """``process_event_async`` without a coroutine of its own, for a caller on the event loop
+        (the protocol): dispatch now and return (run, rest). ``rest`` is None when dispatch is
+        over (inline handlers done, pooled ones running): nothing was allocated for the loop. It
+        is a coroutine when a pooled handler waits for a slot (policy ``wait``); the caller must
+        await it (it returns the run), or the event never completes."""
+        run = EventRun(event if type(event) is Event else _as_event(event), on_outcome)
+        parked = self._dispatch(run, self.pool_enabled, True)
+        return run, (None if parked is None else self._finish_parked(run, parked))
+
+    async def _finish_parked(self, run: EventRun, parked: _Parked | None) -> EventRun:
+        """The rest of a dispatch that found the pool full: wait for slots, resume, repeat."""
         while parked is not None:
             try:
                 submitted = await self._await_slot(parked.task)
@@ -316,34 +347,49 @@ class Engine:
             _rlog.exception(("submit", type(exc).__name__), "pool submission failed: %r", exc)
             return False
 
-    def _dispatch(self, run: EventRun, matchers: tuple[Matcher, ...], start: int, allow_pool: bool,
-                  on_loop: bool, command: tuple[str, str] | None | bool = False) -> _Parked | None:
-        """The dispatch loop of design.md §2, shared by every entry point.
+    def _dispatch(self, run: EventRun, allow_pool: bool, on_loop: bool, plan: tuple[Matcher, ...] | None = None,
+                  start: int = 0, cmd_args: str = "") -> _Parked | None:
+        """The dispatch loop of docs/architecture.md ("Design rules"), shared by every entry point.
 
-        Runs matchers ``start..`` of ``matchers`` (a snapshot: registration replaces the tuple).
-        Returns None once dispatch is over (its hold on the run released), or a ``_Parked``
-        when, on the event loop (``on_loop``) with policy ``wait``, a pooled handler found the
-        pool full: the caller awaits a slot and resumes with ``_resume``.
+        Runs the event's candidate matchers (``Routes.plan``: a snapshot, registration replaces
+        it), or, resuming, ``plan[start:]``. Returns None once dispatch is over (its hold on the
+        run released), or a ``_Parked`` when, on the event loop (``on_loop``) with policy
+        ``wait``, a pooled handler found the pool full: the caller awaits a slot and resumes
+        with ``_resume``. Every inline event pays for this loop, so it is written flat.
         """
         event = run.event
-        etype = event.type
         text = event.text
+        if plan is None:  # Routes.plan, inlined: this runs for every event
+            routes = self._routes
+            etype = event.type
+            if etype != "message":
+                plan = routes.types.get(etype, ())
+            else:
+                plan = routes.message
+                if text[:1] == "/":
+                    head, _, rest = text[1:].partition(" ")
+                    if head:
+                        commands = routes.commands.get(head)
+                        if commands is not None:
+                            plan, cmd_args = commands, rest.strip()
         size = event.size
-        inline_budget = self.inline_timeout
-        if command is False:
-            command = parse_command(text) if etype == "message" else None
         done = False
         try:
-            for i in range(start, len(matchers)):
-                m = matchers[i]
-                args = m.match(etype, text, command)  # type: ignore[arg-type]
-                if args is None:
+            for i in range(start, len(plan)):
+                m = plan[i]
+                kind = m.kind
+                if kind is _COMMAND:  # a candidate command always matches: Routes keyed it by name
+                    args = cmd_args
+                elif kind is _REGEX and m._regex.search(text) is None:  # type: ignore[union-attr]
                     continue
+                else:
+                    args = text
                 run.matched += 1
                 blocking = m.block  # 1. computed before any pool decision
                 # The class, and the size this handler has earned inline (a much larger event goes
-                # to the pool before it runs; the profile is not changed by this decision).
-                if allow_pool and m.profile.should_pool(size) is _POOL:
+                # to the pool before it runs; the profile is not changed by this decision): what
+                # m.profile.should_pool(size) says, read as one attribute (-1 while pooled).
+                if allow_pool and size > m.profile.inline_limit:
                     pool = self.pool
                     if pool is not None:
                         # 2. clone first: the pool thread gets a private context and event data.
@@ -370,7 +416,7 @@ class Engine:
                                 break
                             continue
                         if submitted:
-                            self._count("pooled")
+                            next(self._n_pooled)
                             if blocking:
                                 run.blocked_by = m.name
                                 break
@@ -378,7 +424,7 @@ class Engine:
                         if on_loop and self.overflow != "inline":  # the loop must never block
                             if self.overflow == "wait" and not pool.closed:
                                 done = True  # the dispatch hold passes to the parked state
-                                return _Parked(matchers, i, task, m, blocking, command)
+                                return _Parked(plan, i, task, m, blocking, cmd_args)
                             run.release()
                             self._refuse(run, m, pool)
                             if blocking:
@@ -387,21 +433,12 @@ class Engine:
                         run.release()
                         self._count("fallbacks")  # 3. pool full: run inline, drop nothing
                     # Not proven fast, inline only by necessity: the handler's own deadline.
-                    budget = m.timeout
+                    self._run_inline(run, m, args, m.timeout)
                 elif allow_pool:
-                    budget = inline_budget  # proven fast: the inline budget (a privilege)
+                    # 4. proven fast: inline, with the inline budget (a privilege)
+                    self._run_inline(run, m, args, self.inline_timeout)
                 else:
-                    budget = m.timeout  # no pool to move to (process_event_sync, pool disabled)
-                # 4. inline, named in the watchdog's slot while it runs (one buffer copy each way)
-                slot = self._slot
-                if slot is None:
-                    self._invoke(run, Context(event, args, m, _SYNC), budget)
-                else:
-                    slot[:] = m.mark
-                    try:
-                        self._invoke(run, Context(event, args, m, _SYNC), budget)
-                    finally:
-                        slot[0] = 0
+                    self._run_inline(run, m, args, m.timeout)  # no pool to move to (sync, or disabled)
                 next(self._n_inline)
                 if blocking:
                     run.blocked_by = m.name
@@ -426,7 +463,7 @@ class Engine:
             next(self._n_events)
             run.release()
             return None
-        return self._dispatch(run, parked.matchers, parked.index + 1, True, True, parked.command)
+        return self._dispatch(run, True, True, parked.plan, parked.at + 1, parked.cmd_args)
 
     def _refuse(self, run: EventRun, m: Matcher, pool: ExecPool | None) -> None:
         """The asyncio path found the pool full (or draining) and will not block the loop."""
@@ -460,75 +497,129 @@ class Engine:
         """The pool task of one handler: run it (watched when its matcher has a timeout), then
         release its hold on the event, unless the watcher already reported it late."""
         in_time = True
+        pool = self.pool
+        assert pool is not None  # for the type checker: only the pool runs this task
         try:
-            in_time = self._invoke(run, ctx, ctx.matcher.timeout, self.pool)
+            in_time = self._invoke(run, ctx, ctx.matcher.timeout, pool)
         finally:
             if in_time:
                 run.release()
 
-    def _invoke(self, run: EventRun, ctx: Context, budget: float | None, pool: ExecPool | None = None) -> bool:
-        """Run one handler, record its duration in its profile and emit its outcome.
+    def _run_inline(self, run: EventRun, m: Matcher, args: str, budget: float | None) -> None:
+        """Run one handler on the calling thread (the event loop, on the asyncio path), record its
+        duration in its profile and emit its outcome: the hot path of every inline event.
 
-        ``budget``: seconds from now to ``ctx.deadline`` (None: no deadline). ``pool``: set for a
-        pooled run, which is then watched: if the watcher reports it late first, this returns
-        False and the late outcome is dropped (never emitted twice). Inline (no ``pool``), a
-        run that times out or outlasts its budget promotes its matcher at once.
-        (``running_handlers`` below finds running handlers by this frame and its local ``m``.)
+        ``budget``: seconds from the start to ``ctx.deadline`` (None: no deadline); a run that
+        times out or outlasts it promotes its matcher at once. The handler is named in the
+        watchdog's slot while it runs. (``running_handlers`` finds it by this frame's ``m``.)
+        """
+        slot = self._slot
+        if slot is not None:
+            # While one matcher keeps running inline, clearing the slot zeroed only its first
+            # byte and the rest still holds that matcher's mark: restoring one byte names it
+            # again. Another matcher's mark is copied whole (64 bytes).
+            mark = m.mark
+            if mark is self._slot_mark:
+                slot[0] = mark[0]
+            else:
+                slot[:] = mark
+                self._slot_mark = mark
+        started = _clock()
+        ctx = Context(run.event, args, m, _SYNC, None if budget is None else started + budget)
+        try:
+            result = m.handler(ctx)
+        except BaseException as exc:  # a handler error is reported, never propagated (SystemExit too)
+            elapsed = _clock() - started
+            if slot is not None:
+                slot[0] = 0
+            self._failed(run, m, exc, _SYNC, elapsed, budget is not None and elapsed > budget)
+            return
+        elapsed = _clock() - started
+        if slot is not None:
+            slot[0] = 0
+        if budget is not None and elapsed > budget:
+            # An inline run past its budget (a Python handler cannot be stopped) moves to the
+            # pool at once; its result still counts: it ran to the end.
+            m.profile.record(elapsed, overrun=True)
+        else:
+            m.profile.record(elapsed, run.event.size)
+        if result is not None or ctx._replies is not None:
+            self._emit_replies(run, m, ctx, result, elapsed)
+        if self._observers:  # the loop is written out here: a method call per run shows inline
+            for observe in self._observers:
+                try:
+                    observe(m, _SYNC, elapsed, "ok")
+                except Exception:  # metrics must never break dispatch
+                    _rlog.exception(("observer", id(observe)), "run observer %r failed", observe)
+
+    def _invoke(self, run: EventRun, ctx: Context, budget: float | None, pool: ExecPool) -> bool:
+        """Run one pooled handler, record its duration in its profile and emit its outcome.
+
+        ``budget``: seconds from now to ``ctx.deadline`` (None: no deadline); the run is then
+        watched: if the watcher reports it late first, this returns False and the late outcome
+        is dropped (never emitted twice).
+        (``running_handlers`` below finds running handlers by this frame and its ``ctx`` argument.)
         """
         m: Matcher = ctx.matcher
         started = _clock()
         watch: Watch | None = None
         if budget is not None:
             ctx.deadline = started + budget
-            if pool is not None:
-                try:
-                    watch = pool.watch(ctx.deadline, partial(self._overrun, run, ctx, started))
-                except Exception as exc:  # no watcher thread: run unwatched rather than not at all
-                    _rlog.exception(("watch", type(exc).__name__), "handler %s runs unwatched: %r", m.name, exc)
+            try:
+                watch = pool.watch(ctx.deadline, partial(self._overrun, run, ctx, started))
+            except Exception as exc:  # no watcher thread: run unwatched rather than not at all
+                _rlog.exception(("watch", type(exc).__name__), "handler %s runs unwatched: %r", m.name, exc)
         try:
             result = m.handler(ctx)
         except BaseException as exc:  # a handler error is reported, never propagated (SystemExit too)
             elapsed = _clock() - started
-            if watch is not None and not pool.finish(watch):  # type: ignore[union-attr]
+            if watch is not None and not pool.finish(watch):
                 return False
-            if isinstance(exc, ExecAppError):
-                code, message = exc.code, str(exc) or type(exc).__name__
-            else:
-                code = HandlerError.code
-                message = str(exc) or type(exc).__name__
-                if not isinstance(exc, Exception):
-                    message = (f"handler {m.name!r} raised {type(exc).__name__}({message}); a handler must return "
-                               "or raise an Exception, never stop the server")
-                _rlog.warning(("handler", m.name, type(exc).__name__), "handler %s failed: %r", m.name, exc)
-            timeout = code == HandlerTimeout.code
-            m.profile.record(elapsed, error=message, timeout=timeout,
-                             overrun=pool is None and budget is not None and elapsed > budget)
-            self._count("errors")
-            run.emit(Failure(run.event.id, m.name, m.plugin, code, message, ctx.exec_class, elapsed))
-        else:
-            elapsed = _clock() - started
-            if watch is not None and not pool.finish(watch):  # type: ignore[union-attr]
-                return False
-            if budget is not None and elapsed > budget and pool is None:
-                # An inline run past its budget (a Python handler cannot be stopped) moves to the
-                # pool at once; its result still counts: it ran to the end.
-                m.profile.record(elapsed, overrun=True)
-            else:
-                m.profile.record(elapsed, ctx.event.size)
-            code = "ok"
-            if result is not None:
-                ctx.reply(*((result, None) if isinstance(result, str) else (None, result)))
-            if ctx._replies is not None:
-                event_id = run.event.id
-                for text, data in ctx._replies:
-                    run.emit(Reply(event_id, m.name, m.plugin, text, data, ctx.exec_class, elapsed))
-        if self._observers:  # the loop is written out here: a method call per run shows inline
-            for observe in self._observers:
-                try:
-                    observe(m, ctx.exec_class, elapsed, code)
-                except Exception:  # metrics must never break dispatch
-                    _rlog.exception(("observer", id(observe)), "run observer %r failed", observe)
+            self._failed(run, m, exc, ctx.exec_class, elapsed, False)
+            return True
+        elapsed = _clock() - started
+        if watch is not None and not pool.finish(watch):
+            return False
+        m.profile.record(elapsed, ctx.event.size)
+        if result is not None or ctx._replies is not None:
+            self._emit_replies(run, m, ctx, result, elapsed)
+        if self._observers:
+            self._observe(m, ctx.exec_class, elapsed, "ok")
         return True
+
+    def _failed(self, run: EventRun, m: Matcher, exc: BaseException, exec_class: ExecClass, elapsed: float,
+                overrun: bool) -> None:
+        """A handler raised: one Failure, an error (a timeout or an inline ``overrun`` promotes at
+        once) in its profile, counted and observed."""
+        if isinstance(exc, ExecAppError):
+            code, message = exc.code, str(exc) or type(exc).__name__
+        else:
+            code = HandlerError.code
+            message = str(exc) or type(exc).__name__
+            if not isinstance(exc, Exception):
+                message = (f"handler {m.name!r} raised {type(exc).__name__}({message}); a handler must return "
+                           "or raise an Exception, never stop the server")
+            _rlog.warning(("handler", m.name, type(exc).__name__), "handler %s failed: %r", m.name, exc)
+        m.profile.record(elapsed, error=message, timeout=code == HandlerTimeout.code, overrun=overrun)
+        self._count("errors")
+        run.emit(Failure(run.event.id, m.name, m.plugin, code, message, exec_class, elapsed))
+        if self._observers:
+            self._observe(m, exec_class, elapsed, code)
+
+    @staticmethod
+    def _emit_replies(run: EventRun, m: Matcher, ctx: Context, result: Any, elapsed: float) -> None:
+        """A handler's replies: its ``ctx.reply()`` calls in order, then its return value."""
+        if ctx._replies is None:  # the common case: the return value alone
+            if isinstance(result, str):
+                run.reply(m.name, m.plugin, result if result.__class__ is str else str(result), None,
+                          ctx.exec_class, elapsed)
+            else:
+                run.reply(m.name, m.plugin, None, result, ctx.exec_class, elapsed)
+            return
+        if result is not None:
+            ctx.reply(*((result, None) if isinstance(result, str) else (None, result)))
+        for text, data in ctx._replies:
+            run.reply(m.name, m.plugin, text, data, ctx.exec_class, elapsed)
 
     def _overrun(self, run: EventRun, ctx: Context, started: float) -> None:
         """The pool's watcher found a pooled run past its deadline: report ``timeout`` now and
@@ -584,17 +675,27 @@ class Engine:
 def running_handlers() -> list[str]:
     """Names of the matchers whose handlers are executing right now, on any thread of the process.
 
-    Read from the threads' stacks (frames inside ``Engine._invoke``, whose local ``m`` is the
-    matcher) rather than tracked per call: it costs nothing on the event path, sees inline and
-    pooled runs alike, and is only needed when a drain times out. Sorted, one entry per call.
+    Read from the threads' stacks (frames inside ``Engine._invoke``, whose Context argument names
+    the matcher) rather than tracked per call: it costs nothing on the event path, sees inline
+    and pooled runs alike, and is only needed when a drain times out. Sorted, one entry per call.
     """
-    invoke = Engine._invoke.__code__
+    # The frames of a handler run: a pooled run's _invoke (its Context argument names the
+    # matcher) and an inline run's _run_inline (its Matcher argument). Found by type among the
+    # arguments (set before the frame's first line runs), so renaming a local or a parameter
+    # cannot blind this.
+    runners = {code: code.co_varnames[:code.co_argcount]
+               for code in (Engine._invoke.__code__, Engine._run_inline.__code__)}
     names: list[str] = []
     for frame in sys._current_frames().values():
-        f = frame
+        f: FrameType | None = frame
         while f is not None:
-            if f.f_code is invoke:
-                names.append(str(getattr(f.f_locals.get("m"), "name", "?")))
+            params = runners.get(f.f_code)
+            if params is not None:
+                f_locals = f.f_locals
+                found = next((v for v in (f_locals.get(p) for p in params) if isinstance(v, (Context, Matcher))),
+                             None)
+                matcher = found.matcher if isinstance(found, Context) else found
+                names.append(str(getattr(matcher, "name", "?")))
                 break
             f = f.f_back
     return sorted(names)

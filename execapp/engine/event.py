@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from time import perf_counter
-from typing import Any, Callable, Union
+from time import monotonic
+from typing import Any, Callable, Generator, Union
 
 from .errors import BadEvent
 from .profile import ExecClass
@@ -18,8 +19,31 @@ log = logging.getLogger("execapp.engine")
 _rlog = RateLimitedLog(log)
 
 
+# Event ids: 16 hex digits counting up from a random per-process start. os.urandom per event
+# was a getrandom() system call (~1 us, half the cost of an Event); next() on an itertools.count
+# is one C call, safe from any thread. The start is below 2^62, so the count stays a machine
+# integer (itertools.count's fast mode ends at 2^63) for 2^62 ids. Unique within the process;
+# across processes two starts overlap with odds ~ (ids per process) / 2^62. Ids are labels, not
+# secrets: a client may choose its own (protocol "id").
+def _id_counter() -> Any:
+    return itertools.count(int.from_bytes(os.urandom(8), "big") >> 2)
+
+
+_ids = _id_counter()
+
+
+def _reseed_ids() -> None:
+    """A forked child counts from its own random start (it must not repeat its parent's ids)."""
+    global _ids
+    _ids = _id_counter()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reseed_ids)
+
+
 def _new_id() -> str:
-    return os.urandom(8).hex()  # 16 hex digits, ~5x cheaper than uuid4
+    return "%016x" % next(_ids)
 
 
 @dataclass(frozen=True, init=False)
@@ -46,7 +70,7 @@ class Event:
         d["type"] = type
         d["text"] = text
         d["data"] = {} if data is None else data
-        d["id"] = _new_id() if id is None else id
+        d["id"] = "%016x" % next(_ids) if id is None else id  # _new_id(), inlined
         d["session"] = session
         d["size"] = len(text) if size is None else size
 
@@ -163,10 +187,6 @@ class Context:
         else:
             self._replies.append(item)
 
-    def clone_for_pool(self) -> "Context":
-        """A private copy for a pool thread (design.md §2: clone before submission)."""
-        return Context.for_pool(self.event, self.args, self.matcher)
-
     @staticmethod
     def for_pool(event: Event, args: str, matcher: Any) -> "Context":
         """A pool thread's own context: the event's data is deep-copied, so no handler can see or
@@ -193,31 +213,35 @@ class EventRun:
 
     Until the dispatcher submits the first pooled handler, the run is touched by the
     dispatching thread alone (the entry points hand it out only once dispatch has returned),
-    so the lock and the wait event are created lazily by that first ``hold()``: an event whose
-    handlers all run inline pays for neither (a threading.Event costs ~1.5 us to make).
+    so the lock is created lazily by that first ``hold()``: an event whose handlers all run
+    inline pays for no lock. The threading.Event (~1.5 us to make) is made only by a ``wait``
+    that has to block; ``errors`` starts as an empty tuple (a list from the first failure on)
+    and the done-callback list is made by the first ``add_done_callback`` that has to wait.
+    An event that completes on the dispatching thread with no ``on_outcome`` to tell keeps
+    only its end time: its Completion is made when ``completion`` is first read.
     """
 
-    __slots__ = ("event", "_on_outcome", "_lock", "_pending", "_started", "matched", "replies", "errors",
-                 "blocked_by", "completion", "_done", "_callbacks")
+    __slots__ = ("event", "_on_outcome", "_lock", "_pending", "_started", "_ended", "matched", "replies",
+                 "errors", "blocked_by", "_completion", "_done", "_callbacks")
 
     def __init__(self, event: Event, on_outcome: OutcomeCallback | None) -> None:
         self.event = event
         self._on_outcome = on_outcome
         self._lock: threading.Lock | None = None
         self._pending = 1  # the dispatcher's own hold, released when dispatch ends
-        self._started = perf_counter()
+        self._started = monotonic()
+        self._ended: float | None = None  # set instead of _completion when nobody listens (see above)
         self.matched = 0
         self.replies = 0
-        self.errors: list[Failure] = []
+        self.errors: list[Failure] | tuple[()] = ()
         self.blocked_by: str | None = None
-        self.completion: Completion | None = None
+        self._completion: Completion | None = None
         self._done: threading.Event | None = None
-        self._callbacks: list[Callable[[Completion], None]] = []
+        self._callbacks: list[Callable[[Completion], None]] | None = None
 
     def hold(self) -> None:
         """One more handler of this event is outstanding (called before a pool submission)."""
         if self._lock is None:  # still on the dispatching thread alone: go multi-threaded now
-            self._done = threading.Event()
             self._lock = threading.Lock()
         with self._lock:
             self._pending += 1
@@ -229,26 +253,61 @@ class EventRun:
             self._pending -= 1
             if self._pending:
                 return
-            self.completion = Completion(self.event.id, self.matched, self.replies, tuple(self.errors),
-                                         self.blocked_by, perf_counter() - self._started)
-            callbacks = self._callbacks
-        else:
-            with lock:
-                self._pending -= 1
-                if self._pending:
-                    return
-                self.completion = Completion(self.event.id, self.matched, self.replies, tuple(self.errors),
-                                             self.blocked_by, perf_counter() - self._started)
-                callbacks, self._callbacks = self._callbacks, []
+            # No other thread could have added a callback or be waiting.
+            if self._on_outcome is None:
+                self._ended = monotonic()  # the Completion is made when first read
+                return
+            self._completion = completion = Completion(self.event.id, self.matched, self.replies,
+                                                       tuple(self.errors), self.blocked_by,
+                                                       monotonic() - self._started)
+            self._deliver(completion)
+            return
+        with lock:
+            self._pending -= 1
+            if self._pending:
+                return
+            self._completion = completion = Completion(self.event.id, self.matched, self.replies,
+                                                       tuple(self.errors), self.blocked_by,
+                                                       monotonic() - self._started)
+            callbacks, self._callbacks = self._callbacks, None
+            done = self._done
         if self._on_outcome is not None:
-            self._deliver(self.completion)
-        if self._done is not None:
-            self._done.set()
-        for cb in callbacks:
+            self._deliver(completion)
+        if done is not None:
+            done.set()
+        for cb in callbacks or ():
             try:
-                cb(self.completion)
+                cb(completion)
             except Exception as exc:
                 _rlog.exception(("completion", type(exc).__name__), "completion callback %r failed", cb)
+
+    @property
+    def completion(self) -> Completion | None:
+        """The event's one terminal record, or None while a handler is outstanding."""
+        completion = self._completion
+        if completion is None and self._ended is not None:  # completed with nobody listening
+            completion = self._completion = Completion(self.event.id, self.matched, self.replies,
+                                                       tuple(self.errors), self.blocked_by,
+                                                       self._ended - self._started)
+        return completion
+
+    @property
+    def done(self) -> bool:
+        """True once every handler has finished (``completion`` is then set)."""
+        return self._completion is not None or self._ended is not None
+
+    def reply(self, matcher: str, plugin: str | None, text: str | None, data: Any, exec_class: ExecClass,
+              elapsed: float) -> None:
+        """Count one reply of a handler and pass it on, from whichever thread ran the handler;
+        the Reply record is made only when an ``on_outcome`` listens."""
+        lock = self._lock
+        if lock is None:
+            self.replies += 1
+        else:
+            with lock:
+                self.replies += 1
+        if self._on_outcome is not None:
+            self._deliver(Reply(self.event.id, matcher, plugin, text, data, exec_class, elapsed))
 
     def emit(self, outcome: Reply | Failure) -> None:
         """Count and pass on a reply or a failure, from whichever thread ran the handler."""
@@ -257,13 +316,13 @@ class EventRun:
             if type(outcome) is Reply:
                 self.replies += 1
             else:
-                self.errors.append(outcome)  # type: ignore[arg-type]
+                self.errors = [*self.errors, outcome]  # type: ignore[list-item]
         else:
             with lock:
                 if type(outcome) is Reply:
                     self.replies += 1
                 else:
-                    self.errors.append(outcome)  # type: ignore[arg-type]
+                    self.errors = [*self.errors, outcome]  # type: ignore[list-item]
         if self._on_outcome is not None:
             self._deliver(outcome)
 
@@ -284,7 +343,10 @@ class EventRun:
         if lock is not None:
             with lock:
                 if self.completion is None:
-                    self._callbacks.append(fn)
+                    if self._callbacks is None:
+                        self._callbacks = [fn]
+                    else:
+                        self._callbacks.append(fn)
                     return
         elif self.completion is None:
             raise RuntimeError("EventRun used before its dispatch returned")
@@ -292,8 +354,16 @@ class EventRun:
 
     def wait(self, timeout: float | None = None) -> Completion | None:
         """Block until every handler finished; the completion, or None on timeout."""
-        if self.completion is None and self._done is not None:
-            self._done.wait(timeout)
+        lock = self._lock
+        if self.completion is not None or lock is None:
+            return self.completion  # done, or never pooled (complete once dispatch returned)
+        with lock:  # made under the lock that release() completes under: no wake-up is missed
+            if self.completion is not None:
+                return self.completion
+            if self._done is None:
+                self._done = threading.Event()
+            done = self._done
+        done.wait(timeout)
         return self.completion
 
     async def wait_async(self) -> Completion:
@@ -313,5 +383,5 @@ class EventRun:
         self.add_done_callback(_resolve)
         return await fut
 
-    def __await__(self):  # type: ignore[no-untyped-def]
+    def __await__(self) -> Generator[Any, None, Completion]:
         return self.wait_async().__await__()

@@ -94,3 +94,49 @@ class Matcher:
     def sort_key(self) -> tuple[int, int]:
         """Higher priority first, then registration order."""
         return (-self.priority, self.seq)
+
+
+_COMMAND = MatcherKind.COMMAND
+_REGEX = MatcherKind.REGEX
+_EVENT = MatcherKind.EVENT
+
+
+class Routes:
+    """The registered matchers in dispatch order and, per event shape, the ones that can match.
+
+    Built once per registration change and replaced whole (copy-on-write: a dispatch reads one
+    Routes and keeps it), so an event is tested only against its candidates, in dispatch order:
+    for a ``/name`` message the command matchers of ``name`` plus what matches any message
+    (regex matchers, event matchers of type ``message``); for another message only the latter;
+    for any other type its event matchers. Every table is keyed by registered patterns, so it
+    stays as small as the registrations, whatever names and types clients send.
+    """
+
+    __slots__ = ("matchers", "message", "commands", "types")
+
+    def __init__(self, matchers: tuple[Matcher, ...] = ()) -> None:
+        self.matchers = matchers
+        any_message = [m for m in matchers
+                       if m.kind is _REGEX or (m.kind is _EVENT and m.pattern == "message")]
+        #: Candidates of a message that is not a registered command.
+        self.message: tuple[Matcher, ...] = tuple(any_message)
+        #: Candidates of a ``/name`` message, by registered command name.
+        self.commands: dict[str, tuple[Matcher, ...]] = {
+            name: tuple(m for m in matchers if (m.kind is _COMMAND and m.pattern == name) or m in any_message)
+            for name in {m.pattern for m in matchers if m.kind is _COMMAND}}
+        #: Candidates of an event of another type, by registered type.
+        self.types: dict[str, tuple[Matcher, ...]] = {
+            etype: tuple(m for m in matchers if m.kind is _EVENT and m.pattern == etype)
+            for etype in {m.pattern for m in matchers if m.kind is _EVENT and m.pattern != "message"}}
+
+    def plan(self, etype: str, text: str) -> tuple[tuple[Matcher, ...], str]:
+        """(the candidates for an event, in dispatch order; a command's argument string or "")."""
+        if etype != "message":
+            return self.types.get(etype, ()), ""
+        if text[:1] == "/":  # parse_command, inlined: this runs for every message
+            head, _, rest = text[1:].partition(" ")
+            if head:
+                plan = self.commands.get(head)
+                if plan is not None:
+                    return plan, rest.strip()
+        return self.message, ""

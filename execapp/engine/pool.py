@@ -23,6 +23,11 @@ _STOP = object()  # handed to an idle worker to make it exit (drain)
 WATCH_INTERVAL = 0.05
 #: How long the watcher thread lingers with nothing to watch before it exits (seconds).
 WATCH_LINGER = 2.0
+#: ExecPool's defaults, and EXECAPP['POOL_MAX_WORKERS'], ['POOL_QUEUE_SIZE'], ['POOL_IDLE_SECONDS']
+#: (execapp/conf.py reads them from here). Why workers linger 2 s: see ExecPool.
+MAX_WORKERS = 64
+QUEUE_SIZE = 128
+IDLE_SECONDS = 2.0
 
 _RUNNING, _STUCK, _FINISHED = 0, 1, 2
 
@@ -71,7 +76,7 @@ class ExecPool:
     first, so a worker just finishing can run it before the new thread is up, and the thread
     start (~94 us) is not on that task's critical path.
 
-    Exit protocol (design.md §2): a worker about to exit takes ``_exit_lock``, makes a last
+    Exit protocol (docs/architecture.md, "Design rules"): a worker about to exit takes ``_exit_lock``, makes a last
     non-blocking check of the queue and only if it is empty returns its token; a submitter
     that queued a task takes the same lock and wakes an idle worker or starts a drain worker
     with a free token. So after a successful enqueue a live worker will see the task or a new
@@ -84,8 +89,8 @@ class ExecPool:
     with ``next`` for the same reason. The hot path takes no lock at all.
     """
 
-    def __init__(self, max_workers: int = 64, queue_size: int = 128, idle_seconds: float = 2.0,
-                 name: str = "execpool") -> None:
+    def __init__(self, max_workers: int = MAX_WORKERS, queue_size: int = QUEUE_SIZE,
+                 idle_seconds: float = IDLE_SECONDS, name: str = "execpool") -> None:
         if max_workers < 1 or queue_size < 0 or idle_seconds < 0:
             raise ConfigError(f"ExecPool(max_workers={max_workers}, queue_size={queue_size}, "
                               f"idle_seconds={idle_seconds}): need max_workers >= 1, queue_size >= 0, "

@@ -1,7 +1,9 @@
 """ExecProfile: one matcher's recent handler durations and the pool/inline decision drawn from them."""
 from __future__ import annotations
 
+import collections
 import enum
+import itertools
 import threading
 import time
 from typing import Any
@@ -28,8 +30,14 @@ _now = time.time
 _PROMOTED = ProfileState.PROMOTED
 _DEMOTED = ProfileState.DEMOTED
 _POOL = ExecClass.POOL
+_SYNC = ExecClass.SYNC
 
-#: Inline is earned per input size (design.md §3 "Containment"): a demoted handler runs inline
+
+def _count_value(counter: itertools.count) -> int:
+    # repr(count(5)) == "count(5)": the only way to read an itertools.count without bumping it.
+    return int(repr(counter)[6:-1])
+
+#: Inline is earned per input size (docs/architecture.md, "Design rules": containment): a demoted handler runs inline
 #: only events up to SIZE_FACTOR x the largest size it was proven fast on, and never less than
 #: SIZE_FLOOR characters. Why 4x: a handler whose cost grows linearly, proven under the fast
 #: threshold (25 ms by default), stays within 4x that (100 ms, the default inline budget) on
@@ -41,12 +49,19 @@ _POOL = ExecClass.POOL
 #: pooled run on it extends what is proven.
 SIZE_FACTOR = 4
 SIZE_FLOOR = 1024
+#: ExecProfile's defaults, and EXECAPP['PROFILE_WINDOW'] and ['SLOW_THRESHOLD_SECONDS']
+#: (execapp/conf.py reads them from here).
+WINDOW = 32
+SLOW_THRESHOLD = 0.050
+#: The profile's monotonic counters (keys of ``snapshot``): persisted per matcher and summed
+#: over workers by execapp.persistence and the dashboard.
+COUNTERS = ("runs", "errors", "timeouts", "promotions", "demotions")
 
 
 class ExecProfile:
     """A ring window of recent durations deciding, per matcher, between the pool and inline.
 
-    Rules (design.md §2), all thresholds constructor arguments:
+    Rules (docs/architecture.md, "Design rules": the adaptive engine), all thresholds constructor arguments:
 
     - promoted -> POOL; demoted -> SYNC (``should_pool`` reads one attribute: no statistics);
     - too few samples -> POOL (every handler is suspected slow until proven fast);
@@ -66,12 +81,19 @@ class ExecProfile:
     single outlier. Every rule is kept O(1) per ``record``: p50 >= x holds exactly when at
     least half of the window (``n - n // 2`` samples, the upper median) is >= x, so two
     running counts replace sorting. Percentiles are only computed for ``snapshot``.
+
+    The fast lane: a fast, successful run of a demoted handler on an input no larger than one
+    already proven changes no decision (it cannot promote, and demotion is done), so ``record``
+    takes it without the lock: the sample goes onto a bounded deque and the run into an
+    itertools.count (each one atomic C call, from any thread); every locked reader and writer
+    first folds the lane into the window, in arrival order. ``runs``, ``version`` and
+    ``updated_at`` include lane runs at once.
     """
 
     def __init__(
         self,
-        window: int = 32,
-        slow_threshold: float = 0.050,
+        window: int = WINDOW,
+        slow_threshold: float = SLOW_THRESHOLD,
         promote_after: float | None = None,
         fast_threshold: float | None = None,
         recent: int = 10,
@@ -105,7 +127,7 @@ class ExecProfile:
         self._fresh = 0
         self.state = ProfileState.LEARNING
         self._class = ExecClass.POOL  # what should_pool() returns; written only under the lock
-        self.runs = 0
+        self._runs = 0  # runs recorded under the lock (``runs`` adds the lane's)
         self.errors = 0
         self.timeouts = 0
         self.promotions = 0
@@ -113,21 +135,33 @@ class ExecProfile:
         self.promoted_at: float | None = None
         self.demoted_at: float | None = None
         self.last_error = ""
-        self.updated_at = 0.0
-        self.version = 0  # bumped on every change; the persistence layer flushes what moved
+        self._updated_at = 0.0
+        self._version = 0  # ``version`` adds the lane's runs
+        # The fast lane (see the class docstring): only the last `window` samples can matter.
+        self._lane: collections.deque[float] = collections.deque(maxlen=window)
+        self._lane_runs = itertools.count()
+        self._lane_seen = 0  # lane runs already reflected in updated_at (see updated_at)
         #: The largest event size (characters) of a fast, successful run since the last promotion.
         self.proven_size = 0
         #: Events larger than this go to the pool even when demoted (read without the lock).
         self.inline_max_size = SIZE_FLOOR
+        #: The decision in one attribute, for the engine's hot path: events up to this size run
+        #: inline now; -1 while the class is POOL. Kept equal to ``inline_max_size if demoted
+        #: else -1`` by every change of either (``_relimit``), and read without the lock.
+        self.inline_limit = -1
         #: Why this matcher is pinned to the pool (None: not quarantined).
         self.quarantined: str | None = None
 
     # -- the decision -------------------------------------------------------------------------
 
     def should_pool(self, size: int = 0) -> ExecClass:
-        """Where the next run of an event of ``size`` characters goes. Two attribute reads and a
-        comparison: safe without the lock, O(1), and it never changes the profile."""
-        return self._class if size <= self.inline_max_size else _POOL
+        """Where the next run of an event of ``size`` characters goes: one attribute read and a
+        comparison (``inline_limit``), safe without the lock, O(1), never changing the profile."""
+        return _SYNC if size <= self.inline_limit else _POOL
+
+    def _relimit(self) -> None:
+        """Recompute ``inline_limit`` after ``_class`` or ``inline_max_size`` changed (under the lock)."""
+        self.inline_limit = self.inline_max_size if self._class is _SYNC else -1
 
     def record(self, elapsed: float, size: int = 0, *, error: str | None = None, timeout: bool = False,
                overrun: bool = False) -> None:
@@ -141,9 +175,17 @@ class ExecProfile:
         each rule is only tested when the new sample can change its outcome (p50 >= threshold
         can only start to hold when a slow sample arrives, demotion only when a fast one does).
         """
+        if (elapsed < self.fast_threshold and size <= self.proven_size and self.inline_limit >= 0
+                and error is None and not timeout and not overrun):
+            # The fast lane: no decision can change (see the class docstring).
+            self._lane.append(elapsed)
+            next(self._lane_runs)
+            return
         with self._lock:
-            self.runs += 1
-            self.version += 1
+            if self._lane:
+                self._fold()
+            self._runs += 1
+            self._version += 1
             if error is not None:
                 self.errors += 1
                 self.last_error = error[:500]
@@ -151,7 +193,7 @@ class ExecProfile:
                 self.timeouts += timeout
                 self._outlier(elapsed)
                 return
-            self.updated_at = _now()
+            self._updated_at = _now()
             # -- push into the ring, keeping the running counts (same as _push) --
             i = self._next
             if self._count == self.window:
@@ -172,6 +214,7 @@ class ExecProfile:
                     # A failed run proves nothing about its input (it may have stopped early).
                     self.proven_size = size
                     self.inline_max_size = max(SIZE_FLOOR, SIZE_FACTOR * size)
+                    self._relimit()
                 # A fast run can only demote (never promote): learning -> demoted, or a promoted
                 # handler recovering on its post-promotion window.
                 if self.state is not _DEMOTED and self._may_demote() and self.quarantined is None:
@@ -197,12 +240,52 @@ class ExecProfile:
         with self._lock:
             self.errors += 1
             self.last_error = error[:500]
-            self.version += 1
-            self.updated_at = _now()
+            self._version += 1
+            self._updated_at = _now()
+
+    def _fold(self) -> None:
+        """Move the fast lane's samples into the window, oldest first (under the lock)."""
+        lane, push = self._lane, self._push
+        while True:
+            try:
+                elapsed = lane.popleft()
+            except IndexError:
+                return
+            push(elapsed)
+
+    # -- counters that include the fast lane ------------------------------------------------------
+
+    @property
+    def runs(self) -> int:
+        """Runs recorded so far (restored ones included)."""
+        return self._runs + _count_value(self._lane_runs)
+
+    @runs.setter
+    def runs(self, value: int) -> None:
+        self._runs = int(value) - _count_value(self._lane_runs)
+
+    @property
+    def version(self) -> int:
+        """Bumped on every change: the persistence layer flushes the profiles whose version moved."""
+        return self._version + _count_value(self._lane_runs)
+
+    @property
+    def updated_at(self) -> float:
+        """time.time() of the latest change. Lane runs carry no timestamp (a clock read per run
+        saved): new ones since the last read count as a change at the time of this read."""
+        seen = _count_value(self._lane_runs)
+        if seen != self._lane_seen:
+            self._lane_seen = seen
+            self._updated_at = _now()
+        return self._updated_at
+
+    @updated_at.setter
+    def updated_at(self, value: float) -> None:
+        self._updated_at = value
 
     def _outlier(self, elapsed: float) -> None:
         """A timeout or an inline overrun (under the lock): promote now, or restart recovery."""
-        self.updated_at = _now()
+        self._updated_at = _now()
         if self.state is _PROMOTED:
             self._push(elapsed)
             self._fresh = 0
@@ -238,10 +321,11 @@ class ExecProfile:
 
     def _promote(self, elapsed: float) -> None:
         """Learning or demoted -> promoted, by the run that took ``elapsed`` seconds."""
+        self._class = ExecClass.POOL
+        self.inline_limit = -1  # first: no event goes inline from here on
         self.promotions += 1
         self.promoted_at = time.time()
         self.state = ProfileState.PROMOTED
-        self._class = ExecClass.POOL
         # Recovery is judged only on samples taken from the promotion on: a fresh window that
         # starts with the run that caused it (a promoted handler is not reset again by later
         # slow runs, so an always-slow handler keeps a full window to report).
@@ -257,6 +341,7 @@ class ExecProfile:
         self._class = ExecClass.SYNC
         self.demotions += 1
         self.demoted_at = time.time()
+        self._relimit()
 
     # -- quarantine -------------------------------------------------------------------------------
 
@@ -268,14 +353,17 @@ class ExecProfile:
         release it must prove itself fast again on new runs before it runs inline.
         """
         with self._lock:
+            if self._lane:
+                self._fold()
             self.quarantined = str(reason)[:500] or "quarantined"
-            self.version += 1
-            self.updated_at = _now()
+            self._version += 1
+            self._updated_at = _now()
             if self.state is not _PROMOTED:
+                self._class = ExecClass.POOL
+                self.inline_limit = -1  # first: no event goes inline from here on
                 self.promotions += 1
                 self.promoted_at = time.time()
                 self.state = ProfileState.PROMOTED
-                self._class = ExecClass.POOL
                 self._ring = [0.0] * self.window
                 self._next = self._count = self._n_slow = self._n_not_fast = self._fast_streak = 0
                 self._fresh = 0
@@ -288,8 +376,8 @@ class ExecProfile:
             if self.quarantined is None:
                 return
             self.quarantined = None
-            self.version += 1
-            self.updated_at = _now()
+            self._version += 1
+            self._updated_at = _now()
             self._fresh = 0
 
     # -- reporting and persistence ---------------------------------------------------------------
@@ -300,6 +388,8 @@ class ExecProfile:
             return self._samples_locked()
 
     def _samples_locked(self) -> list[float]:
+        if self._lane:
+            self._fold()
         if self._count < self.window:
             return self._ring[: self._count]
         return self._ring[self._next:] + self._ring[: self._next]
@@ -333,6 +423,7 @@ class ExecProfile:
     def restore(self, state: str, window: list[float], **counters: Any) -> None:
         """Load a persisted profile (warm start): its state, its window and its counters."""
         with self._lock:
+            self._lane.clear()  # runs from before the restore: the persisted window replaces them
             self._ring = [0.0] * self.window
             self._next = self._count = self._n_slow = self._n_not_fast = self._fast_streak = self._fresh = 0
             for elapsed in list(window)[-self.window:]:
@@ -341,8 +432,7 @@ class ExecProfile:
             self._class = ExecClass.SYNC if self.state is ProfileState.DEMOTED else ExecClass.POOL
             if counters.get("recovery_samples") is not None:
                 self._fresh = int(counters["recovery_samples"])
-            for name in ("runs", "errors", "timeouts", "promotions", "demotions", "promoted_at",
-                         "demoted_at", "last_error", "updated_at"):
+            for name in (*COUNTERS, "promoted_at", "demoted_at", "last_error", "updated_at"):
                 if name in counters and counters[name] is not None:
                     setattr(self, name, counters[name])
             size = int(counters.get("proven_size") or 0)
@@ -353,6 +443,7 @@ class ExecProfile:
                 # Pinned: a restored quarantine is never inline (the window says how it ran).
                 self.state = ProfileState.PROMOTED
                 self._class = ExecClass.POOL
+            self._relimit()
 
 
 def _pct(ordered: list[float], q: float) -> float | None:

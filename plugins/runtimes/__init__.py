@@ -1,23 +1,8 @@
-"""Runtimes behind one interface (plugins.runtimes.base): Lua (lupa), WASM (wasmtime), JS (QuickJS)."""
-from __future__ import annotations
+"""The sandboxes, Django-free: the runtime registry (``registry.py``: which runtimes exist and how
+to compile for each), the interface every runtime implements (``base.py``), the host API guests
+call (``host.py``, with the KV store injected through ``kvstore.py``) and one module per runtime:
+Lua (``lua.py``, lupa), WASM (``wasm.py``, wasmtime), JS (``js.py``, QuickJS).
 
-from ..spec import PluginSpec
-from .base import Compiled, Instance
-
-
-def compile_plugin(spec: PluginSpec) -> Compiled:
-    """Compile and validate ``spec`` in its runtime's sandbox; raises plugins.errors.CompileError."""
-    if spec.runtime == "lua":
-        from .lua import LuaCompiled
-        return LuaCompiled(spec)
-    if spec.runtime == "wasm":
-        from .wasm import WasmCompiled
-        return WasmCompiled(spec)
-    if spec.runtime == "js":
-        from .js import JsCompiled
-        return JsCompiled(spec)
-    from ..errors import CompileError
-    raise CompileError(f"unknown runtime {spec.runtime!r}; use lua, wasm or js")
-
-
-__all__ = ["Compiled", "Instance", "compile_plugin"]
+This package imports nothing: ``plugins.spec`` reads the registry, and the runtime modules
+import the spec, so loading a submodule must not pull the others in.
+"""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json as _json
 import json.encoder as _json_encoder
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from ..spec import PluginSpec
 
@@ -17,7 +17,7 @@ class Instance(Protocol):
     ``call`` runs ``handler`` until ``deadline`` (a time.monotonic() value) and raises
     plugins.errors.GuestError / GuestTimeout / GuestMemory; an error with ``poison`` set means
     this instance must be closed and replaced, never reused. The instance makes the call's
-    plugins.host.Host only when the guest calls the host API (most calls never do).
+    plugins.runtimes.host.Host only when the guest calls the host API (most calls never do).
     """
 
     def call(self, handler: str, event: dict[str, Any], deadline: float) -> Any: ...
@@ -50,6 +50,10 @@ class Compiled(Protocol):
 class FreshInstanceIsolation:
     """``Compiled`` defaults for a runtime whose per-request isolation is simply a new instance
     (the class it is mixed into supplies ``new_instance``)."""
+
+    def new_instance(self) -> Instance:
+        """A new instance: the runtime's class defines it."""
+        raise NotImplementedError
 
     def call_isolated(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         """One call on a brand-new instance, closed right after."""
@@ -86,10 +90,11 @@ def _make_to_json() -> Any:
     def default(obj: Any) -> Any:
         raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
-    if _json_encoder.c_make_encoder is None:  # a Python without the C accelerator
+    # The C encoder is undocumented (typeshed does not list it): None on a Python without it.
+    make_encoder = getattr(_json_encoder, "c_make_encoder", None)
+    if make_encoder is None:
         return _json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=default).encode
-    encode = _json_encoder.c_make_encoder(None, default, _json_encoder.encode_basestring, None, ":", ",",
-                                          False, False, True)
+    encode = make_encoder(None, default, _json_encoder.encode_basestring, None, ":", ",", False, False, True)
     join = "".join
     return lambda obj: join(encode(obj, 0))
 
@@ -100,4 +105,5 @@ to_json = _make_to_json()
 
 #: ``scan_json(text, index) -> (value, end)``: the C JSON scanner; raises StopIteration when no
 #: JSON value starts at ``index`` (json.loads adds ~0.7 us of Python around the same call).
-scan_json = _json.JSONDecoder().scan_once
+#: (typeshed does not list the decoder's ``scan_once`` attribute.)
+scan_json: Callable[[str, int], tuple[Any, int]] = _json.JSONDecoder().scan_once  # type: ignore[attr-defined]

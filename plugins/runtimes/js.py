@@ -29,14 +29,14 @@ from typing import Any
 
 import quickjs
 
-get_ident = threading.get_ident
-
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
-from ..host import Host
 from . import js_deadline
 from .base import FreshInstanceIsolation, scan_json, to_json, to_reply
+from .host import Host
 
-if not getattr(quickjs, "_quickjs").__file__.endswith(".abi3.so"):
+get_ident = threading.get_ident
+
+if not quickjs._quickjs.__file__.endswith(".abi3.so"):
     # The old `quickjs` 1.19.4 binding (its .so wins over quickjs-ng's when both are installed)
     # segfaults when a guest hits its memory limit: refuse to run plugins on it.
     raise ImportError("the old 'quickjs' binding is loaded instead of quickjs-ng: run "
@@ -66,14 +66,16 @@ _PRELUDE = r"""
     return String(e);
   };
   const request = (op, args) => {
-    if (loading) throw new Error(op + ": the host API is not available while the plugin's top level runs; call it from a handler");
+    if (loading)
+      throw new Error(op + ": the host API is not available while the plugin's top level runs; call it from a handler");
     return new Promise((resolve, reject) => {
       const id = ++seq;
       waiting.set(id, [resolve, reject]);
       queue.push([id, op, args]);
     });
   };
-  const define = (name, value) => Object.defineProperty(g, name, {value, writable: false, enumerable: false, configurable: false});
+  const define = (name, value) =>
+    Object.defineProperty(g, name, {value, writable: false, enumerable: false, configurable: false});
   define("log", (msg) => { if (loading) request("log", []); queue.push([0, "log", [String(msg)]]); });
   define("kv_get", (key) => request("kv_get", [key]));
   define("kv_set", (key, value) => request("kv_set", [key, value]));
@@ -120,7 +122,8 @@ _PRELUDE = r"""
 _LIST_FUNCTIONS = r"""
 Object.defineProperty(globalThis, "__execapp_functions", {value: (before) => {
   const skip = new Set(JSON.parse(before));
-  return JSON.stringify(Object.getOwnPropertyNames(globalThis).filter(k => !skip.has(k) && typeof globalThis[k] === "function"));
+  return JSON.stringify(Object.getOwnPropertyNames(globalThis)
+    .filter(k => !skip.has(k) && typeof globalThis[k] === "function"));
 }});
 """
 
@@ -268,7 +271,7 @@ class JsInstance:
         if slot is not None:
             js_deadline.unregister(slot)
         self._run = self._resume = self._step = None
-        self.ctx = None  # type: ignore[assignment]
+        self.ctx = None
 
 
 def _timeout_message(spec: Any, where: str = "") -> str:

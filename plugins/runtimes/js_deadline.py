@@ -149,7 +149,10 @@ def register(ctx: Any, owner: object) -> Slot | None:
     key = slot._key
     # An instance may be dropped without close() (a pool thread's locals): forget its slot then.
     # The weak reference lives in the slot, so its callback stays armed while the slot is known.
-    slot._owner = weakref.ref(owner, lambda _ref, key=key: _slots.pop(key, None))
+    def forget(_ref: weakref.ref, key: int = key) -> None:
+        _slots.pop(key, None)
+
+    slot._owner = weakref.ref(owner, forget)
     _slots[key] = slot
     return slot
 
@@ -285,7 +288,8 @@ def _counter_problem() -> str:
     ctx.eval("for (let i = 0; i < 10; i++) {}")  # a fresh counter is 0: the first poll resets it
     before = count.value
     ctx.eval("for (let i = 0; i < 1000; i++) {}")  # one or two poll points per iteration
-    if not 0 < before <= _INTERRUPT_COUNTER_INIT or not 1000 <= (before - count.value) % _INTERRUPT_COUNTER_INIT <= 3000:
+    polls = (before - count.value) % _INTERRUPT_COUNTER_INIT
+    if not 0 < before <= _INTERRUPT_COUNTER_INIT or not 1000 <= polls <= 3000:
         return "the JSContext's interrupt counter is not where expected"
     # Each iteration scans 256 KiB in C: 10,000 of them (a poll without the hurry) take ~1 s.
     return _interrupts(ctx, 'const s = "x".repeat(1 << 18); for (;;) s.indexOf("y");', counter=True, within=0.25)

@@ -19,8 +19,12 @@ Sandbox (built once per lupa runtime, in Lua, while the standard library is stil
   bounds each native call's work before it starts, charges it to a meter that checks the
   deadline, and runs larger work in pieces the hook can stop (a pure-Lua pattern matcher,
   ``lua_patterns.lua``, chunked table ranges) or refuses it with a clear error (a result
-  larger than the memory cap). ``GUARDS = False`` (or ``_LuaVM(..., guards=False)``) builds the
-  sandbox without them, for benchmarks.
+  larger than the memory cap);
+- a deadline watchdog (``lua_interrupt.py``) makes the count hook fire at the next instruction
+  once a call is past its deadline, so a loop of O(n) instructions (``s .. "x"`` on a 30 MB
+  string) cannot run for seconds between two hooks.
+``GUARDS = False`` (or ``_LuaVM(..., guards=False)``) builds the sandbox without the guards and
+the watchdog, for benchmarks.
 
 Strategies: ``call_isolated`` (per_request) keeps one runtime per thread per plugin version
 and runs every call in a fresh environment table with the bytecode loaded into it (full
@@ -38,9 +42,9 @@ from typing import Any
 import lupa.lua54 as lupa
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
-from ..host import Host, HostCallError
 from ..spec import PluginSpec
 from .base import to_reply
+from .host import Host, HostCallError
 from .lua_interrupt import Interrupts
 
 #: Instructions between two deadline checks (a check calls time.monotonic through lupa: ~1 us;
@@ -59,6 +63,7 @@ MEMORY_MARK = "execapp: memory_limit: "
 GUARD_LIMITS = {
     "LIMIT": 1_000_000,        # work between two deadline checks of the meter (~1 ms)
     "NATIVE_MAX": 4_000_000,   # the most one native call may do (~4 ms); more runs in pieces
+    "LINEAR_MAX": 64_000_000,  # the same for work linear in the subject (like s:upper(): ~10 ms)
     "FREE": 20_000,            # a call bounded this low is not charged (the hook covers it)
     "BIG": 4096,               # strings up to this many bytes are not charged (cheaper than a hook)
     "CHUNK": 4096,             # table elements per native call over a range
@@ -266,7 +271,7 @@ local function new_env(bytecode, name, deadline)
   env._G = env
   local chunk, err = load(bytecode, name, "b", env)
   if not chunk then return nil, 1, err end
-  release()
+  if B.ncos > 0 or nactive > 0 then release() end
   B.deadline, B.expired, B.why, B.loading = deadline, false, nil, true
   local status, v = outcome(pcall(chunk))
   B.loading, B.deadline = false, math_huge
@@ -277,7 +282,7 @@ end
 local function call(env, handler, event, deadline, same_call)
   local f = rawget(env, handler)
   if type(f) ~= "function" then return 1, "no handler function '" .. tostring(handler) .. "'" end
-  if not same_call then release() end
+  if not same_call and (B.ncos > 0 or nactive > 0) then release() end
   B.deadline, B.expired, B.why = deadline, false, nil
   local status, v = outcome(pcall(f, event))
   B.deadline = math_huge
@@ -321,8 +326,9 @@ def compile_bytecode(spec: PluginSpec) -> bytes:
 
 
 def _load_text(rt: Any, spec: PluginSpec) -> tuple[Any, bytes | None]:
+    code = spec.code  # source text (a str) for a source runtime
     result = rt.execute("local src, name = ...; local f, e = load(src, name, 't'); return f or false, e",
-                        spec.code.encode(), f"={spec.name}".encode())
+                        code.encode() if isinstance(code, str) else code, f"={spec.name}".encode())
     fn, err = result if isinstance(result, tuple) else (result, None)
     return (fn or None), err
 
@@ -399,7 +405,8 @@ class _LuaVM:
             if guards:
                 irq.attach(main, HOOK_COUNT)
         except lupa.LuaMemoryError:
-            raise CompileError(f"the memory cap of {spec.memory_bytes} bytes is too small for the Lua sandbox") from None
+            raise CompileError(f"the memory cap of {spec.memory_bytes} bytes is too small for the Lua "
+                               "sandbox") from None
         self._table_from = self.rt.table_from
 
     def load_env(self, deadline: float) -> Any:

@@ -25,6 +25,10 @@ local S, T, U = NAT.string, NAT.table, NAT.utf8
 -- so a native argument error still reads "bad argument #2 to 'rep'".
 
 local LIMIT, NATIVE_MAX, BIG, CHUNK, FREE = cfg.LIMIT, cfg.NATIVE_MAX, cfg.BIG, cfg.CHUNK, cfg.FREE
+-- A call whose bound is linear in the subject (degree <= 1) is like s:upper(): its cost is
+-- bounded by the memory cap; it may run natively up to LINEAR_MAX.
+local LINEAR_MAX = cfg.LINEAR_MAX
+local function limit_for(degree) return degree <= 1 and LINEAR_MAX or NATIVE_MAX end
 local STEP, BYTE, ELEM, CMP = cfg.W_STEP, cfg.W_BYTE, cfg.W_ELEM, cfg.W_CMP
 local MEMORY, MEM_MARK = cfg.memory, cfg.MEM_MARK
 local CACHE_MAX = cfg.CACHE_MAX
@@ -96,7 +100,7 @@ local function fit(poly, weight)
   end
   K = K * weight
   if K <= 0 then return huge, 0, 0, huge end
-  return within(K, d, NATIVE_MAX), K, d, within(K, d, FREE)
+  return within(K, d, limit_for(d)), K, d, within(K, d, FREE)
 end
 
 -- classend over a pattern string: the index after the class at i, or nil if malformed.
@@ -120,9 +124,41 @@ local function cend(p, i, lp)
 end
 
 local SPECIALS = "[%^%$%*%+%?%.%(%[%%%-]"
+-- The analysis itself is bounded: a longer pattern, or a bound of a higher degree, is
+-- "unbounded" (always the Lua matcher), unless it has no special character (a literal: linear).
+local MAX_ANALYZED, MAX_DEGREE = 4096, 32
+
+local function descriptor(ff, fa, cs, anchored, open, plain, lp)
+  local once = padd(padd(ff, fa), pN(cs))
+  local fm, gs
+  if anchored then
+    fm, gs = once, once
+  else
+    fm = padd(padd(pN(ff), fa), pN(cs))
+    gs = padd(pN(padd(ff, fa)), pN(cs))
+  end
+  local d = {}
+  d[1], d[2], d[3], d.free = fit(fm, STEP)
+  d[4], d[5], d[6], d.gfree = fit(gs, STEP)
+  d[7], d[8], d[9] = fit(once, STEP)
+  d.pk = (lp + 1) * BYTE -- plain search: positions x pattern length
+  d.anchored = anchored
+  d.level2 = not anchored and open == 0
+  -- find() does a plain search (lmemfind) when there is no special character
+  d.plain = plain
+  return d
+end
+
+local UNBOUNDED = {0, huge, 0, 0, huge, 0, 0, huge, 0, free = 0, gfree = 0, pk = huge, anchored = false,
+                   level2 = false, plain = false}
 
 local function analyze(p, honor_anchor)
   local lp = #p
+  local literal = S.find(p, SPECIALS) == nil
+  if literal then -- singles only: an attempt walks at most the pattern
+    return descriptor(C(lp), C(lp), C(lp), false, 0, honor_anchor, lp)
+  end
+  if lp > MAX_ANALYZED then return UNBOUNDED end
   local i, anchored = 1, false
   if honor_anchor and S.byte(p, 1) == 94 then anchored, i = true, 2 end
   local items = {}
@@ -233,25 +269,9 @@ local function analyze(p, honor_anchor)
         end
       end
     end
+    if #ff > MAX_DEGREE or #fa > MAX_DEGREE or #cs > MAX_DEGREE then return UNBOUNDED end
   end
-  local once = padd(padd(ff, fa), pN(cs))
-  local fm, gs
-  if anchored then
-    fm, gs = once, once
-  else
-    fm = padd(padd(pN(ff), fa), pN(cs))
-    gs = padd(pN(padd(ff, fa)), pN(cs))
-  end
-  local d = {}
-  d[1], d[2], d[3], d.free = fit(fm, STEP)
-  d[4], d[5], d[6], d.gfree = fit(gs, STEP)
-  d[7], d[8], d[9] = fit(once, STEP)
-  d.pk = (lp + 1) * BYTE -- plain search: positions x pattern length
-  d.anchored = anchored
-  d.level2 = not anchored and open == 0
-  -- find() does a plain search (lmemfind) when there is no special character
-  d.plain = honor_anchor and S.find(p, SPECIALS) == nil
-  return d
+  return descriptor(ff, fa, cs, anchored, open, false, lp)
 end
 
 -- Descriptors by pattern string, for find/match/gsub (a leading '^' anchors) and for gmatch
@@ -295,9 +315,9 @@ end
 -- The level for a pattern call: 1 native (charging the bound), 2 native attempts, 3 Lua.
 local function level(d, N, k)
   local u = d[k + 2] * N ^ d[k + 3]
-  if u <= NATIVE_MAX then charge(u); return 1, 0 end
+  if u <= limit_for(d[k + 3]) then charge(u); return 1, 0 end
   local a = d[8] * N ^ d[9]
-  if d.level2 and a <= NATIVE_MAX then return 2, a end
+  if d.level2 and a <= limit_for(d[9]) then return 2, a end
   return 3, 0
 end
 
@@ -311,10 +331,12 @@ local function find_slow(s, p, init, plain, find)
   local i0 = start0(init, ls)
   if i0 > ls then return nil end
   local N = ls - i0 + 1
-  local d = describe(p2, false)
+  -- a plain search (asked for, or a pattern without specials) needs no pattern analysis
+  local d = nil
+  if not (find and plain) then d = describe(p2, false) end
   if find and (plain or d.plain) then
-    local u = N * d.pk
-    if u <= NATIVE_MAX then charge(u); return S.find(s, p, init, plain) end
+    local u = N * (#p2 + 1) * BYTE
+    if u <= LINEAR_MAX then charge(u); return S.find(s, p, init, plain) end
     return P().plain_find(s2, p2, i0)
   end
   local lvl, per = level(d, N, 0)
@@ -335,7 +357,7 @@ function G.find(s, p, init, plain)
     local n = #s
     if plain or d.plain then
       local u = (n + 1) * d.pk
-      if u <= NATIVE_MAX then
+      if u <= LINEAR_MAX then
         if u > FREE then charge(u) end
         return S.find(s, p, init, plain)
       end
@@ -373,6 +395,7 @@ function G.gmatch(s, p, init)
 end
 
 local REPL = {string = true, number = true, ["function"] = true, table = true}
+local REPL_COST = 48 -- units per match for gsub's replacement step (a buffer append, a lookup)
 
 local gsub_slow
 
@@ -381,8 +404,8 @@ function G.gsub(s, p, repl, n)
   if d ~= nil and n == nil and type(s) == "string" and type(repl) == "string" then
     local N = #s + 1
     if N <= d[4] then
-      local u = d[5] * N ^ d[6] + N * (#repl + 16) * BYTE
-      if u <= NATIVE_MAX then
+      local u = d[5] * N ^ d[6] + N * (#repl + REPL_COST) * BYTE
+      if u <= limit_for(d[6]) then
         if u > FREE then charge(u) end
         return S.gsub(s, p, repl)
       end
@@ -403,14 +426,14 @@ function gsub_slow(s, p, repl, n)
   local N = ls + 1
   local d = FM[p2] or describe(p2, false)
   -- the replacement's own work: each match appends the replacement (a string's length)
-  local per = (tr == "string" and #repl or 8) + 8
+  local per = (tr == "string" and #repl or 0) + REPL_COST
   local u = d[5] * N ^ d[6] + N * per * BYTE
-  if u <= NATIVE_MAX then
+  if u <= limit_for(d[6]) then
     charge(u)
     return S.gsub(s, p, repl, n)
   end
   local a = d[8] * N ^ d[9]
-  local lvl = (d.level2 and a <= NATIVE_MAX) and 2 or 3
+  local lvl = (d.level2 and a <= limit_for(d[9])) and 2 or 3
   return P().gsub(lvl, a, s2, p2, repl, max_n)
 end
 

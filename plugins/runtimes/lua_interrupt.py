@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import struct
 import threading
 import time
 import weakref
-from typing import Any
 
 import lupa.lua54 as lupa
 
@@ -73,23 +73,26 @@ def _ints(address: int, size: int) -> tuple[int, ...]:
 def counter_address(state: int, count: int) -> int | None:
     """Where ``hookcount`` of the idle lua_State at ``state`` is, given its count hook of
     ``count`` instructions; None if the layout cannot be confirmed (interrupts then stay off)."""
-    global _offset, _disabled
+    global _offset
     if _disabled or state == 0:
         return None
     with _layout_lock:
         if _offset is None:
             if _lib.lua_gethookcount(state) != count or _lib.lua_gethookmask(state) != LUA_MASKCOUNT:
-                return _disable("the exported hook getters do not report the sandbox's hook")
+                _disable("the exported hook getters do not report the sandbox's hook")
+                return None
             words = _ints(state, _SCAN_BYTES)
             # basehookcount == count, then hookcount (count minus what ran since), then hookmask
             found = [i for i in range(2, len(words) - 2)
                      if words[i] == count and 0 < words[i + 1] <= count and words[i + 2] == LUA_MASKCOUNT]
             if len(found) != 1:
-                return _disable(f"{len(found)} candidate places for the hook counter")
+                _disable(f"{len(found)} candidate places for the hook counter")
+                return None
             _offset = (found[0] + 1) * 4
         base, current, mask = _ints(state + _offset - 4, 12)
     if base != count or not 0 < current <= count or mask != LUA_MASKCOUNT:
-        return _disable("a new state does not have the layout found before")
+        _disable("a new state does not have the layout found before")
+        return None
     return state + _offset
 
 
@@ -99,7 +102,6 @@ def _disable(why: str) -> None:
         _disabled = True
         log.warning("Lua deadline interrupts are off (%s): timeouts rely on the count hook and the library "
                     "guards, and an expensive instruction in a loop (a long string concatenation) can overrun", why)
-    return None
 
 
 def poke(address: int) -> None:
@@ -181,9 +183,19 @@ class Watchdog:
     def watch(self, irq: Interrupts) -> None:
         with self._lock:
             self._watched.append(weakref.ref(irq))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="lua-deadline-watchdog", daemon=True)
-                self._thread.start()
+            self._start()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lua-deadline-watchdog", daemon=True)
+            self._thread.start()
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's thread is not there; start ours for the VMs we inherited."""
+        self._lock = threading.Lock()
+        self._thread = None
+        if self._watched:
+            self._start()
 
     def _run(self) -> None:
         pause = IDLE_POLL_SECONDS
@@ -210,3 +222,4 @@ class Watchdog:
 
 
 watchdog = Watchdog()
+os.register_at_fork(after_in_child=watchdog.after_fork)

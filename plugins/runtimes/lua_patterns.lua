@@ -179,10 +179,15 @@ local function match_capture(ms, s, d)
   if len < 0 then return nil end -- a position capture: (size_t)-2 never fits
   if ms.src_end - s < len then return nil end
   if len == 0 then return s end
-  charge(len * BYTE)
-  local init = ms.cinit[d]
-  if sub(ms.s, init, init + len - 1) == sub(ms.s, s, s + len - 1) then return s + len end
-  return nil
+  -- compared in pieces: a mismatch is usually found early, and no copy is larger than 4 KiB
+  local S, init = ms.s, ms.cinit[d]
+  for off = 0, len - 1, 4096 do
+    local last = off + 4095
+    if last >= len then last = len - 1 end
+    charge((last - off + 1) * BYTE)
+    if sub(S, init + off, init + last) ~= sub(S, s + off, s + last) then return nil end
+  end
+  return s + len
 end
 
 do_match = function(ms, s, p)
@@ -326,20 +331,22 @@ end
 local M = {}
 
 -- lmemfind for a plain find whose worst case (positions x needle) is too large for one C call:
--- the first byte is found natively (memchr, linear), each candidate compared here.
+-- the first byte is found natively (memchr, linear), and each candidate checked natively with
+-- the needle as an anchored literal pattern (linear, and no copy of the needle per candidate).
 function M.plain_find(s, p, i0)
   local lp, ls = #p, #s
   if lp == 0 then return i0 + 1, i0 end
   if lp > ls - i0 then return nil end
   local first = sub(p, 1, 1)
+  local literal = "^" .. NAT.string.gsub(p, "[%^%$%*%+%?%.%(%)%[%]%%%-]", "%%%0")
   local last = ls - lp + 1
   local i = i0 + 1
-  charge((ls - i0) * BYTE)
+  charge((ls - i0 + lp) * BYTE)
   while i <= last do
     i = s_find(s, first, i, true)
     if i == nil or i > last then return nil end
-    charge(lp * BYTE)
-    if sub(s, i, i + lp - 1) == p then return i, i + lp - 1 end
+    charge(lp * STEP)
+    if s_find(s, literal, i) then return i, i + lp - 1 end
     i = i + 1
   end
   return nil

@@ -5,7 +5,7 @@ import threading
 from typing import Any
 
 from execapp.engine import Completion, Engine, ExecPool, Failure, Matcher, Reply
-from tests.conftest import LIVENESS, wait_until  # noqa: F401  (re-exported for the engine tests)
+from tests.conftest import LIVENESS, wait_until, wait_until_async  # noqa: F401  (re-exported for the engine tests)
 
 
 def add_cmd(engine: Engine, handler: Any, *, name: str, priority: int = 0, block: bool = False,
@@ -24,6 +24,11 @@ def demote(m: Matcher) -> Matcher:
     """Make ``m`` known fast: it runs inline."""
     m.profile.restore("demoted", [0.0001] * m.profile.window)
     return m
+
+
+def parked(engine: Engine) -> int:
+    """How many dispatches wait in line for a pool slot (policy "wait"), read where they queue."""
+    return len(engine._waiters)
 
 
 class Outcomes:

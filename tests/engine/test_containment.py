@@ -19,8 +19,18 @@ import time
 
 import pytest
 
-from execapp.engine import (BadEvent, ConfigError, Context, Engine, Event, ExecClass, ExecPool, ExecProfile,
-                            HandlerTimeout, ProfileState)
+from execapp.engine import (
+    BadEvent,
+    ConfigError,
+    Context,
+    Engine,
+    Event,
+    ExecClass,
+    ExecPool,
+    ExecProfile,
+    HandlerTimeout,
+    ProfileState,
+)
 from execapp.engine import pool as pool_module
 from execapp.engine.matcher import MARK_SIZE, make_mark
 from execapp.engine.profile import SIZE_FACTOR, SIZE_FLOOR
@@ -132,7 +142,7 @@ def test_a_pooled_run_past_its_timeout_is_reported_at_its_deadline_and_counted_s
     assert after_release.wait(LIVENESS)
     assert wait_until(lambda: pool.stats()["stuck"] == 0 and pool.busy() == 0)
     assert pool.stats()["stuck_total"] == 1
-    time.sleep(0.05)  # the late "late" would have been emitted right after after_release
+    # The pool is idle: the late run's task has returned, so a late "late" would be in `out` by now.
     assert out.replies == [] and len(out.completions) == 1, "the late result is dropped, never emitted twice"
     assert m.profile.runs == 1, "the late run is not recorded a second time"
 
@@ -172,8 +182,9 @@ def test_one_watcher_thread_per_pool_whatever_the_number_of_runs(engines, monkey
     assert pool._watcher is not None or not pool._watched
 
 
-def test_pool_watch_and_finish_claim_each_run_once():
-    pool = ExecPool(2, 2, idle_seconds=0.1)
+def test_pool_watch_and_finish_claim_each_run_once(monkeypatch):
+    monkeypatch.setattr(pool_module, "WATCH_LINGER", 0.2)
+    pool = ExecPool(2, 2, idle_seconds=0.1, name="claim-once")
     fired: list[int] = []
     w = pool.watch(time.monotonic() - 1, lambda: fired.append(1))  # already overdue
     assert wait_until(lambda: fired == [1])
@@ -182,7 +193,8 @@ def test_pool_watch_and_finish_claim_each_run_once():
     assert pool.stuck == 0 and pool.finish(w) is False
     w2 = pool.watch(time.monotonic() + LIVENESS, lambda: fired.append(2))
     assert pool.finish(w2) is True and pool._watched == set()
-    time.sleep(pool_module.WATCH_INTERVAL * 3)
+    # The watcher exits after its linger: every pass it would make over the entries is made.
+    assert wait_until(lambda: not watcher_threads(pool))
     assert fired == [1] and pool.stats()["stuck_total"] == 1
 
 

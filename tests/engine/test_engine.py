@@ -1,7 +1,7 @@
 """Engine dispatch (synchronous entry points): the bugs of the seed's history, one test each.
 
-design.md §2: every matcher has a profile; blocking is computed before the pool decision; the
-context is cloned before submission; a full pool falls back inline; a shared pool belongs to
+docs/architecture.md ("Design rules"): every matcher has a profile; blocking is computed before
+the pool decision; the context is cloned before submission; a full pool falls back inline; a shared pool belongs to
 its owner. Profiles are forced with ``restore`` where a test is about dispatch, not learning.
 """
 from __future__ import annotations
@@ -11,8 +11,20 @@ import time
 
 import pytest
 
-from execapp.engine import (Completion, ConfigError, Engine, Event, ExecClass, ExecPool, ExecProfile,
-                            HandlerTimeout, Matcher, MatcherKind, ProfileState, Reply)
+from execapp.engine import (
+    Completion,
+    ConfigError,
+    Engine,
+    Event,
+    ExecClass,
+    ExecPool,
+    ExecProfile,
+    HandlerTimeout,
+    Matcher,
+    MatcherKind,
+    ProfileState,
+    Reply,
+)
 
 from .helpers import LIVENESS, Gate, Outcomes, add_cmd, demote, promote, wait_until
 
@@ -62,7 +74,7 @@ def test_every_matcher_kind_learns_and_is_pooled_when_slow(engines, register, te
     def handler(ctx) -> str:
         where.append(threading.get_ident())
         if delay["s"]:
-            time.sleep(delay["s"])
+            time.sleep(delay["s"])  # the point: a handler as slow as the test makes it
         return "done"
 
     m = register(engine, handler)
@@ -169,7 +181,7 @@ def test_blocking_pooled_handler_still_completes_before_the_event(engines):
     finished = threading.Event()
 
     def slow(ctx) -> None:
-        time.sleep(0.02)
+        time.sleep(0.02)  # the point: the handler is still running when the loop would complete the event
         finished.set()
 
     promote(engine.on_command("cmd", slow, block=True))
@@ -336,7 +348,7 @@ def test_burst_larger_than_the_pool_loses_no_event(engines):
     lock = threading.Lock()
 
     def handler(ctx) -> None:
-        time.sleep(0.001)
+        time.sleep(0.001)  # the point: each run holds its slot, so the burst overflows the pool
         with lock:
             count["n"] += 1
 
@@ -376,7 +388,7 @@ def test_owned_pool_is_drained_by_shutdown(engines):
     finished = threading.Event()
 
     def slow(ctx) -> None:
-        time.sleep(0.05)
+        time.sleep(0.05)  # the point: still running when shutdown() is called
         finished.set()
 
     promote(engine.on_command("cmd", slow))

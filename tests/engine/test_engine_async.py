@@ -13,7 +13,7 @@ import pytest
 
 from execapp.engine import Completion, Engine, Event, ExecClass, ExecPool
 
-from .helpers import LIVENESS, Gate, Outcomes, add_cmd, demote, promote, wait_until
+from .helpers import LIVENESS, Gate, Outcomes, add_cmd, demote, parked, promote, wait_until, wait_until_async
 
 
 @pytest.fixture
@@ -86,15 +86,14 @@ async def test_policy_wait_gets_its_slot_when_one_frees_without_blocking_the_loo
         nonlocal ticks
         while not stop.is_set():
             ticks += 1
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.001)  # the ticker's pace: other work on the loop
 
     ticking = asyncio.create_task(ticker())
     dispatch = asyncio.create_task(engine.process_event_async(Event(text="/cmd")))
-    await asyncio.sleep(0.05)
+    assert await wait_until_async(lambda: parked(engine) == 1)
     assert not dispatch.done(), "the event waits for a slot"
     before = ticks
-    await asyncio.sleep(0.02)
-    assert ticks > before, "the loop keeps running other work while the event waits"
+    assert await wait_until_async(lambda: ticks > before + 3), "the loop keeps running other work while the event waits"
     threading.Timer(0.02, gate.open).start()  # the slot frees from another thread
     run = await asyncio.wait_for(dispatch, LIVENESS)
     completion = await asyncio.wait_for(run, LIVENESS)
@@ -143,7 +142,7 @@ async def test_cancelled_while_waiting_for_a_slot_still_completes_the_event(full
     engine, ran = make_engine(pool, "wait")
     out = Outcomes()
     dispatch = asyncio.create_task(engine.process_event_async(Event(text="/cmd"), out))
-    await asyncio.sleep(0.02)
+    assert await wait_until_async(lambda: parked(engine) == 1)
     dispatch.cancel()
     with pytest.raises(asyncio.CancelledError):
         await dispatch
@@ -187,8 +186,7 @@ async def test_policy_wait_serves_waiters_first_come_first_served_woken_by_finis
         waiting = []
         for i in range(10):
             waiting.append(asyncio.create_task(engine.process_event_async(Event(text=f"/work {i}"))))
-            await asyncio.sleep(0)  # let it park before the next one arrives
-        await asyncio.sleep(0.02)
+            assert await wait_until_async(lambda n=i + 1: parked(engine) == n)  # parked before the next one arrives
         assert order == [] and not any(t.done() for t in waiting)
         gate.set()
         runs = await asyncio.wait_for(asyncio.gather(*waiting), LIVENESS)
@@ -216,7 +214,8 @@ async def test_policy_wait_does_not_poll_the_pool(full_pool):
     engine._waiters._recheck = 3600.0  # white-box: no periodic re-check
     promote(engine.on_command("slow", lambda ctx: None))
     waiting = [asyncio.create_task(engine.process_event_async(Event(text="/slow"))) for _ in range(200)]
-    await asyncio.sleep(0.1)
+    assert await wait_until_async(lambda: parked(engine) == 200)
+    await asyncio.sleep(0.1)  # the point: a stretch of time in which pollers would poll
     assert calls["n"] <= 2, f"{calls['n']} submission attempts while the pool stayed full: waiters poll"
     for task in waiting:
         task.cancel()
@@ -227,7 +226,7 @@ async def test_waiters_are_refused_with_code_draining_when_the_pool_drains(full_
     pool, gate = full_pool
     engine, ran = make_engine(pool, "wait")
     dispatch = asyncio.create_task(engine.process_event_async(Event(text="/cmd")))
-    await asyncio.sleep(0.02)
+    assert await wait_until_async(lambda: parked(engine) == 1)
     drained = threading.Thread(target=pool.drain, args=(LIVENESS,))
     drained.start()
     try:

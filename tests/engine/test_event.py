@@ -33,7 +33,7 @@ def test_outcome_records_are_frozen_dataclasses():
 def test_context_for_pool_is_a_deep_private_copy():
     event = Event(type="x", data={"a": [1], "b": {"c": 2}}, session="s1")
     ctx = Context(event, "args", object(), ExecClass.SYNC)
-    pooled = ctx.clone_for_pool()
+    pooled = Context.for_pool(ctx.event, ctx.args, ctx.matcher)
     assert pooled is not ctx and pooled.exec_class is ExecClass.POOL
     assert (pooled.event.id, pooled.event.type, pooled.event.session, pooled.args) == (event.id, "x", "s1", "args")
     pooled.event.data["a"].append(2)

@@ -141,7 +141,7 @@ def test_lingering_worker_takes_the_next_task_without_a_new_thread(pools):
     names: list[str] = []
     for _ in range(20):
         got = threading.Event()
-        pool.try_submit(lambda: (names.append(threading.current_thread().name), got.set()))
+        pool.try_submit(lambda got=got: (names.append(threading.current_thread().name), got.set()))
         assert got.wait(LIVENESS)
         assert wait_until(lambda: pool.stats()["idle_workers"] == 1)
     assert len(set(names)) == 1
@@ -174,7 +174,7 @@ def test_exit_protocol_bursts_every_accepted_task_runs(pools, idle_seconds, tiny
         size = rng.randint(1, 12)
         results: list[bool] = []
 
-        def submit() -> None:
+        def submit(size: int = size, results: list[bool] = results) -> None:
             for _ in range(size):
                 results.append(pool.try_submit(ran.bump))
 
@@ -184,7 +184,7 @@ def test_exit_protocol_bursts_every_accepted_task_runs(pools, idle_seconds, tiny
         for t in threads:
             t.join()
         accepted += sum(results)
-        assert wait_until(lambda: ran.n == accepted, timeout=5.0), (
+        assert wait_until(lambda accepted=accepted: ran.n == accepted, timeout=5.0), (
             f"burst {burst}: {accepted - ran.n} accepted task(s) stranded; stats={pool.stats()}")
         # Land the next burst at a worker's exit moment: right away, or after a pause of the
         # order of the linger / thread exit.
@@ -276,7 +276,7 @@ def test_drain_finishes_queued_and_running_work(pools):
     done = Counter()
 
     def slow() -> None:
-        time.sleep(0.02)
+        time.sleep(0.02)  # the point: work still running when drain() is called
         done.bump()
 
     for _ in range(8):

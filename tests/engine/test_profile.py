@@ -1,4 +1,5 @@
-"""ExecProfile: every promotion/demotion rule of design.md §2, driven with synthetic durations.
+"""ExecProfile: every promotion/demotion rule of docs/architecture.md ("Design rules"), driven with
+synthetic durations.
 
 Durations are fed to ``record`` directly, so no test depends on how fast this machine is.
 Defaults: window 32, slow threshold 50 ms, promote at once over 100 ms, fast below 25 ms,

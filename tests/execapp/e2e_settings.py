@@ -1,12 +1,13 @@
 """Settings for end-to-end test servers only: the project's settings plus the Python test handlers
 of tests/execapp/ws_handlers.py, registered when the server's worker starts (no plugin needed)."""
 from config.settings import *  # noqa: F401,F403
-
+from execapp import extensions as _extensions
 from execapp import worker as _worker
 
 # The plugin registry sync owns the engine's whole matcher set (it replaces it on every sync):
-# these servers serve the test commands instead.
-_worker.SERVICE_FACTORIES[:] = [f for f in _worker.SERVICE_FACTORIES if f != "plugins.sync.registry_sync"]
+# these servers serve the test commands instead. (Removed before the plugins app registers it:
+# a removal holds for later registrations too.)
+_extensions.remove_service("plugins.sync")
 if "tests.execapp.ws_handlers.install" not in _worker.SERVICE_FACTORIES:
     _worker.SERVICE_FACTORIES.append("tests.execapp.ws_handlers.install")
 

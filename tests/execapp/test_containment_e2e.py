@@ -15,13 +15,12 @@ import socketserver
 import threading
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 from websockets.asyncio.client import connect
 
-from tests.conftest import ROOT, ServerProcess, manage, wait_until
+from tests.conftest import ROOT, ServerProcess, manage, wait_until, wait_until_async
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +47,7 @@ class _TrickleHandler(http.server.BaseHTTPRequestHandler):
             for _ in range(200):
                 self.wfile.write(b"x")
                 self.wfile.flush()
-                time.sleep(0.1)
+                time.sleep(0.1)  # the point: a body that trickles
         except OSError:  # the plugin gave up: expected
             pass
 
@@ -120,7 +119,7 @@ async def _pinger(server: Hostile, token: str, stop: asyncio.Event, waits: list[
             n += 1
             _, took = await _event(ws, "/ping", f"ping-{n}")
             waits.append(took)
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the pinger's pace (the point: a steady probe of the loop)
 
 
 async def _attack(server: Hostile, token: str, text: str, warmup: str | None = None) -> tuple[list[dict], float,
@@ -139,7 +138,7 @@ async def _attack(server: Hostile, token: str, text: str, warmup: str | None = N
                         break
                 else:
                     pytest.fail(f"{warmup!r} never ran inline: {frames}")
-            await asyncio.sleep(0.2)  # the pinger is running
+            assert await wait_until_async(lambda: waits), "the pinger never got an answer"  # it is running
             frames, took = await _event(ws, text, "attack")
     finally:
         stop.set()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
 from typing import Any, Iterator
 
 import pytest
@@ -12,12 +11,18 @@ from channels.layers import InMemoryChannelLayer
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from execapp import control
-from execapp.control import ControlListener, ControlThread, LocalRegistry, RedisRegistry, UnknownWorker
-from execapp.drain import drain_worker, running_handlers, undrain_worker, worker_status
+from execapp import control_client as control
+from execapp.control import UnknownWorker
+from execapp.control_listener import ControlListener
+from execapp.control_registry import LocalRegistry, RedisRegistry
+from execapp.control_thread import ControlThread
+from execapp.drain import drain_worker, undrain_worker
 from execapp.engine import Completion
+from execapp.engine.engine import running_handlers
 from execapp.management.commands._control import drain_line, status_lines
+from execapp.status import worker_status
 from execapp.worker import Worker
+from tests.conftest import redis_test_prefix, wait_until_async
 
 WAIT = 10.0
 
@@ -195,8 +200,7 @@ async def start_listeners(workers: list[Worker], layer: Any, registry: Any) -> l
     for w in workers:
         listener = ControlListener(w, layer, registry)
         tasks.append(asyncio.create_task(listener.serve()))
-        while not listener.ready.is_set():
-            await asyncio.sleep(0.001)
+        assert await wait_until_async(listener.ready.is_set), "a control listener never became ready"
     return tasks
 
 
@@ -250,20 +254,14 @@ def test_commands_explain_that_the_in_memory_layer_cannot_reach_the_server(setti
             call_command(command)
 
 
-@pytest.fixture
-def ops_redis(redis_url: str) -> str:
-    """Redis db 12 (other suites flush db 15 at will); each test namespaces its keys by prefix."""
-    return redis_url.rsplit("/", 1)[0] + "/12"
-
-
 @pytest.mark.redis
-def test_control_threads_over_real_redis_and_the_commands(ops_redis: str, settings: Any) -> None:
+def test_control_threads_over_real_redis_and_the_commands(redis_url: str, settings: Any) -> None:
     # The production shape: each worker's listener on its own thread, loop and layer instance;
     # the management commands in this thread, through settings (REDIS_URL, channels_redis).
     from channels_redis.core import RedisChannelLayer
 
-    # A prefix of this run alone: concurrent runs of the suite share the Redis server.
-    prefix = f"ctltest{uuid.uuid4().hex[:8]}"
+    # A prefix of this test alone (inside the run's): concurrent runs of the suite share the Redis server.
+    prefix, ops_redis = redis_test_prefix("ctl"), redis_url
     config = {"hosts": [{"address": ops_redis, "socket_timeout": 15}], "expiry": 30, "prefix": prefix}
     settings.REDIS_URL = ops_redis
     settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": config}}
@@ -309,21 +307,16 @@ def test_control_threads_over_real_redis_and_the_commands(ops_redis: str, settin
     assert RedisRegistry(ops_redis, prefix).live() == {}
 
 
-def test_healthz_answers_503_while_starting_or_draining(worker: Worker, client: Any) -> None:
-    from execapp import worker as worker_module
-
-    previous, worker_module._worker = worker_module._worker, worker
-    try:
-        starting = client.get("/healthz")  # services not ticked yet (plugins not loaded)
-        assert starting.status_code == 503 and starting.json()["status"] == "starting"
-        worker.ready.set()
-        ok = client.get("/healthz")
-        assert ok.status_code == 200 and ok.json() == {"status": "ok", "worker": "unit-worker", "draining": False,
-                                                       "events_in_flight": 0}
-        drain_worker(worker, WAIT)
-        draining = client.get("/healthz")
-        assert draining.status_code == 503 and draining.json()["status"] == "draining"
-        undrain_worker(worker)
-        assert client.get("/healthz").status_code == 200
-    finally:
-        worker_module._worker = previous
+def test_healthz_answers_503_while_starting_or_draining(worker: Worker, client: Any, install_worker: Any) -> None:
+    install_worker(worker)
+    starting = client.get("/healthz")  # services not ticked yet (plugins not loaded)
+    assert starting.status_code == 503 and starting.json()["status"] == "starting"
+    worker.ready.set()
+    ok = client.get("/healthz")
+    assert ok.status_code == 200 and ok.json() == {"status": "ok", "worker": "unit-worker", "draining": False,
+                                                   "events_in_flight": 0}
+    drain_worker(worker, WAIT)
+    draining = client.get("/healthz")
+    assert draining.status_code == 503 and draining.json()["status"] == "draining"
+    undrain_worker(worker)
+    assert client.get("/healthz").status_code == 200

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import pytest
 from django.contrib.auth.models import User
 
-from execapp import snapshots
+from execapp import dashboard_data, snapshots
 from execapp import worker as worker_module
 from execapp.engine import Event
 
@@ -28,13 +28,11 @@ def publisher_only(settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def process_worker(publisher_only: None) -> Iterator[worker_module.Worker]:
+def process_worker(publisher_only: None, install_worker: Any) -> Iterator[worker_module.Worker]:
     """A fresh Worker installed as this process's worker (what the data view reports on)."""
-    worker = worker_module.Worker("dash-test")
+    worker = install_worker(worker_module.Worker("dash-test"))
     worker.start()
-    previous, worker_module._worker = worker_module._worker, worker
     yield worker
-    worker_module._worker = previous
     worker.stop(timeout=5)
     snapshots._local._workers.clear()
 
@@ -125,24 +123,27 @@ def test_stale_workers_are_marked_then_dropped(settings: Any, publisher_only: No
     snapshots._local.publish({**base, "worker": "fresh", "ts": now}, [now, 8, 1, 0, 8, 0.0, None, None, 5, 0, 0, 0])
     snapshots._local.publish({**base, "worker": "silent", "ts": now - 20}, None)
     snapshots._local.publish({**base, "worker": "gone", "ts": now - 100}, None)
-    data = snapshots.collect(refresh=False)
+    data = dashboard_data.collect(refresh=False)
     state = {w["worker"]: w["stale"] for w in data["workers"]}
     assert state == {"fresh": False, "silent": True}
     assert data["total"]["workers"] == 1 and data["total"]["in_flight"] == 8  # stale ones leave the total
     assert "gone" not in {snap["worker"] for snap, _ in snapshots._local.load()}  # dropped from the store
-    again = snapshots.collect(refresh=False)  # collecting twice reads the same snapshots
+    again = dashboard_data.collect(refresh=False)  # collecting twice reads the same snapshots
     assert [m["runs"] for m in again["matchers"]] == [m["runs"] for m in data["matchers"]] == [5]
 
 
 def test_total_series_sums_workers_on_a_common_grid() -> None:
-    a = [[100.2, 4, 1, 0, 4, 10.0, 0.001, 0.002, 1, 0, 0, 0], [101.2, 4, 2, 1, 4, 20.0, 0.001, 0.004, 3, 0, 0, 0]]
-    b = [[100.7, 4, 3, 0, 4, 5.0, 0.003, 0.003, 2, 0, 0, 0], [101.7, 4, 4, 2, 4, 5.0, None, None, 2, 0, 0, 0]]
-    out = snapshots._total_series([{"worker": "a", "series": a}, {"worker": "b", "series": b}], 1.0)
+    a = [[100.2, 4, 1, 0, 4, 10.0, 0.001, 0.002, 1, 0, 0, 0, 0], [101.2, 4, 2, 1, 4, 20.0, 0.001, 0.004, 3, 0, 0, 0, 2]]
+    b = [[100.7, 4, 3, 0, 4, 5.0, 0.003, 0.003, 2, 0, 0, 0, 1], [101.7, 4, 4, 2, 4, 5.0, None, None, 2, 0, 0, 0, 1]]
+    out = dashboard_data._total_series([{"worker": "a", "series": a}, {"worker": "b", "series": b}], 1.0)
     f = {name: i for i, name in enumerate(snapshots.SERIES_FIELDS)}
     assert [p[f["in_flight"]] for p in out] == [4, 6]
     assert [p[f["capacity"]] for p in out] == [8, 8]
     assert [p[f["events_per_second"]] for p in out] == [15.0, 25.0]
     assert [p[f["delay_p99"]] for p in out] == [0.003, 0.004]  # the worst worker's
+    assert [p[f["refused"]] for p in out] == [1, 3]
+    # A point of another shape (an older version's, during a rolling deploy) is left out.
+    assert snapshots.points([a[0][:12], a[1]]) == [snapshots.HistoryPoint(*a[1])]
 
 
 @pytest.mark.redis
@@ -160,33 +161,155 @@ def test_every_worker_of_the_deployment_through_redis(settings: Any, redis_url: 
         for _ in range(3):
             one.engine.process_event(Event(text="/fast")).wait(LIVENESS)
         two.engine.process_event(Event(text="/fast")).wait(LIVENESS)
-        data = snapshots.collect()
+        data = dashboard_data.collect()
         assert data["backend"] == "redis"
         assert sorted(w["worker"] for w in data["workers"]) == ["w-one", "w-two"]
         assert data["total"]["capacity"] == 6 and data["total"]["events"] == 4
         assert data["matchers"][0]["runs"] == 4 and data["matchers"][0]["workers"] == 2
         two.stop(timeout=5)  # publishes a last snapshot marked stopped
-        data = snapshots.collect()
+        data = dashboard_data.collect()
         stopped = {w["worker"]: w["stopped"] for w in data["workers"]}
         assert stopped == {"w-one": False, "w-two": True} and data["total"]["workers"] == 1
         # A worker that went silent (crashed): stale after WORKER_STALE_SECONDS, dropped after DROP.
         import redis
 
+        from execapp.conf import redis_key
+
         r = redis.Redis.from_url(redis_url)
-        snap = json.loads(r.hget("asgi:execapp:obs:workers", "w-one"))
+        workers_key = redis_key("execapp:obs:workers")  # under this test's prefix (the redis_url fixture)
+        snap = json.loads(r.hget(workers_key, "w-one"))
         snap["ts"] -= 20
-        r.hset("asgi:execapp:obs:workers", "w-one", json.dumps(snap))
+        r.hset(workers_key, "w-one", json.dumps(snap))
         one_pub = next(s for s in one.services if isinstance(s, snapshots.SnapshotPublisher))
         one.services.remove(one_pub)  # it stops publishing, as a crashed worker would
         snapshots._publishers.discard(one_pub)
-        data = snapshots.collect()
+        data = dashboard_data.collect()
         assert [w["stale"] for w in data["workers"] if w["worker"] == "w-one"] == [True]
         snap["ts"] -= 100
-        r.hset("asgi:execapp:obs:workers", "w-one", json.dumps(snap))
-        data = snapshots.collect()
+        r.hset(workers_key, "w-one", json.dumps(snap))
+        data = dashboard_data.collect()
         assert [w["worker"] for w in data["workers"]] == ["w-two"]  # stopped: shown until it is stale
-        assert not r.hexists("asgi:execapp:obs:workers", "w-one")
-        assert not r.exists("asgi:execapp:obs:series:w-one")
+        assert not r.hexists(workers_key, "w-one")
+        assert not r.exists(redis_key("execapp:obs:series:w-one"))
     finally:
         one.stop(timeout=5)
         two.stop(timeout=5)
+
+
+# -- one snapshot, refusals, rates (issue 12) ------------------------------------------------------
+
+def test_cards_charts_and_tables_come_from_one_snapshot(staff_client: Any, process_worker: worker_module.Worker
+                                                        ) -> None:
+    """The chart's last point is the snapshot the cards and tables show: a header read from the
+    chart never disagrees with a card, whatever the load does between two history points."""
+    engine = process_worker.engine
+    gate = threading.Event()
+    engine.add(engine.make_matcher("command", "hold", lambda ctx: gate.wait(LIVENESS) and "ok", plugin="demo"))
+    held = [engine.process_event(Event(text="/hold")) for _ in range(7)]  # 4 running + 3 queued
+    try:
+        data = staff_client.get(DATA).json()
+    finally:
+        gate.set()
+        for h in held:
+            assert h.wait(LIVENESS) is not None
+    f = {name: i for i, name in enumerate(data["series_fields"])}
+    total, last = data["total"], data["total"]["series"][-1]
+    assert last[f["t"]] == pytest.approx(data["now"], abs=0.01)
+    for key in ("in_flight", "queued", "capacity", "queue_capacity", "submitted", "refused"):
+        assert last[f[key]] == total[key], key
+    assert last[f["events_per_second"]] == pytest.approx(total["events_per_second"], abs=0.001)
+    assert (last[f["delay_p50"]], last[f["delay_p99"]]) == (total["delay_p50"], total["delay_p99"])
+    assert (total["in_flight"], total["queued"]) == (4, 3)
+    [w] = data["workers"]
+    mine = w["series"][-1]
+    assert (mine[f["in_flight"]], mine[f["queued"]], mine[f["capacity"]]) == (4, 3, 4)
+    assert total["in_flight"] == w["pool"]["in_flight"] and total["queued"] == w["pool"]["queued"]
+
+
+def test_events_per_second_keeps_a_burst_for_the_rate_window(process_worker: worker_module.Worker) -> None:
+    """Bursty load: 60 events at once, then seconds of handlers running and no new events. The rate
+    is over RATE_WINDOW_SECONDS, so the seconds after the burst still show it (not 0)."""
+    engine = process_worker.engine
+    engine.add(engine.make_matcher("command", "x", _ok, plugin="demo"))
+    publisher = next(s for s in process_worker.services if isinstance(s, snapshots.SnapshotPublisher))
+    publisher.publish(advance=True)
+    for _ in range(60):
+        assert engine.process_event(Event(text="/x")).wait(LIVENESS) is not None
+    time.sleep(0.3)
+    publisher.publish(advance=True)
+    time.sleep(0.6)  # quiet: no event since the burst
+    snap = publisher.publish(advance=True)
+    window = snapshots.RATE_WINDOW_SECONDS
+    assert snap["events_per_second"] > 60 / window  # 60 events over the ~1 s the window holds so far
+    assert snap["events_per_second"] <= 60 / 0.3
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_refusals_are_counted_per_matcher_plugin_and_worker(settings: Any, install_worker: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refusals show in every place an operator looks: the matcher's row, the plugin's instance pool,
+    the worker's refused count by code, /metrics, and the newest failure in full with its trace."""
+    from asgiref.sync import sync_to_async
+
+    from execapp import extensions, history, metrics, metrics_updater
+    from execapp.engine.errors import ExecAppError
+    from execapp.history_store import reset_local
+
+    from .ws_fixtures import Client
+
+    class Busy(ExecAppError):
+        code = "plugin_busy"
+
+    settings.EXECAPP = {"POOL_IDLE_SECONDS": 0.5, "MAX_IN_FLIGHT_PER_CONNECTION": 1}
+    settings.REDIS_URL = ""
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    monkeypatch.setattr(worker_module, "SERVICE_FACTORIES", ["execapp.history.recorder",
+                                                             "execapp.metrics_updater.metrics_updater",
+                                                             "execapp.snapshots.snapshot_publisher"])
+    previous = extensions.add_stats_provider("plugin_pools", lambda: [{"plugin": "demo", "runtime": "lua",
+                                                                       "strategy": "pooled", "capacity": 2}])
+    snapshots._local._workers.clear()
+    reset_local()
+    worker = install_worker(worker_module.Worker("refusing"))
+    long_message = "plugin 'demo' is at its max_concurrency of 2 calls; " + "x" * 300
+
+    def busy(ctx: Any) -> None:
+        raise Busy(long_message)
+
+    worker.engine.add(worker.engine.make_matcher("command", "busy", busy, name="demo.busy", plugin="demo"))
+    worker.engine.add(worker.engine.make_matcher("command", "slow", lambda ctx: time.sleep(0.3) or "ok",
+                                                 name="demo.slow", plugin="demo"))
+    await sync_to_async(worker.start, thread_sensitive=False)()
+    try:
+        before = metrics.HANDLER_FAILURES.labels("demo.busy", "demo", "plugin_busy")._value.get()
+        async with Client() as c:
+            for i in range(3):
+                await c.send({"type": "message", "id": f"b{i}", "text": "/busy"})
+                await c.until_done(f"b{i}")
+            await c.send({"type": "message", "id": "s", "text": "/slow"})
+            await c.send({"type": "message", "id": "s2", "text": "/slow"})  # over MAX_IN_FLIGHT: rate_limited
+            frames = await c.until_done("s")
+        assert any(f.get("code") == "rate_limited" for f in frames)
+        rec = history.current()
+        await sync_to_async(rec.flush, thread_sensitive=False)()
+        data = await sync_to_async(dashboard_data.collect, thread_sensitive=False)(True)
+        await sync_to_async(metrics_updater.refresh_local, thread_sensitive=False)()  # what a scrape does first
+    finally:
+        await sync_to_async(worker.stop, thread_sensitive=False)(5)
+        if previous is not None:
+            extensions.add_stats_provider("plugin_pools", previous)
+        else:
+            extensions.remove_stats_provider("plugin_pools")
+        snapshots._local._workers.clear()
+        reset_local()
+    rows = {m["matcher"]: m for m in data["matchers"]}
+    assert rows["demo.busy"]["refused"] == 3 and rows["demo.busy"]["failures"] == {"plugin_busy": 3}
+    assert rows["demo.busy"]["last_error"] == f"plugin_busy: {long_message}"  # in full, the newest
+    assert rows["demo.busy"]["last_failure"]["event_id"] == "b2" and rows["demo.busy"]["last_failure"]["uid"]
+    [w] = data["workers"]
+    assert w["refused"] == 4 and w["refusals"] == {"plugin_busy": 3, "rate_limited": 1}
+    assert data["total"]["refused"] == 4 and data["total"]["refusals"] == {"plugin_busy": 3, "rate_limited": 1}
+    [pool] = data["plugin_pools"]
+    assert pool["plugin"] == "demo" and pool["refused"] == 3
+    after = metrics.HANDLER_FAILURES.labels("demo.busy", "demo", "plugin_busy")._value.get()
+    assert after - before == 3  # /metrics: execapp_handler_failures_total{code="plugin_busy"}

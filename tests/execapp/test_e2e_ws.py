@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
-import uuid
 from collections import Counter
 from typing import Any, Iterator
 
@@ -21,7 +19,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus
 
-from tests.conftest import REDIS_TEST_URL, AsgiServer, manage, require_service
+from tests.conftest import REDIS_TEST_URL, AsgiServer, manage, redis_test_prefix, require_service, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -58,7 +56,7 @@ class Server:
         return connect(self.url + query, additional_headers=headers, max_size=2 ** 22, **kwargs)
 
 
-@pytest.fixture(scope="module", params=["memory", "redis"])
+@pytest.fixture(scope="module", params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
 def server(request: pytest.FixtureRequest, e2e_db: dict[str, str]) -> Iterator[Server]:
     env = {**e2e_db, "DJANGO_SETTINGS_MODULE": "tests.execapp.e2e_settings",
            "EXECAPP_TEST_SETTINGS": json.dumps(SERVER_SETTINGS)}
@@ -66,7 +64,7 @@ def server(request: pytest.FixtureRequest, e2e_db: dict[str, str]) -> Iterator[S
         # Its own key prefix: `manage.py drain` reaches every worker of a prefix, and another
         # test run sharing this Redis must neither be drained nor drain this server.
         env["REDIS_URL"] = require_service("Redis", REDIS_TEST_URL)
-        env["REDIS_PREFIX"] = f"e2ews{os.getpid()}x{uuid.uuid4().hex[:6]}"
+        env["REDIS_PREFIX"] = redis_test_prefix("e2ews")
     else:
         env["REDIS_URL"] = ""
     token = _token(env, f"e2e-{request.param}")
@@ -94,6 +92,24 @@ async def nothing_pending(ws: ClientConnection, wait: float = 0.05) -> bool:
     except asyncio.TimeoutError:
         return True
     return False
+
+
+def pool_load(server: Server) -> float:
+    """Handlers running or queued in the server's pool now, from its /metrics (one worker process:
+    the scrape refreshes the numbers of the process that answers)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{server.server.url}/metrics", timeout=TIMEOUT) as response:
+        text = response.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name in ("execapp_pool_in_flight", "execapp_pool_queued"))
+
+
+async def pool_reaches(server: Server, n: int) -> bool:
+    """Wait (bounded) until the server's pool holds at least ``n`` handlers, running or queued."""
+    return await asyncio.to_thread(wait_until, lambda: pool_load(server) >= n, TIMEOUT, 0.02)
 
 
 def msg(text: str, eid: str | None = None, **extra: Any) -> str:
@@ -129,7 +145,7 @@ async def test_missing_unknown_and_revoked_tokens_are_refused_with_403(server: S
 async def test_a_fast_event_finishes_while_a_slow_handler_of_another_connection_runs(server: Server) -> None:
     async with server.connect() as slow, server.connect() as fast:
         await slow.send(msg("/slow 1500", "s"))
-        await asyncio.sleep(0.2)  # let the slow handler start; the check below does not depend on it
+        assert await pool_reaches(server, 1), "/slow never reached the pool"  # it runs while /ping is asked
         await fast.send(msg("/ping", "f"))
         assert [f["type"] for f in await until_done(fast, "f")] == ["reply", "done"]
         # Had /slow blocked the event loop, /ping could only have been answered after it, and
@@ -204,7 +220,7 @@ async def test_overloaded_when_the_pool_stays_full(server: Server) -> None:
     async with server.connect() as a, server.connect() as b, server.connect() as c:
         for i in range(capacity):  # two connections: each stays under its in-flight limit
             await (a if i % 2 else b).send(msg("/slow 1500", f"fill{i}"))
-        await asyncio.sleep(0.3)
+        assert await pool_reaches(server, capacity), "the pool never filled"
         await c.send(msg("/slow 100", "refused"))
         error, done = await recv(c), await recv(c)
         assert (error["code"], error["id"], done["type"], done["errors"]) == ("overloaded", "refused", "done", 1)
@@ -298,7 +314,7 @@ async def _bundled(url: str, token: str) -> None:
             frames = await until_done(ws, "warm")
             if frames[-1]["matched"] or time.monotonic() > deadline:
                 break
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # the poll's pace (bounded by the deadline above)
         assert frames[0]["type"] == "reply" and frames[0]["text"] == "pong", frames
         await ws.send(msg("/slow 50", "slow"))
         await ws.send(msg("/echo hello there", "echo"))

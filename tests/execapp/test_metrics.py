@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,10 +19,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from execapp import metrics
+from execapp import extensions, metrics
 from execapp import worker as worker_module
 from execapp.engine import Event, HandlerTimeout
-from tests.conftest import ROOT
+from execapp.metrics_multiprocess import compact
+from tests.conftest import ROOT, wait_until
 
 LIVENESS = 10.0
 PLUGIN_ROWS: list[dict[str, Any]] = [{"plugin": "lua-demo", "runtime": "lua", "strategy": "pooled", "capacity": 4,
@@ -55,15 +55,19 @@ def metered_worker(settings: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[w
     """A Worker with a 2-thread pool and 1 queue slot, whose only service is the metrics updater."""
     settings.EXECAPP = {"POOL_MAX_WORKERS": 2, "POOL_QUEUE_SIZE": 1, "OVERFLOW_POLICY": "reject",
                         "POOL_IDLE_SECONDS": 0.5}
-    monkeypatch.setattr(worker_module, "SERVICE_FACTORIES", ["execapp.metrics.metrics_updater"])
-    # The plugins app reports its instance pools through plugins.sync.instance_pool_stats(); this
-    # stands in for it at that boundary (the plugin runtimes are tested in tests/plugins/).
+    monkeypatch.setattr(worker_module, "SERVICE_FACTORIES", ["execapp.metrics_updater.metrics_updater"])
+    # The plugins app registers its instance pools as the "plugin_pools" stats (execapp.extensions);
+    # this stands in for it at that boundary (the plugin runtimes are tested in tests/plugins/).
     PLUGIN_ROWS[0].update(waits_total=7, timeouts_total=1, errors_total=3)
-    monkeypatch.setattr(metrics, "plugin_pool_rows", lambda: [dict(r) for r in PLUGIN_ROWS])
+    previous = extensions.add_stats_provider("plugin_pools", lambda: [dict(r) for r in PLUGIN_ROWS])
     worker = worker_module.Worker("metrics-test")
     worker.start()
     yield worker
     worker.stop(timeout=5)
+    if previous is None:
+        extensions.remove_stats_provider("plugin_pools")
+    else:
+        extensions.add_stats_provider("plugin_pools", previous)
 
 
 def _ok(ctx: Any) -> str:
@@ -118,9 +122,12 @@ def test_metrics_show_the_values_of_a_known_workload(metered_worker: worker_modu
     fast = engine.profile_for("command:fast")
     assert fast.demotions == 1 and slow.profile.promotions == 1 and fallback.errors == ()
     # Gauges while the pool was full, and after.
-    assert value(busy, "execapp_pool_in_flight") == 2 and value(busy, "execapp_pool_queued") == 1
-    assert value(busy, "execapp_pool_capacity") == 2 and value(busy, "execapp_pool_queue_capacity") == 1
-    assert value(after, "execapp_pool_in_flight") == 0 and value(after, "execapp_pool_queued") == 0
+    # Per-worker gauges carry the worker's slot number (one process, no supervisor: slot 0).
+    w0 = {"worker": "0"}
+    assert value(busy, "execapp_pool_in_flight", **w0) == 2 and value(busy, "execapp_pool_queued", **w0) == 1
+    assert value(busy, "execapp_pool_capacity", **w0) == 2 and value(busy, "execapp_pool_queue_capacity", **w0) == 1
+    assert value(after, "execapp_pool_in_flight", **w0) == 0 and value(after, "execapp_pool_queued", **w0) == 0
+    assert value(after, "execapp_worker_draining", **w0) == 0
     # Totals: exactly what the engine and pool counted for this workload.
     pooled = counts["pooled"]
     assert pooled == pool["submitted"] >= 32 + 1 + 3  # fast's learning runs, slow, the held three
@@ -188,8 +195,8 @@ _CHILD = textwrap.dedent("""
     peak.set(n)
     if sys.argv[2] == "crash":
         os._exit(0)  # no atexit: what a SIGKILLed worker leaves behind
-    from execapp.metrics import _mark_dead
-    _mark_dead(os.getpid())
+    from execapp.metrics_multiprocess import mark_process_dead
+    mark_process_dead(os.getpid())
 """)
 
 
@@ -215,7 +222,7 @@ def test_compaction_merges_dead_processes_and_keeps_totals(tmp_path: Path) -> No
     assert len(files_before) >= 7  # a counter, histogram and max-gauge file per pid, plus a crash's live gauge
     before = _collect(tmp_path)
 
-    result = metrics.compact(str(tmp_path))
+    result = compact(str(tmp_path))
 
     files_after = sorted(os.path.basename(f) for f in glob.glob(str(tmp_path / "*.db")))
     assert files_after == ["counter_archive.db", "gauge_max_archive.db", "histogram_archive.db"]
@@ -230,7 +237,7 @@ def test_compaction_merges_dead_processes_and_keeps_totals(tmp_path: Path) -> No
 
     # A new generation of processes: the archive keeps accumulating; files do not pile up.
     _child(tmp_path, 4, "crash")
-    metrics.compact(str(tmp_path))
+    compact(str(tmp_path))
     files_again = sorted(os.path.basename(f) for f in glob.glob(str(tmp_path / "*.db")))
     assert files_again == files_after
     assert _collect(tmp_path)[("t_requests_total", (("kind", "a"),))] == 10
@@ -244,7 +251,7 @@ def test_compaction_leaves_live_processes_alone(tmp_path: Path) -> None:
                             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert live.stdout.readline().strip() == "up"
-        metrics.compact(str(tmp_path))
+        compact(str(tmp_path))
         assert os.path.exists(tmp_path / f"counter_{live.pid}.db")
         assert _collect(tmp_path)[("t_live_total", ())] == 5
     finally:
@@ -277,12 +284,10 @@ def _scrape_until(url: str, name: str, expected: float) -> dict[tuple[str, tuple
     """Scrape until ``name`` reaches ``expected``: the workers that do not serve the scrape copy
     their counts into the shared files on their next tick (SNAPSHOT_SECONDS). A liveness bound,
     not a timing assertion."""
-    deadline = time.monotonic() + LIVENESS
-    while True:
-        samples = _scrape_http(url)
-        if samples.get((name, ())) == expected or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.2)
+    scraped: list[dict[tuple[str, tuple], float]] = []
+    wait_until(lambda: scraped.append(_scrape_http(url)) or scraped[-1].get((name, ())) == expected,
+               LIVENESS, interval=0.2)  # each try is an HTTP scrape
+    return scraped[-1]
 
 
 def _scrape_http(url: str) -> dict[tuple[str, tuple], float]:
@@ -313,8 +318,9 @@ def test_multiprocess_metrics_across_two_workers_and_a_restart(sqlite_env: dict[
     # Whichever worker serves the scrape, the totals are the deployment's: every event counted once.
     assert first[("execapp_events_dispatched_total", ())] == 120
     assert first[("execapp_handler_runs_total", (("outcome", "ok"),))] == 120
-    capacity = first[("execapp_pool_capacity", ())]
-    assert capacity in (64, 128)  # summed over the live workers that have started their pool
+    # One series per worker, labelled with its slot number (0 and 1), not its pid.
+    capacity = {dict(k[1])["worker"]: v for k, v in first.items() if k[0] == "execapp_pool_capacity"}
+    assert set(capacity) <= {"0", "1"} and sum(capacity.values()) in (64, 128)  # the workers that started a pool
     assert server.stop() is not None
 
     again = asgi_server_factory(env, workers=2)
@@ -322,7 +328,8 @@ def test_multiprocess_metrics_across_two_workers_and_a_restart(sqlite_env: dict[
     second = _scrape_until(again.url, "execapp_events_dispatched_total", 130)
     # The first generation's pools left the live gauges (pruned at the scrape: uvicorn workers
     # end by re-raising SIGTERM, so no atexit hook runs), the new ones count.
-    assert second[("execapp_pool_capacity", ())] in (64, 128)
+    capacity = {dict(k[1])["worker"]: v for k, v in second.items() if k[0] == "execapp_pool_capacity"}
+    assert set(capacity) <= {"0", "1"} and sum(capacity.values()) in (64, 128)  # same labels after the restart
     assert not any(p.name.startswith("gauge_livesum_") and int(p.name[14:-3]) not in _children(again.proc.pid)
                    for p in prom_dir.glob("gauge_livesum_*.db"))
     assert second[("execapp_events_dispatched_total", ())] == 130  # the first run's counts survived
@@ -345,3 +352,30 @@ def _children(pid: int) -> set[int]:
             child = int(stat.parent.name)
             kids |= {child} | _children(child)
     return kids
+
+
+def test_series_of_disabled_or_deleted_plugins_are_left_out_of_a_scrape(metered_worker: worker_module.Worker,
+                                                                         client: Any, install_worker: Any) -> None:
+    """Multiprocess mode cannot unregister a series: /metrics leaves out every series of a plugin
+    (or a plugin's matcher) that this worker no longer serves, and keeps the others."""
+    install_worker(metered_worker)  # the serving process's worker: what it serves decides
+    engine = metered_worker.engine
+    engine.add(engine.make_matcher("command", "fast", _ok, name="demo.fast", plugin="demo"))
+    metrics.HANDLER_FAILURES.labels("gone.run", "gone", "timeout").inc()
+    metrics.HANDLER_FAILURES.labels("demo.fast", "demo", "timeout").inc()
+    metrics.PROMOTIONS.labels("gone.run").inc()
+    metrics.PLUGIN_BUSY.labels("gone").set(3)
+    samples = scrape(client)
+    names = {(name, dict(labels).get("plugin"), dict(labels).get("matcher")) for name, labels in samples}
+    assert ("execapp_handler_failures_total", "demo", "demo.fast") in names
+    assert ("execapp_plugin_instances_busy", "lua-demo", None) in names  # loaded (a plugin_pools row)
+    assert not any(plugin == "gone" or matcher == "gone.run" for _, plugin, matcher in names)
+    # The plugin is disabled: its pool row goes, and with it its series.
+    PLUGIN_ROWS_BEFORE = list(PLUGIN_ROWS)
+    PLUGIN_ROWS.clear()
+    try:
+        after = scrape(client)
+    finally:
+        PLUGIN_ROWS.extend(PLUGIN_ROWS_BEFORE)
+    assert [k for k in after if dict(k[1]).get("plugin") == "lua-demo"] == []
+    assert value(after, "execapp_handler_failures_total", matcher="demo.fast", plugin="demo", code="timeout") >= 1

@@ -13,44 +13,33 @@ import os
 import random
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
-from urllib.parse import urlparse, urlunparse
 
 import pytest
 import websockets
 from websockets.asyncio.client import connect
 
-from tests.conftest import POSTGRES_TEST_URL, REDIS_TEST_URL, ServerProcess, manage, require_service
+from tests.conftest import (
+    REDIS_TEST_URL,
+    ServerProcess,
+    manage,
+    redis_test_prefix,
+    require_service,
+    wait_until,
+    wait_until_async,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.postgres]
 
-OPS_DB = "execapp_ops_test"
-OPS_REDIS_DB = 12  # other suites flush db 15 whenever they like
 #: Event-level refusals: the event was never accepted, no `done` follows.
 REFUSALS = {"draining", "rate_limited", "bad_json", "bad_event", "too_large"}
 WAIT = 20.0
+STRAGGLER_MS = 9000
 
 
 # -- the deployment -------------------------------------------------------------------------------
-
-def ops_database_url() -> str:
-    """A PostgreSQL database of these tests alone, created on first use and migrated."""
-    import psycopg
-
-    base = require_service("PostgreSQL", POSTGRES_TEST_URL)
-    with psycopg.connect(base, autocommit=True) as conn:
-        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (OPS_DB,)).fetchone() is None:
-            conn.execute(f'CREATE DATABASE "{OPS_DB}"')
-    return urlunparse(urlparse(base)._replace(path=f"/{OPS_DB}"))
-
-
-def ops_redis_url() -> str:
-    base = require_service("Redis", REDIS_TEST_URL)
-    return urlunparse(urlparse(base)._replace(path=f"/{OPS_REDIS_DB}"))
-
 
 class Deployment(ServerProcess):
     """`python -m execapp.serve --workers N` as an operator starts it, plus the operator's commands."""
@@ -71,7 +60,7 @@ class Deployment(ServerProcess):
 
     def worker_pids(self) -> list[int]:
         """Pids of this deployment's workers registered for control (another one may share Redis)."""
-        from execapp.control import RedisRegistry
+        from execapp.control_registry import RedisRegistry
 
         pids = []
         for info in RedisRegistry(self.env["REDIS_URL"], self.env["REDIS_PREFIX"]).live().values():
@@ -87,7 +76,8 @@ class Deployment(ServerProcess):
         """The workers' status answers, asked in-process (no manage.py start-up to wait for)."""
         from channels_redis.core import RedisChannelLayer
 
-        from execapp.control import RedisRegistry, request
+        from execapp.control_client import request
+        from execapp.control_registry import RedisRegistry
 
         url, prefix = self.env["REDIS_URL"], self.env["REDIS_PREFIX"]
         layer = RedisChannelLayer(hosts=[{"address": url, "socket_timeout": 15}], prefix=prefix)
@@ -102,33 +92,29 @@ class Deployment(ServerProcess):
     def wait_ready(self) -> None:
         # Every worker registered for control and listening: a worker listens only once its
         # plugins are loaded, and the load should spread over both of them.
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log()}")
-            if len(self.worker_pids()) >= self.workers and self.listening() >= self.workers:
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.workers} workers were not ready within 60 s: {self.log()}")
+            return len(self.worker_pids()) >= self.workers and self.listening() >= self.workers
+
+        if not wait_until(ready, 60, interval=0.05):  # each check reads Redis and /proc
+            raise RuntimeError(f"{self.workers} workers were not ready within 60 s: {self.log()}")
 
     def manage(self, *args: str) -> subprocess.CompletedProcess:
         return manage(*args, env=self.env, timeout=90)
 
 
 @pytest.fixture(scope="module")
-def ops_env() -> dict[str, str]:
-    """REDIS_URL + DATABASE_URL (PostgreSQL), migrated, bundled plugins loaded, one API token."""
-    import psycopg
-
-    # REDIS_PREFIX: this run's own channels, groups and control registry (runs of the suite may
-    # overlap on one Redis; a drain must reach this run's workers only).
-    env = {"REDIS_URL": ops_redis_url(), "REDIS_PREFIX": f"opstest{os.getpid()}x{random.randrange(10**6)}",
-           "DATABASE_URL": ops_database_url(), "EXECAPP_LOG_LEVEL": "WARNING"}
-    with psycopg.connect(env["DATABASE_URL"], autocommit=True) as lock:
-        lock.execute("SELECT pg_advisory_lock(6006)")  # overlapping runs: one migrates at a time
-        for args in (("migrate", "--noinput"), ("loadplugins",)):
-            result = manage(*args, env=env, timeout=120)
-            assert result.returncode == 0, f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
+def ops_env(postgres_url: str) -> dict[str, str]:
+    """REDIS_URL + DATABASE_URL (this run's own PostgreSQL database), migrated, bundled plugins
+    loaded, one API token."""
+    # REDIS_PREFIX: this deployment's own channels, groups and control registry (runs of the suite
+    # overlap on one Redis; a drain must reach this deployment's workers only).
+    env = {"REDIS_URL": require_service("Redis", REDIS_TEST_URL), "REDIS_PREFIX": redis_test_prefix("ops"),
+           "DATABASE_URL": postgres_url, "EXECAPP_LOG_LEVEL": "WARNING"}
+    for args in (("migrate", "--noinput"), ("loadplugins",)):
+        result = manage(*args, env=env, timeout=120)
+        assert result.returncode == 0, f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
     result = manage("create_token", f"ops-{os.getpid()}-{random.randrange(10**6)}", env=env)
     assert result.returncode == 0, result.stderr
     return {**env, "TOKEN": result.stdout.strip().splitlines()[-1]}
@@ -241,6 +227,10 @@ class Load:
                 await asyncio.wait_for(receiver, WAIT)
                 self.close_codes.append(ws.close_code)
 
+    def answered(self, phase: int) -> int:
+        """How many clients got a terminal frame for an event they sent in ``phase``."""
+        return len({eid.split("-")[0] for eid, o in list(self.events.items()) if o.phase == phase and o.terminals})
+
     def check_exactly_one_terminal(self) -> None:
         """No event got two terminal frames, and no accepted event (one with a reply) missed its done."""
         for eid, o in self.events.items():
@@ -266,14 +256,19 @@ class Load:
         return count
 
 
-async def run_load_around(load: Load, action: Any, warmup: float = 1.0) -> Any:
-    """Start the load, let it run ``warmup`` seconds, run ``action`` (blocking) in a thread, finish."""
+async def run_load_around(load: Load, action: Any) -> Any:
+    """Start the load, run ``action`` (blocking) in a thread once it is under way, finish once
+    every client has met the outcome (a `draining` refusal, or its connection closed)."""
     task = asyncio.create_task(load.run())
-    await asyncio.sleep(warmup)
+    # Under way: every client had an answer and /slow events are out (the first of each client is one).
+    assert await wait_until_async(lambda: load.answered(0) >= load.clients
+                                  and any(o.text.startswith("/slow") for o in load.events.values()), WAIT), \
+        "the load never got going"
     load.phase = 1
     result = await asyncio.to_thread(action)
     load.phase = 2
-    await asyncio.sleep(0.3)  # clients now meet `draining` and stop
+    assert await wait_until_async(lambda: load.answered(2) + len(load.close_codes) >= load.clients, WAIT), \
+        "clients never met the drain"
     load.stop.set()
     await asyncio.wait_for(task, WAIT + 10)
     return result
@@ -350,11 +345,12 @@ async def test_drain_under_load_loses_nothing_and_undrain_resumes(deployment: De
 
 async def test_drain_timeout_names_the_straggler(deployment: Deployment, ops_env: dict[str, str]) -> None:
     async with connect(f"{deployment.ws_url}?token={ops_env['TOKEN']}") as ws:
-        await ws.send(json.dumps({"id": "straggler", "type": "message", "text": "/slow 3000"}))
-        deadline = time.monotonic() + WAIT
-        while not any(a["pool"]["in_flight"] for a in (await asyncio.to_thread(deployment.status)).values()):
-            assert time.monotonic() < deadline, "/slow 3000 never started in a worker's pool"
-            await asyncio.sleep(0.05)  # until its handler runs
+        # Long enough to outlast the drain command's start-up (Django's, seconds on a loaded machine),
+        # under the bundled plugin's 10 s budget: the drain must find it running.
+        await ws.send(json.dumps({"id": "straggler", "type": "message", "text": f"/slow {STRAGGLER_MS}"}))
+        started = await asyncio.to_thread(  # until its handler runs
+            wait_until, lambda: any(a["pool"]["in_flight"] for a in deployment.status().values()), WAIT, 0.05)
+        assert started, f"/slow {STRAGGLER_MS} never started in a worker's pool"
         try:
             result = await asyncio.to_thread(deployment.manage, "drain", "--timeout", "0.5")
             assert result.returncode == 1, f"{result.stdout}\n{result.stderr}"
@@ -365,7 +361,7 @@ async def test_drain_timeout_names_the_straggler(deployment: Deployment, ops_env
             assert "1 events without done" in result.stderr
             # The straggler still completes, exactly once.
             frames = [json.loads(await asyncio.wait_for(ws.recv(), WAIT)) for _ in range(2)]
-            assert [f["type"] for f in frames] == ["reply", "done"] and frames[0]["text"] == "slept 3000"
+            assert [f["type"] for f in frames] == ["reply", "done"] and frames[0]["text"] == f"slept {STRAGGLER_MS}"
         finally:
             undrain = await asyncio.to_thread(deployment.manage, "undrain")
         assert undrain.returncode == 0, undrain.stderr

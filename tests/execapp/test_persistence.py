@@ -206,7 +206,7 @@ _FLUSHER = textwrap.dedent("""
     profile = engine.profile_for("command:shared")
     store = ProfileStore(engine, window=32)
     sample = {"a": 0.001, "b": 0.002}[tag]  # each process's samples are recognisable
-    while time.time() < start_at:
+    while time.time() < start_at:  # a start line shared by two processes: they flush at once
         time.sleep(0.001)
     for i in range(rounds):
         for _ in range(per_round):

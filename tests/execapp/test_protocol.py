@@ -1,19 +1,30 @@
-"""execapp.protocol without Channels: frame validation, outgoing frames, one connection's ordering."""
+"""execapp.protocol and execapp.connection without Channels: frame validation, outgoing frames, one
+connection's ordering."""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
 import threading
-import time
 from collections import defaultdict
 from typing import Any
 
 import pytest
 
+from execapp.codes import ERROR_CODES
+from execapp.connection import Connection, Outbox
 from execapp.engine import Completion, Engine, ExecClass, ExecPool, Failure, Reply
-from execapp.protocol import (ERROR_CODES, MAX_SESSIONS_PER_CONNECTION, Connection, Limits, Outbox, ProtocolError,
-                              error_frame, group_name, json_depth, outcome_frame, parse_frame)
+from execapp.protocol import (
+    MAX_SESSIONS_PER_CONNECTION,
+    Limits,
+    ProtocolError,
+    error_frame,
+    group_name,
+    json_depth,
+    outcome_frame,
+    parse_frame,
+)
+from tests.conftest import wait_until_async
 
 LIMITS = Limits(max_frame_bytes=1024, max_in_flight=3)
 
@@ -198,7 +209,7 @@ async def test_a_failure_inside_the_server_is_an_internal_error_frame_logged_onc
         sent.append(json.loads(text))
 
     conn = Connection(engine, Broken(), LIMITS, send)
-    with caplog.at_level(logging.ERROR, logger="execapp.protocol"):
+    with caplog.at_level(logging.ERROR, logger="execapp.connection"):
         for i in range(5):
             await conn.receive(json.dumps({"id": f"x{i}", "type": "message", "text": "/ping"}))
     await conn.flush()
@@ -275,10 +286,9 @@ async def _connection(engine: Engine, limits: Limits = LIMITS) -> tuple[Connecti
 
 
 async def _settle(conn: Connection, sent: list[dict], dones: int) -> None:
-    deadline = time.monotonic() + 10
-    while sum(f["type"] == "done" for f in sent) < dones or conn.outbox.pending():
-        assert time.monotonic() < deadline, f"only {sum(f['type'] == 'done' for f in sent)} of {dones} dones"
-        await asyncio.sleep(0.002)
+    assert await wait_until_async(lambda: sum(f["type"] == "done" for f in sent) >= dones
+                                  and not conn.outbox.pending()), \
+        f"only {sum(f['type'] == 'done' for f in sent)} of {dones} dones"
 
 
 async def test_pooled_replies_always_precede_their_done_even_when_the_loop_completes_the_event() -> None:
@@ -325,12 +335,10 @@ async def test_events_of_a_client_that_left_still_end_once_each_for_the_drain_co
     await conn.receive(json.dumps({"id": "h", "type": "message", "text": "/hold"}))
     await conn.receive(json.dumps({"id": "p", "type": "message", "text": "/ping"}))
     conn.close()  # before the writer ran: the ping's done is dropped unsent, the hold is still running
-    await asyncio.sleep(0.01)
-    assert conn.worker.ended == 1
+    assert await wait_until_async(lambda: conn.worker.ended >= 1)
+    assert conn.worker.ended == 1, "the hold is still running: only the ping ended"
     release.set()
-    deadline = time.monotonic() + 5
-    while conn.worker.ended < 2 and time.monotonic() < deadline:
-        await asyncio.sleep(0.002)
+    assert await wait_until_async(lambda: conn.worker.ended >= 2)
     assert conn.worker.begun == conn.worker.ended == 2
     assert not conn.in_flight
     engine.pool.drain(5)  # type: ignore[union-attr]
@@ -422,8 +430,7 @@ async def test_a_failing_write_does_not_stop_the_outbox() -> None:
     for i in range(3):
         box.push(i)
     await box.flush()
-    await asyncio.sleep(0.01)
-    assert written == [0, 2]
+    assert await wait_until_async(lambda: written == [0, 2]), written
     box.close()
     box.push(9)
     assert box.pending() == 0
@@ -432,15 +439,16 @@ async def test_a_failing_write_does_not_stop_the_outbox() -> None:
 async def test_a_closed_outbox_still_runs_the_callbacks_of_what_it_drops() -> None:
     gate = asyncio.Event()
     ran: list[str] = []
+    writing: list[str] = []
 
     async def write(item: str) -> None:
+        writing.append(item)
         await gate.wait()
 
     box = Outbox(write, "test")
     box.push("a", lambda: ran.append("a"))  # being written when the box closes
     box.push("b", lambda: ran.append("b"))  # still queued
-    await asyncio.sleep(0.01)
+    assert await wait_until_async(lambda: writing == ["a"])
     box.close()
     box.push("c", lambda: ran.append("c"))  # after close
-    await asyncio.sleep(0.01)
-    assert sorted(ran) == ["a", "b", "c"]
+    assert await wait_until_async(lambda: sorted(ran) == ["a", "b", "c"]), ran

@@ -1,7 +1,7 @@
 """Sessions belong to their owner: the same session name under two owners is two sessions.
 
 An owner is a token's tenant (``ApiToken.tenant``, default: the token's own name) or, for a
-staff session, its user. Checked at three levels: ``protocol.Connection`` over a real in-memory
+staff session, its user. Checked at three levels: ``connection.Connection`` over a real in-memory
 channel layer, the consumer behind the real auth middleware, and a real server with two tokens.
 """
 from __future__ import annotations
@@ -17,9 +17,11 @@ from channels.layers import InMemoryChannelLayer
 from channels.testing import WebsocketCommunicator
 from django.core.management import CommandError, call_command
 
+from execapp.connection import Connection
 from execapp.engine import Engine, ExecPool
-from execapp.protocol import GROUP_PREFIX, MAX_SESSION_CHARS, Connection, Limits, group_name, owner_digest
+from execapp.protocol import GROUP_PREFIX, MAX_SESSION_CHARS, Limits, group_name, owner_digest
 from execapp.routing import websocket_application
+from tests.conftest import wait_until_async
 
 from .ws_fixtures import Client, authed, channel_layer, ws_worker  # noqa: F401
 
@@ -55,7 +57,7 @@ def test_a_connection_with_session_groups_needs_an_owner() -> None:
     asyncio.run(go())
 
 
-# -- protocol.Connection over a real in-memory channel layer --------------------------------------
+# -- connection.Connection over a real in-memory channel layer ------------------------------------
 
 class _Admission:
     def begin_event(self) -> bool:
@@ -103,10 +105,17 @@ class LayerClient:
 
 
 async def _until(predicate: Any) -> None:
-    deadline = asyncio.get_running_loop().time() + TIMEOUT
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "not reached in time"
-        await asyncio.sleep(0.005)
+    assert await wait_until_async(predicate, TIMEOUT, interval=0.005), "not reached in time"
+
+
+async def _delivered(clients: list[LayerClient]) -> None:
+    """Return once everything already sent to these clients' channels has reached them: a marker
+    sent now arrives after it (an in-memory channel is a FIFO queue)."""
+    for c in clients:
+        if c.channel is not None:
+            marker = json.dumps({"type": "marker", "id": c.channel})
+            await c.layer.send(c.channel, {"type": "session.frame", "frame": marker, "sender": "test"})
+    await _until(lambda: all(c.channel is None or c.channel in c.ids("marker") for c in clients))
 
 
 async def test_two_owners_sharing_a_session_name_never_see_each_others_frames() -> None:
@@ -122,7 +131,7 @@ async def test_two_owners_sharing_a_session_name_never_see_each_others_frames() 
         await alice.conn.receive(msg("/echo secret", "a1", session="room-1"))
         await mallory.conn.receive(msg("/echo mine", "m1", session="room-1"))
         await _until(lambda: "a1" in alice2.ids() and "m1" in mallory.ids() and "a1" in alice.ids())
-        await asyncio.sleep(0.05)  # a stray group frame would be delivered by now (same loop, in-memory)
+        await _delivered([alice, alice2, mallory])  # a stray group frame, already sent, has arrived by now
         assert [f.get("text") for f in alice2.frames if f["type"] == "reply"] == ["secret"]
         assert mallory.ids("reply") == ["m1"] and "a1" not in mallory.ids()  # at join AND at send
         assert "m1" not in alice.ids() and "m1" not in alice2.ids()
@@ -230,7 +239,7 @@ def test_a_token_is_its_own_tenant_unless_given_one() -> None:
     out, err = StringIO(), StringIO()
     call_command("create_token", "solo", stdout=out, stderr=err)
     call_command("create_token", "member", "--tenant", " acme ", stdout=StringIO(), stderr=StringIO())
-    assert ApiToken.objects.get(name="solo").tenant == "solo" and "of tenant 'solo'" in err.getvalue()
+    assert ApiToken.objects.get(name="solo").tenant == "solo" and "of tenant 'solo'" in out.getvalue()
     assert ApiToken.objects.get(name="member").tenant == "acme"
     assert ApiToken.objects.get(name="member").owner == "tenant:acme"
     # The admin's add form may leave the tenant blank: saving fills in the name.

@@ -176,7 +176,7 @@ async def first_answer(server: Supervised, tag: str) -> int:
             async with connect(server.ws_url, open_timeout=2) as ws:
                 return (await stall_reply(ws, f"{tag}-{n}"))[0]
         except (OSError, ConnectionClosed, InvalidHandshake, asyncio.TimeoutError):
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the retry's pace (the caller bounds the whole wait)
 
 
 def parent_of(pid: int) -> int:
@@ -236,7 +236,7 @@ async def test_two_workers_keep_the_offender_off_every_loop(start: Any) -> None:
             n = 0
             while (await stall_reply(b, f"b-pin-{n}"))[1] != "pool":
                 n += 1
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # the poll's pace (bounded by the wait_for below)
 
         await asyncio.wait_for(pinned(), WAIT)
         assert await always_pooled(b, "survivor") == pid_b

@@ -1,7 +1,6 @@
 """Fixtures and helpers shared by the WebSocket tests (imported by name into each test module)."""
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any, AsyncIterator, Iterator
 
@@ -10,39 +9,36 @@ from channels.testing import WebsocketCommunicator
 
 from execapp import worker as worker_module
 from execapp.consumers import EventConsumer
-from tests.conftest import REDIS_TEST_URL, require_service
+from tests.conftest import REDIS_TEST_URL, redis_test_prefix, require_service, wait_until_async
 
 from . import ws_handlers
 
 TIMEOUT = 5.0
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
 def channel_layer(request: pytest.FixtureRequest, settings: Any) -> str:
     """Run the test once over the in-memory channel layer and once over channels_redis."""
     if request.param == "redis":
         url = require_service("Redis", REDIS_TEST_URL)
-        import redis
-
-        redis.Redis.from_url(url).flushdb()
+        # A prefix of this test alone (inside the run's): empty channels and groups, no flushdb.
         settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
                                                "CONFIG": {"hosts": [{"address": url, "socket_timeout": 15}],
-                                                          "capacity": 1500, "expiry": 30}}}
+                                                          "capacity": 1500, "expiry": 30,
+                                                          "prefix": redis_test_prefix("ws")}}}
     else:
         settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
     return request.param
 
 
 @pytest.fixture
-def ws_worker(request: pytest.FixtureRequest, settings: Any) -> Iterator[worker_module.Worker]:
+def ws_worker(request: pytest.FixtureRequest, settings: Any, install_worker: Any) -> Iterator[worker_module.Worker]:
     """A fresh Worker (new pool, engine and profiles) with the test commands, as the process's worker;
     indirect parametrization passes extra EXECAPP settings."""
     settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "POOL_IDLE_SECONDS": 0.5, **getattr(request, "param", {})}
-    worker = worker_module.Worker("test-worker")
+    worker = install_worker(worker_module.Worker("test-worker"))
     ws_handlers.register(worker.engine)
-    previous, worker_module._worker = worker_module._worker, worker
     yield worker
-    worker_module._worker = previous
     ws_handlers.slow_release.set()
     worker.pool.drain(10)
     ws_handlers.slow_release.clear()
@@ -97,10 +93,7 @@ class Client:
 
 async def wait_for(predicate: Any, timeout: float = TIMEOUT) -> None:
     """Poll ``predicate()`` on the loop until it is true (never a timing assertion: a guard)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
+    assert await wait_until_async(predicate, timeout, interval=0.005), "condition not reached in time"
 
 
 def demote(worker: worker_module.Worker, matcher: str) -> None:

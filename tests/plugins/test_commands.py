@@ -26,9 +26,14 @@ def test_loadplugins_is_idempotent() -> None:
     assert RegistryState.current() == version  # nothing saved, no refresh triggered
     assert sorted(Plugin.objects.values_list("name", flat=True)) == [
         "add", "counter", "echo", "guard", "ping", "slow", "upper"]
+    # Edited since it was loaded (issue 12: `make run` used to overwrite admin edits): kept, and said so.
     Plugin.objects.filter(name="ping").update(source='function ping(e) return "x" end')
-    assert "1 updated" in run("loadplugins")
+    out = run("loadplugins")
+    assert "ping (lua): skipped: edited since it was loaded" in out and "1 skipped" in out
+    assert run("runplugin", "ping", "ping", '{"text": "/ping"}') == "x"
+    assert "1 updated" in run("loadplugins", "--force")
     assert run("runplugin", "ping", "ping", '{"text": "/ping"}') == "pong"
+    assert "7 unchanged" in run("loadplugins")
 
 
 @pytest.mark.parametrize("plugin,handler,event,reply", [

@@ -9,8 +9,8 @@ import pytest
 
 from execapp.engine import HandlerError, HandlerTimeout
 from plugins.errors import HostDenied
-from plugins.host import HTTP_MAX_BYTES, Host, HostCallError, host_allowed
 from plugins.loaded import LoadedPlugin
+from plugins.runtimes.host import HTTP_MAX_BYTES, Host, HostCallError, host_allowed
 from plugins.spec import PluginSpec
 
 

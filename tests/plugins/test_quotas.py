@@ -18,9 +18,9 @@ from execapp.engine import HandlerTimeout
 from execapp.protocol import ERROR_CODES
 from plugins import kv
 from plugins.errors import QUOTA_CODES, GuestTimeout, QuotaExceeded
-from plugins.host import Host
 from plugins.loaded import LoadedPlugin
 from plugins.models import KVEntry, KVUsage, Plugin
+from plugins.runtimes.host import Host
 from plugins.runtimes.wasm import wat_to_wasm
 from plugins.spec import DEFAULT_QUOTAS, PluginSpec
 from tests.conftest import wait_until
@@ -97,7 +97,8 @@ WAT = r"""
   (import "env" "log" (func $log (param i32 i32)))
   (import "env" "http_get" (func $http_get (param i32 i32 i32 i32) (result i32)))
   (memory (export "memory") 1)
-  (data (i32.const 200) "vvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvv")
+  (data (i32.const 200) "vvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvv"
+                        "vvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvv")
   (data (i32.const 300) "yyyyyyyyyyyyyyyyyyyyyyyyyyyyyy")
   (data (i32.const 400) "survived")
   (data (i32.const 420) "logged")
@@ -274,7 +275,7 @@ class _Handler(BaseHTTPRequestHandler):
                 for _ in range(100):
                     self.wfile.write(b"X")
                     self.wfile.flush()
-                    time.sleep(0.1)
+                    time.sleep(0.1)  # the point: headers that trickle
                 return
             if self.path.startswith("/trickle"):
                 self.send_response(200)
@@ -283,7 +284,7 @@ class _Handler(BaseHTTPRequestHandler):
                 for _ in range(100):
                     self.wfile.write(b"x")
                     self.wfile.flush()
-                    time.sleep(0.1)
+                    time.sleep(0.1)  # the point: a body that trickles
                 return
             size = int(self.path.rsplit("/", 1)[-1] or 10)
             self.send_response(200)

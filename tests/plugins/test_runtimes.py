@@ -9,9 +9,9 @@ import pytest
 from execapp.engine import HandlerError, HandlerTimeout
 from plugins.errors import PluginBusy, PluginInvalid, PluginMemoryExceeded
 from plugins.loaded import LoadedPlugin, validate
-from plugins.spec import STRATEGIES, PluginSpec
+from plugins.runtimes.registry import STRATEGIES
 from plugins.runtimes.wasm import wat_to_wasm
-
+from plugins.spec import PluginSpec
 from tests.conftest import wait_until
 
 from .guests import CODE, LOOPS, SYNTAX_ERRORS

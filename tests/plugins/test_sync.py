@@ -7,9 +7,12 @@ import pytest
 from django.core.management import call_command
 from django.test import override_settings
 
+from execapp import extensions
 from execapp.engine import Engine, Event
+from execapp.worker import service_factories
 from plugins import kv, sync
 from plugins.models import Binding, KVEntry, Plugin
+from plugins.runtimes import kvstore
 
 pytestmark = pytest.mark.django_db
 
@@ -149,7 +152,8 @@ def test_counter_uses_redis_when_configured(engine: Engine, redis_url: str) -> N
         assert texts(engine, "/count") == ["1"]
         assert texts(engine, "/count") == ["2"]
         assert isinstance(kv.kv_store(), kv.RedisKV)
-        assert kv.kv_store().client.hget("asgi:execapp:plugins:kv:counter", "count") == "2"
+        from execapp.conf import redis_key  # namespaced by this test's prefix (the redis_url fixture)
+        assert kv.kv_store().client.hget(redis_key("execapp:plugins:kv:counter"), "count") == "2"
     assert not KVEntry.objects.filter(plugin="counter").exists()
 
 
@@ -175,8 +179,8 @@ def test_pooled_dispatch_through_the_engine_pool(engine: Engine) -> None:
 
 
 def test_the_worker_runs_the_registry_sync_service() -> None:
-    from execapp.worker import SERVICE_FACTORIES
-    assert "plugins.sync.registry_sync" in SERVICE_FACTORIES
+    # Registered by the plugins app's ready(): execapp names no plugins module.
+    assert ("plugins.sync", sync.registry_sync) in service_factories()
     eng = Engine(pool_enabled=False)
     service = sync.registry_sync(type("W", (), {"engine": eng})())
     assert service.interval == 2.0
@@ -184,3 +188,13 @@ def test_the_worker_runs_the_registry_sync_service() -> None:
     service.tick()
     assert texts(eng, "/ping") == ["pong"]
     service.close()
+
+
+def test_the_plugins_app_provides_its_pool_stats_and_kv_store() -> None:
+    sync.manager.clear()  # what earlier tests of this process loaded
+    loaded = sync.manager.load(Plugin.objects.create(name="p", runtime="lua", source="function a(ev) return 'a' end"))
+    rows = extensions.stats("plugin_pools")
+    assert rows is not None and [r["plugin"] for r in rows] == ["p"] and rows == sync.instance_pool_stats()
+    assert isinstance(kvstore.installed(), kv.ConfiguredKV)  # the host API's kv_get/kv_set use the settings' store
+    sync.manager.retain(set())
+    assert extensions.stats("plugin_pools") == [] and loaded.spec.name == "p"

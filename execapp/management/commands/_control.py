@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from execapp.control import ControlResult, request_sync
+from execapp import conf
+from execapp.control_client import ControlResult, request_sync
 from execapp.engine.errors import ExecAppError
 
 
@@ -19,15 +21,37 @@ class ControlCommand(BaseCommand):
         parser.add_argument("--worker", metavar="ID", help="only this worker (ids: manage.py execstatus)")
         parser.add_argument("--json", action="store_true", help="print the answers as JSON")
 
+    def execute(self, *args: Any, **options: Any) -> Any:
+        """Run the command; under --json an error is printed as JSON on stdout too (code, message)."""
+        try:
+            return super().execute(*args, **options)
+        except CommandError as exc:
+            if not options.get("json"):
+                raise
+            code = getattr(exc, "code", None) or "command_error"
+            error = {"code": code, "message": str(exc)}
+            if getattr(exc, "reason", ""):
+                error["reason"] = exc.reason
+            self.stdout.write(json.dumps({"op": self.op, "ok": False, "error": error}, indent=2, sort_keys=True))
+            if getattr(self, "_called_from_command_line", False):
+                raise SystemExit(exc.returncode) from None  # the JSON is the whole answer: no plain-text line
+            raise
+
     def ask(self, worker: str | None, timeout: float | None = None) -> ControlResult:
         """Send the op; operator errors (no shared layer, unknown worker) become CommandError."""
         try:
             result = request_sync(self.op, worker=worker, timeout=timeout)
         except ExecAppError as exc:
-            raise CommandError(f"{exc.code}: {exc}") from exc
+            error = CommandError(f"{exc.code}: {exc}")
+            error.code = exc.code  # what --json reports
+            error.reason = getattr(exc, "reason", "")  # control_unavailable: the short cause (Redis unreachable)
+            raise error from exc
         if not result.answers and not result.missing:
-            raise CommandError(f"no worker answered within {result.waited_seconds:.1f} s: is the server running "
-                               "with the same REDIS_URL as this command?")
+            error = CommandError(
+                f"no worker answered within {result.waited_seconds:.1f} s: is the server running with the same "
+                f"REDIS_URL and REDIS_PREFIX as this command (this command: REDIS_PREFIX={conf.redis_prefix()!r})?")
+            error.code = "no_worker_answered"
+            raise error
         return result
 
     def print_json(self, result: ControlResult) -> None:
@@ -45,7 +69,7 @@ def drain_line(answer: dict[str, Any]) -> str:
     if answer.get("ok"):
         line = f"worker {wid}: drained in {answer.get('elapsed_seconds', 0):.2f} s, {done}"
     else:
-        running = ", ".join(answer.get("still_running") or []) or "-"
+        running = counted(answer.get("still_running") or [])
         line = (f"worker {wid}: NOT drained ({answer.get('reason') or 'unknown'}) after "
                 f"{answer.get('elapsed_seconds', 0):.2f} s, {done}; still running: {running}; "
                 f"{answer.get('events_in_flight', 0)} events without done, {answer.get('tasks_queued', 0)} "
@@ -53,6 +77,13 @@ def drain_line(answer: dict[str, Any]) -> str:
     if answer.get("flush_errors"):
         line += f"; profile flush failed: {'; '.join(answer['flush_errors'])}"
     return line
+
+
+def counted(names: list[str]) -> str:
+    """Names with their counts, most first: "slow.slow x3, ping.ping" ("-" for none)."""
+    counts = Counter(names)
+    return ", ".join(f"{n} x{c}" if c > 1 else n for n, c in
+                     sorted(counts.items(), key=lambda item: (-item[1], item[0]))) or "-"
 
 
 def ms(seconds: Any) -> str:

@@ -25,9 +25,11 @@ class Command(BaseCommand):
             raise CommandError(f"--tenant {tenant[:20]!r}... is {len(tenant)} characters; use at most 100")
         if ApiToken.objects.filter(name=name).exists():
             raise CommandError(f"a token called {name!r} already exists; pick another name "
-                               f"(or `python manage.py revoke_token {name}` to disable the old one)")
+                               f"(or `.venv/bin/python manage.py revoke_token {name}` to disable the old one)")
         token, raw = ApiToken.issue(name, tenant)
-        self.stderr.write(f"Created API token {name!r} of tenant {token.tenant!r}. Copy it now: only its hash is "
+        # Information, not an error: stdout (stderr printed it red), with the token as its last line.
+        self.stdout.write(f"Created API token {name!r} of tenant {token.tenant!r}. Copy it now: only its hash is "
                           "stored.\n"
-                          f"Connect with ws://HOST/ws/events/?token=<token> or 'Authorization: Bearer <token>'.")
+                          "Connect with ws://HOST/ws/events/?token=<token> or 'Authorization: Bearer <token>'.\n"
+                          "The token:")
         self.stdout.write(raw)

@@ -7,7 +7,7 @@ from django.core.management.base import CommandError, CommandParser
 
 from execapp import conf
 
-from ._control import ControlCommand, drain_line
+from ._control import ControlCommand, counted, drain_line
 
 
 class Command(ControlCommand):
@@ -33,7 +33,7 @@ class Command(ControlCommand):
                 self.stdout.write(drain_line(result.answers[wid]))
             for wid in result.missing:
                 self.stdout.write(f"worker {wid}: did not answer within {result.waited_seconds:.1f} s")
-        failed = [f"{wid} (still running: {', '.join(a.get('still_running') or []) or '-'}; "
+        failed = [f"{wid} (still running: {counted(a.get('still_running') or [])}; "
                   f"{a.get('events_in_flight', 0)} events without done)"
                   for wid, a in sorted(result.answers.items()) if not a.get("ok")]
         failed += [f"{wid} (did not answer)" for wid in result.missing]

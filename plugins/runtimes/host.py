@@ -11,6 +11,9 @@ GuestQuota (a KV or HTTP quota of plugins.spec.Quotas; the runtimes make it unca
 timeout). Log lines past the log quota are dropped, not refused. A denied call is logged once
 per call. The runtime calls ``close()`` when the guest call ends: it writes the one summary
 line of what was dropped or denied.
+
+``kv_get``/``kv_set`` go to the KV store the process installed (plugins.runtimes.kvstore): this
+module, like every runtime, knows no backend and imports no Django.
 """
 from __future__ import annotations
 
@@ -24,10 +27,12 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .errors import GuestQuota, GuestTimeout, HostDenied
-from .kv import MAX_KEY_CHARS, MAX_VALUE_CHARS, kv_store
-from .spec import PluginSpec
+from ..errors import GuestQuota, GuestTimeout, HostDenied
+from ..spec import PluginSpec
+from . import kvstore
+from .kvstore import MAX_KEY_CHARS, MAX_VALUE_CHARS
 
+# The logger names predate the move into runtimes/: they are what operators configure.
 log = logging.getLogger("plugins.host")
 guest_log = logging.getLogger("plugins.guest")
 
@@ -129,7 +134,7 @@ class Host:
         self._check("kv", "kv_get")
         key = _key(key)
         try:
-            return kv_store().get(self.spec.name, key, self.remaining())
+            return _kv("kv_get").get(self.spec.name, key, self.remaining())
         except TimeoutError:
             raise GuestTimeout("kv_get: the KV store did not answer before the plugin's deadline") from None
 
@@ -154,7 +159,7 @@ class Host:
         key = _key(key)
         self.kv_writes += 1
         try:
-            kv_store().set(self.spec.name, key, value, self.remaining(), q)
+            _kv("kv_set").set(self.spec.name, key, value, self.remaining(), q)
         except TimeoutError:
             raise GuestTimeout("kv_set: the KV store did not answer before the plugin's deadline") from None
 
@@ -392,6 +397,15 @@ def _tls(sock: socket.socket, host: str, deadline: float) -> socket.socket:
         tls.close()
         raise
     return tls
+
+
+def _kv(call: str) -> kvstore.KVStore:
+    """The process's injected KV store (plugins.runtimes.kvstore); a failed host call without one."""
+    store = kvstore.installed()
+    if store is None:
+        raise HostCallError(f"{call}: no KV store is installed in this process; the plugins app installs one "
+                            "at startup, a script without Django calls plugins.runtimes.kvstore.install(store)")
+    return store
 
 
 def _key(key: Any) -> str:

@@ -1,0 +1,159 @@
+"""What recording the event history costs (issue 12): the hot path and the server's throughput.
+
+1. **Inline dispatch with recording**: an event through the connection's path in process, as
+   the server runs it (``history.accepted``, ``Engine.process_event`` with one demoted handler
+   replying ``pong``, ``history.delivered`` for the reply and the done, the recorder's run
+   observer), with the recorder running vs without one (the hooks return at once). Interleaved
+   repetitions, medians. Target: the overhead over a direct handler call stays <= 5 us. The
+   buffered items are turned into traces between repetitions (the housekeeper's work, off the
+   hot path); its cost per event is measured on its own.
+2. **/ping WebSocket throughput**: bench_ws.py's closed loop (10 connections, the bundled Lua
+   ``ping`` demoted to inline, a separate client process) against two servers, one with the
+   recorder and one without (``BENCH_NO_HISTORY=1``, bench/bench_app.py), loaded one at a time
+   in alternation. Target: with recording >= 0.9x without.
+
+Run alone: ``python bench/run.py --only history`` (``--quick`` for a short run).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for _p in (str(ROOT), str(HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from bench.common import interleaved, per_call_us, row, setup_django  # noqa: E402
+
+BENCH = "event history"
+
+
+def bench_inline(quick: bool) -> list[dict[str, Any]]:
+    """Inline dispatch through the connection's hooks, recorder on vs off (see the docstring)."""
+    from execapp import history
+    from execapp.engine import Engine, Event
+
+    n, reps = (20_000, 5) if quick else (50_000, 9)
+    engine = Engine(pool_enabled=True)
+    m = engine.on_command("ping", lambda ctx: "pong")
+    m.profile.restore("demoted", [0.00001] * m.profile.window)
+    recorder = history.Recorder(SimpleNamespace(engine=engine, id="bench"))  # registers its run observer
+    conn = SimpleNamespace(owner="tenant:bench")
+    event = Event(text="/ping")
+    accepted, delivered = history.accepted, history.delivered
+
+    def on_outcome(outcome: Any) -> None:  # what Connection._deliver adds: one call per outcome
+        delivered(conn, outcome)
+
+    def one() -> None:
+        accepted(conn, event)
+        engine.process_event(event, on_outcome)
+
+    def handler_only() -> None:
+        m.handler(None)
+
+    def off() -> float:
+        history._recorder = None
+        return per_call_us(one, n)
+
+    def on() -> float:
+        recorder.start()
+        try:
+            return per_call_us(one, n)
+        finally:
+            history._recorder = None
+            history._buffer.clear()  # the housekeeper's work is measured apart (below)
+
+    results = interleaved({"direct": lambda: per_call_us(handler_only, n), "off": off, "on": on}, reps)
+    if m.profile.should_pool().value != "sync":
+        raise RuntimeError("the benchmark handler left the inline path")
+    # The housekeeper: turning n events' buffered items into traces and storing them.
+    flush_us = []
+    for _ in range(3):
+        recorder.start()
+        for _ in range(n):
+            one()
+        history._recorder = None
+        started = time.perf_counter()
+        recorder.flush()
+        flush_us.append((time.perf_counter() - started) / n * 1e6)
+    base, off_us, on_us = results["direct"], results["off"], results["on"]
+    overhead = on_us - base
+    return [
+        row(BENCH, "direct handler call (baseline)", base, "us"),
+        row(BENCH, "inline event, connection hooks, no recorder", off_us, "us", baseline="direct call",
+            ratio=off_us / base),
+        row(BENCH, "inline event, recorder on (the server's path)", on_us, "us", baseline="no recorder",
+            ratio=on_us / off_us),
+        row(BENCH, "  recording's own cost per event (hot path)", on_us - off_us, "us"),
+        row(BENCH, "  inline dispatch overhead with recording", overhead, "us", target="<= 5 us", ok=overhead <= 5.0),
+        row(BENCH, "housekeeper: build + store one trace (off the hot path)", statistics.median(flush_us), "us"),
+    ]
+
+
+def bench_ws(quick: bool) -> list[dict[str, Any]]:
+    """/ping closed-loop throughput with and without the recorder (see the docstring)."""
+    import bench_ws as ws
+
+    seconds, reps = (2.0, 2) if quick else (4.0, 4)
+    workdir = tempfile.mkdtemp(prefix="bench-history-")
+    env = {**os.environ, "DATABASE_URL": f"sqlite:///{workdir}/db.sqlite3", "REDIS_URL": "",
+           "BENCH_DIR": workdir, "PYTHONUNBUFFERED": "1",
+           "EXECAPP_LOG_LEVEL": "WARNING", "DJANGO_SETTINGS_MODULE": "config.settings"}
+    ws._manage(env, "migrate", "--noinput")
+    ws._manage(env, "loadplugins")
+    token = ws._manage(env, "create_token", "bench").strip().splitlines()[-1]
+    servers = {"on": ws.Server("uvicorn", {**env, "BENCH_DIR": workdir}),
+               "off": ws.Server("uvicorn", {**env, "BENCH_NO_HISTORY": "1"})}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+    try:
+        for server in servers.values():
+            asyncio.run(ws._warm(server.url("/ws/events/"), token))
+        for _ in range(reps):
+            for name, server in servers.items():
+                cpu0 = server.cpu_seconds()
+                r = ws._load({"mode": "closed", "url": server.url("/ws/events/"), "token": token, "text": "/ping",
+                              "connections": ws.CONNECTIONS, "seconds": seconds})
+                r["rate"] = r["events"] / r["seconds"]
+                r["cpu_us"] = (server.cpu_seconds() - cpu0) / r["events"] * 1e6
+                runs[name].append(r)
+                print(f"    history {name}: {r['rate']:.0f} events/s p99 {r['p99_ms']:.2f} ms cpu "
+                      f"{r['cpu_us']:.0f} us/event", file=sys.stderr, flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("rate", "p99_ms", "cpu_us")}
+           for name, rs in runs.items()}
+    ratio = med["on"]["rate"] / med["off"]["rate"]
+    label = f"{ws.CONNECTIONS} conns closed loop, uvicorn"
+    return [
+        row(BENCH, f"/ping events/s without the recorder (baseline, {label})", med["off"]["rate"], "events/s"),
+        row(BENCH, f"/ping events/s with the recorder ({label})", med["on"]["rate"], "events/s",
+            baseline="without", ratio=ratio, target=">= 0.9x", ok=ratio >= 0.9),
+        row(BENCH, "/ping server CPU per event without the recorder (baseline)", med["off"]["cpu_us"], "us"),
+        row(BENCH, "/ping server CPU per event with the recorder", med["on"]["cpu_us"], "us", baseline="without",
+            ratio=med["on"]["cpu_us"] / med["off"]["cpu_us"]),
+        row(BENCH, "/ping latency p99 with the recorder", med["on"]["p99_ms"], "ms", baseline="without",
+            ratio=med["on"]["p99_ms"] / med["off"]["p99_ms"]),
+    ]
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+    """The bench/run.py entry point."""
+    setup_django()
+    return bench_inline(quick) + bench_ws(quick)
+
+
+if __name__ == "__main__":
+    from bench.run import main
+
+    sys.exit(main(["--only", "history", *sys.argv[1:]]))

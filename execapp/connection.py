@@ -1,0 +1,297 @@
+"""One WebSocket client's protocol state: admission, events in flight, ordered delivery of outcomes,
+bounded outboxes (execapp.outbox) and the resend path (execapp.resend).
+
+Channels-free on purpose: ``execapp.consumers`` adapts ``Connection`` to a Channels consumer,
+and the tests drive it directly. Frames are parsed and written by ``execapp.protocol``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, Awaitable, Callable, Protocol
+
+from . import extensions, history, metrics, resend
+from .engine import Completion, Event
+from .engine.event import Outcome, OutcomeCallback
+from .engine.ratelog import RateLimitedLog
+from .outbox import Outbox, OutboxLimits, text_size
+from .protocol import (
+    MAX_SESSIONS_PER_CONNECTION,
+    Limits,
+    ProtocolError,
+    error_frame,
+    group_name,
+    lagged_frame,
+    outcome_frame,
+    parse_request,
+    with_fields,
+)
+
+log = logging.getLogger("execapp.connection")
+#: Failures a client can cause on every frame are logged once per cause per minute, with a count.
+_rare = RateLimitedLog(log, 60.0)
+
+
+class Dispatcher(Protocol):
+    """What a Connection needs of its engine (execapp.engine.Engine)."""
+
+    async def process_event_async(self, event: Event, on_outcome: OutcomeCallback | None = None) -> Any: ...
+
+
+class Admission(Protocol):
+    """What a Connection needs of its worker (execapp.worker.Worker): admit an event, end it."""
+
+    def begin_event(self) -> bool: ...
+
+    def end_event(self) -> None: ...
+
+
+class Connection:
+    """One client's protocol state: admission, in-flight events, and ordered delivery of outcomes.
+
+    ``send(text)`` writes one frame to this client; ``publish(group, text)`` hands a frame to a
+    session's channel-layer group (None: sessions are served to the sender only); ``join(group)``
+    adds this connection to one. Group names come from ``group_name(owner, session)`` here and
+    nowhere else, so a connection can only ever join or publish to its own owner's sessions.
+    Outcomes arrive on any thread and are queued on the loop in arrival order: per event that is
+    every reply/error, then its one done. The outboxes are bounded by ``outbox_limits`` (default:
+    the settings): other members' session frames past them are dropped and counted (then one
+    ``lagged`` frame), and the client's own frames make the connection stop reading until its
+    outbox drained (docs/protocol.md, "Limits and flow control").
+    """
+
+    def __init__(self, engine: Dispatcher, worker: Admission, limits: Limits, send: Callable[[str], Awaitable[None]],
+                 publish: Callable[[str, str], Awaitable[None]] | None = None,
+                 join: Callable[[str], Awaitable[None]] | None = None, owner: str | None = None,
+                 outbox_limits: OutboxLimits | None = None) -> None:
+        if (publish is not None or join is not None) and not owner:
+            raise ValueError("a Connection with session groups needs its owner (e.g. 'tenant:acme'): group names "
+                             "are namespaced by owner")
+        self.engine = engine
+        self.worker = worker
+        self.limits = limits
+        self.owner = owner or ""
+        # group_name(owner, session) == this prefix + session: the digest is computed once.
+        self._group_prefix = group_name(self.owner, "")
+        self.loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        bounds = outbox_limits if outbox_limits is not None else OutboxLimits.from_settings()
+        self.outbox = Outbox(send, "execapp-ws-writer", limits=bounds, lagged=_lagged)
+        self._publish = publish
+        # Frames waiting for the channel layer (slow, or down: each publish then fails fast) are
+        # bounded the same way; past the limits they are dropped and counted (dropped_total).
+        self.group_outbox = (Outbox(self._publish_one, "execapp-ws-group", warn=True, limits=bounds)
+                             if publish is not None else None)
+        self._join = join
+        self.sessions: set[str] = set()
+        #: event id -> its session (None without one), from acceptance until its done is queued.
+        self.in_flight: dict[str, str | None] = {}
+        #: event id -> why it matched no handler (execapp.extensions.unmatched_hint), until its done.
+        self._hints: dict[str, str] = {}
+        #: ids of this connection's running ``"resend": true`` events (their done waits for the record).
+        self._resends: set[str] = set()
+        self._recording: set[asyncio.Task] = set()
+        self.closed = False
+
+    async def receive(self, text: str | None = None, data: bytes | None = None) -> None:
+        """Handle one incoming frame: refuse it with an error frame, or hand it to the engine and
+        return as soon as its handlers are started (never wait for them: Channels would hold back
+        this connection's next frames). Never raises: a failure of the server's own is an
+        ``internal_error`` frame (logged once per cause per minute) and the connection stays."""
+        try:
+            await self._receive(text, data)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            _rare.exception(("receive", type(exc).__name__), "a frame failed inside the server: %r", exc)
+            metrics.count_event("internal_error")
+            self.outbox.push(error_frame("internal_error", f"the server failed on this frame ({type(exc).__name__}); "
+                                                           "it is logged; the connection stays open"))
+
+    async def _receive(self, text: str | None, data: bytes | None) -> None:
+        if self.outbox.full:  # backpressure: this client is not reading; stop reading its frames too
+            await self.outbox.wait_room()
+        try:
+            event, resend_ = parse_request(text, data, self.limits)
+            if len(self.in_flight) >= self.limits.max_in_flight:
+                raise ProtocolError("rate_limited", f"this connection has {len(self.in_flight)} events in flight, "
+                                                    f"the limit is {self.limits.max_in_flight} (EXECAPP["
+                                                    "'MAX_IN_FLIGHT_PER_CONNECTION']); wait for a done first",
+                                    event.id)
+            if event.id in self.in_flight:
+                raise ProtocolError("bad_event", f"id {event.id!r} is already in flight on this connection; use a new "
+                                                 "id for each event", event.id)
+            if event.session is not None:
+                await self.join_session(event.session, event.id)
+            # Last check: from here on the event counts as accepted for a drain (atomically
+            # with the drain's flag), and end_event runs once its done is written.
+            if not self.worker.begin_event():
+                raise ProtocolError("draining", "this worker is draining for a restart and takes no new events; "
+                                                "reconnect (the load balancer sends you to a live worker)", event.id)
+        except ProtocolError as exc:
+            metrics.count_event(exc.code)
+            history.refused(self, exc.code, exc.message, exc.event_id)
+            self.outbox.push(error_frame(exc.code, exc.message, exc.event_id))
+            return
+        if resend_ and not await self._claim(event):
+            return
+        self.in_flight[event.id] = event.session
+        history.accepted(self, event)  # one tuple appended; traces are built by the housekeeper
+        try:
+            # Inline handlers run right here on the loop; pooled ones start in threads. With the
+            # "wait" overflow policy this may await a pool slot: backpressure on this client only.
+            run = await self.engine.process_event_async(event, self._on_outcome)
+            completion = getattr(run, "completion", None)
+            if completion is not None and not completion.matched:  # rare: say why, if anyone knows
+                hint = extensions.unmatched_hint(event.type, event.text)
+                if hint:  # its done is queued (call_soon), not yet written: _deliver adds the hint
+                    self._hints[event.id] = hint
+        except Exception as exc:  # an engine bug; its run still completes (dispatch releases in `finally`)
+            _rare.exception(("dispatch", type(exc).__name__), "dispatch of event %s failed", event.id)
+
+    async def join_session(self, session: str, event_id: str | None = None) -> None:
+        """Join a session's group (once per connection), within MAX_SESSIONS_PER_CONNECTION."""
+        if session in self.sessions or self._join is None:
+            return
+        if len(self.sessions) >= MAX_SESSIONS_PER_CONNECTION:
+            raise ProtocolError("bad_event", f"session: this connection already joined {MAX_SESSIONS_PER_CONNECTION} "
+                                             f"sessions; open another connection for {session!r}", event_id)
+        self.sessions.add(session)
+        try:
+            await self._join(self._group_prefix + session)
+        except Exception:  # the channel layer is down: the sender still gets its own frames
+            self.sessions.discard(session)
+            log.warning("joining session %r failed; its group frames are not delivered", session, exc_info=True)
+
+    def _on_outcome(self, outcome: Outcome) -> None:
+        # Called from the loop (inline handlers) or from pool threads. Both paths go through the
+        # loop's FIFO ready queue, so a pooled reply queued before its run's last release is
+        # always delivered before the done that release produces, whichever thread emits it.
+        try:
+            if threading.get_ident() == self._loop_thread:
+                self.loop.call_soon(self._deliver, outcome)
+            else:
+                self.loop.call_soon_threadsafe(self._deliver, outcome)
+        except RuntimeError:  # the loop is closed: the server is shutting down, the client is gone
+            pass
+
+    def _deliver(self, outcome: Outcome) -> None:
+        """Queue one outcome's frame for the client (and the session's group) on the loop."""
+        eid = outcome.event_id
+        session = self.in_flight.get(eid)
+        done = outcome.__class__ is Completion
+        history.delivered(self, outcome)
+        hint = None
+        if done:
+            self.in_flight.pop(eid, None)
+            if self._hints:
+                hint = self._hints.pop(eid, None)
+            metrics.count_event(metrics.completion_outcome(outcome))
+            if self._resends and eid in self._resends:  # its done waits for the durable record
+                self._resends.discard(eid)
+                task = self.loop.create_task(self._record_then_done(outcome, session, hint))
+                self._recording.add(task)
+                task.add_done_callback(self._recording.discard)
+                return
+        if self.closed:
+            if done:
+                self.worker.end_event()
+            return
+        frame = outcome_frame(outcome, session, hint)
+        self._queue(frame, session, self.worker.end_event if done else None)
+
+    def _queue(self, frame: str, session: str | None, after: Callable[[], None] | None = None) -> None:
+        """One frame of this client's event: to the client (never dropped), and to its session."""
+        size = text_size(frame)
+        self.outbox.push(frame, after, size)
+        if session is not None and self.group_outbox is not None:
+            if not self.group_outbox.offer((self._group_prefix + session, frame), session, size):
+                _rare.warning(("publish-dropped",), "session frames are waiting for the channel layer past the outbox "
+                              "limits (EXECAPP['OUTBOX_MAX_FRAMES'] / ['OUTBOX_MAX_BYTES']): dropped, %d so far on "
+                              "this connection", self.group_outbox.dropped_total)
+
+    def session_frame(self, frame: str, session: str) -> None:
+        """A frame of another member of one of this client's sessions: queued unless the outbox is
+        over its limits (then dropped, counted per session; one ``lagged`` frame once it caught up)."""
+        if not self.closed:
+            self.outbox.offer(frame, session, text_size(frame))
+
+    def groups(self) -> list[str]:
+        """The channel-layer groups this connection joined (one per session)."""
+        return [self._group_prefix + session for session in self.sessions]
+
+    # -- safe resend (execapp.resend) -------------------------------------------------------------
+
+    async def _claim(self, event: Event) -> bool:
+        """Claim a ``"resend": true`` event (admitted already): True to run it; otherwise it was
+        answered here (its recorded frames again, or a resend error) and its admission ended."""
+        eid = event.id
+        self.in_flight[eid] = event.session  # reserved while the claim is out: the same id again is refused
+        try:
+            claim, frames = await self.loop.run_in_executor(None, resend.claim, self.owner, eid, self._worker_id())
+        except Exception as exc:  # ResendError, or the ledger's own failure
+            self.in_flight.pop(eid, None)
+            self.worker.end_event()
+            code = exc.code if isinstance(exc, resend.ResendError) else "resend_unavailable"
+            message = exc.message if isinstance(exc, resend.ResendError) else f"resend failed ({type(exc).__name__})"
+            extra = exc.extra if isinstance(exc, resend.ResendError) else {}
+            if not isinstance(exc, resend.ResendError):
+                _rare.exception(("claim", type(exc).__name__), "claiming resend event %s failed", eid)
+            metrics.count_event(code)
+            self.outbox.push(error_frame(code, message, eid, **extra))
+            return False
+        if claim.state != resend.NEW:  # completed before: its record again, nothing runs
+            self.in_flight.pop(eid, None)
+            for i, frame in enumerate(frames):
+                self.outbox.push(frame, self.worker.end_event if i == len(frames) - 1 else None, text_size(frame))
+            if not frames:
+                self.worker.end_event()
+            return False
+        self._resends.add(eid)
+        return True
+
+    async def _record_then_done(self, outcome: Outcome, session: str | None, hint: str | None) -> None:
+        """Make a resend event's record durable, then queue its done (``recorded`` says whether it is)."""
+        try:
+            await self.loop.run_in_executor(None, resend.complete, self.owner, outcome.event_id, self._worker_id(),
+                                            outcome.elapsed)
+            fields: dict[str, Any] = {"recorded": True}
+        except Exception as exc:
+            message = exc.message if isinstance(exc, resend.ResendError) else f"{type(exc).__name__}: {exc}"
+            _rare.warning(("record", type(exc).__name__), "the record of resend event %s was not written: %s",
+                          outcome.event_id, message)
+            fields = {"recorded": False, "record_error": message}
+        if self.closed:
+            self.worker.end_event()
+            return
+        self._queue(with_fields(outcome_frame(outcome, session, hint), **fields), session, self.worker.end_event)
+
+    def _worker_id(self) -> str:
+        return str(getattr(self.worker, "id", "") or "")
+
+    async def _publish_one(self, item: tuple[str, str]) -> None:
+        await self._publish(item[0], item[1])  # type: ignore[misc]
+
+    def error(self, code: str, message: str, event_id: str | None = None) -> None:
+        """Queue an error frame outside of an event (e.g. a bad ?session= on connect)."""
+        self.outbox.push(error_frame(code, message, event_id))
+
+    async def flush(self) -> None:
+        """Wait until queued frames are written."""
+        await self.outbox.flush()
+        if self.group_outbox is not None:
+            await self.group_outbox.flush()
+
+    def close(self) -> None:
+        """The client left: stop writing. Its running handlers finish; their outcomes are dropped."""
+        self.closed = True
+        self.outbox.close()
+        if self.group_outbox is not None:
+            self.group_outbox.close()
+
+
+def _lagged(missed: dict[str, int]) -> tuple[str, int]:
+    """The outbox's ``lagged`` item for a member that missed ``missed`` session frames."""
+    frame = lagged_frame(missed)
+    return frame, text_size(frame)

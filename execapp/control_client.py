@@ -1,0 +1,113 @@
+"""The command side of the control protocol: send a request to the workers and collect their answers."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+from redis.exceptions import RedisError
+
+from . import conf
+from .control import (
+    ANSWER,
+    CONTROL_GROUP,
+    OPS,
+    REQUEST,
+    ControlUnavailable,
+    UnknownWorker,
+    new_layer,
+    require_shared_layer,
+)
+from .control_registry import Registry, default_registry
+
+#: Extra time a command waits past a drain's own timeout for the answers to travel.
+ANSWER_MARGIN_SECONDS = 3.0
+
+
+@dataclass
+class ControlResult:
+    """The answers to one request, by worker id, and the expected workers that stayed silent."""
+
+    op: str
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    expected: list[str] | None = None
+    waited_seconds: float = 0.0
+
+
+async def request(op: str, *, layer: Any, registry: Registry | None = None, worker: str | None = None,
+                  timeout: float | None = None, wait: float | None = None) -> ControlResult:
+    """Send ``op`` to every worker (or to ``worker``) and collect the answers.
+
+    ``timeout`` is the drain's own timeout (passed to the workers); ``wait`` bounds how long to
+    collect answers (default: the drain timeout plus a margin, 3 s for the other ops). With a
+    registry the collection ends as soon as every live worker answered; without one it lasts
+    until ``wait`` runs out (every answer is kept).
+    """
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
+    expected: set[str] | None = None
+    if registry is not None:
+        live = await asyncio.to_thread(registry.live)
+        if worker is not None and worker not in live:
+            raise UnknownWorker(f"no live worker {worker!r}; live workers: {', '.join(sorted(live)) or 'none'} "
+                                "(run `manage.py execstatus`)")
+        expected = {worker} if worker is not None else set(live)
+    elif worker is not None:
+        expected = {worker}
+    if wait is None:
+        wait = (timeout or 0.0) + ANSWER_MARGIN_SECONDS if op == "drain" else ANSWER_MARGIN_SECONDS
+    if expected is not None and not expected:  # nobody is registered: give stragglers the margin only
+        wait = min(wait, ANSWER_MARGIN_SECONDS)
+    result = ControlResult(op, expected=sorted(expected) if expected is not None else None)
+    started = time.monotonic()
+    deadline = started + wait
+    reply_to = await layer.new_channel()
+    rid = uuid.uuid4().hex
+    await layer.group_send(CONTROL_GROUP, {"type": REQUEST, "op": op, "request": rid,
+                                           "reply_to": reply_to, "worker": worker, "timeout": timeout})
+    while not (expected and expected <= set(result.answers)):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            message = await asyncio.wait_for(layer.receive(reply_to), remaining)
+        except asyncio.TimeoutError:
+            break
+        if message.get("type") == ANSWER and message.get("request") == rid:
+            result.answers[message["worker"]] = message.get("result") or {}
+    result.missing = sorted((expected or set()) - set(result.answers))
+    result.waited_seconds = round(time.monotonic() - started, 3)
+    return result
+
+
+def request_sync(op: str, *, worker: str | None = None, timeout: float | None = None,
+                 wait: float | None = None) -> ControlResult:
+    """``request`` from synchronous code (the management commands), on the settings' layer and registry.
+
+    Raises ControlUnavailable (code ``control_unavailable``, with ``reason``) when the layer
+    cannot carry the request: in memory, or its Redis cannot be reached (never a raw redis
+    traceback)."""
+    require_shared_layer()
+    layer = new_layer()
+    try:
+        return asyncio.run(request(op, layer=layer, registry=default_registry(), worker=worker, timeout=timeout,
+                                   wait=wait))
+    except (RedisError, OSError, TimeoutError) as exc:  # ConnectionError, a timeout: the layer is unreachable
+        raise layer_unreachable(exc) from exc
+
+
+def layer_unreachable(exc: BaseException) -> ControlUnavailable:
+    """The ControlUnavailable for a channel layer whose Redis does not answer, naming where and why."""
+    url = conf.redis_url()
+    parsed = urlparse(url)
+    where = f"{parsed.hostname}:{parsed.port or 6379}" if parsed.hostname else (url or "the channel layer")
+    reason = f"{type(exc).__name__}: {exc}".strip()
+    return ControlUnavailable(
+        f"the channel layer's Redis at {where} cannot be reached ({reason}); no worker can be asked now. Check that "
+        "Redis is up and that this command has the server's REDIS_URL; the workers re-join by themselves within "
+        "EXECAPP['LAYER_CHECK_SECONDS'] of Redis coming back (docs/operations.md, \"When Redis goes away\")",
+        reason=f"redis at {where} unreachable: {reason}")

@@ -1,0 +1,340 @@
+"""Where event traces are kept: a bounded recent store, in Redis or in this process's memory.
+
+Redis when ``settings.REDIS_URL`` is set, so the traces of every worker of a deployment are in
+one place: each trace is a *summary* (the fields the Events page filters on, one line of a list)
+and a *body* (the whole trace as JSON). This process's memory otherwise: the Records themselves
+(nothing is serialized until someone reads one). Both keep the newest
+``EXECAPP['HISTORY_MAX_EVENTS']`` traces (older ones are trimmed as new ones arrive) and find a
+trace by its uid or by (owner, event id) (the newest of that pair). The database keeps the
+failures longer (execapp.history, ``EventTrace``).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import marshal
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, NamedTuple, Protocol, Union, cast
+
+from . import conf
+from .history_record import HANDLERS, ID, OWNER, UID, Record, key_of, pair_key, to_json, to_json_data, view
+
+#: Redis keys: conf.redis_key(KEY_PREFIX) + "log" (the summaries, newest first), + "r:<uid>" (the
+#: bodies), + "k:<owner digest>:<event id>" (the uid of the newest trace of that pair).
+KEY_PREFIX = "execapp:history:"
+#: Lists inside a summary line (matchers, plugins, codes) are joined with this (never in a name).
+LIST_SEP = "\x1f"
+#: Summaries read from Redis per round trip while scanning.
+SCAN_CHUNK = 2000
+
+
+class Summary(NamedTuple):
+    """The filterable fields of one trace (one line of the store's log)."""
+
+    uid: str
+    key: str  # owner digest ":" event id (see pair_key)
+    ts: float  # wall-clock time the event was accepted
+    id: str
+    owner: str
+    session: str
+    type: str
+    outcome: str  # "ok", "error" (a handler failed), a refusal code, or "incomplete"
+    codes: tuple[str, ...]  # the failure codes of its handlers
+    matchers: tuple[str, ...]
+    plugins: tuple[str, ...]
+    worker: str
+    duration: float | None
+
+    def to_line(self) -> str:
+        """The summary as one tab-separated line (tabs and newlines in values become spaces)."""
+        return "\t".join((
+            self.uid, self.key, repr(self.ts), _clean(self.id), _clean(self.owner), _clean(self.session),
+            _clean(self.type), self.outcome, LIST_SEP.join(self.codes), LIST_SEP.join(map(_clean, self.matchers)),
+            LIST_SEP.join(map(_clean, self.plugins)), _clean(self.worker),
+            "" if self.duration is None else repr(self.duration)))
+
+    @classmethod
+    def from_line(cls, line: str | bytes) -> "Summary | None":
+        """Parse a line written by ``to_line``; None for a line of another shape (another version)."""
+        if isinstance(line, bytes):
+            line = line.decode("utf-8", "replace")
+        f = line.split("\t")
+        if len(f) != len(cls._fields):
+            return None
+        try:
+            return cls(f[0], f[1], float(f[2]), f[3], f[4], f[5], f[6], f[7], _split(f[8]), _split(f[9]),
+                       _split(f[10]), f[11], float(f[12]) if f[12] else None)
+        except ValueError:
+            return None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The summary for templates and JSON."""
+        return {**self._asdict(), "failed": self.outcome != "ok"}
+
+    @classmethod
+    def of(cls, stored: "Record | Summary | tuple") -> "Summary":
+        """The summary of a record (a summary is its own)."""
+        if isinstance(stored, Summary):
+            return stored
+        r = view(stored)
+        return cls(r.uid, r.key, r.ts, r.id, r.owner, r.session or "", r.type, r.outcome, r.codes, r.matchers,
+                   r.plugins, r.worker, r.duration)
+
+
+def _clean(value: str) -> str:
+    return value.replace("\t", " ").replace("\n", " ").replace(LIST_SEP, " ") if value else ""
+
+
+def _split(value: str) -> tuple[str, ...]:
+    return tuple(value.split(LIST_SEP)) if value else ()
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What the Events page asks for; an empty field matches everything.
+
+    ``outcome``: ``ok``, ``failed`` (anything else), or one code (a refusal, or a handler's
+    failure code such as ``timeout``). ``since``/``until``: wall-clock seconds (inclusive,
+    exclusive). ``before``: the paging cursor, a ts: only traces strictly older.
+    """
+
+    plugin: str = ""
+    matcher: str = ""
+    outcome: str = ""
+    session: str = ""
+    owner: str = ""
+    id: str = ""
+    since: float | None = None
+    until: float | None = None
+    before: float | None = None
+
+    def match(self, s: "Summary | Record") -> bool:
+        """True when the summary (or the record) passes every filter."""
+        if self.before is not None and s.ts >= self.before:
+            return False
+        if self.until is not None and s.ts >= self.until:
+            return False
+        if self.since is not None and s.ts < self.since:
+            return False
+        if self.id and s.id != self.id:
+            return False
+        if self.owner and s.owner != self.owner:
+            return False
+        if self.session and (s.session or "") != self.session:
+            return False
+        if self.plugin and self.plugin not in s.plugins:
+            return False
+        if self.matcher and self.matcher not in s.matchers:
+            return False
+        if self.outcome:
+            if self.outcome == "failed":
+                return s.outcome != "ok"
+            return s.outcome == self.outcome or self.outcome in s.codes
+        return True
+
+    @property
+    def wants_failures_only(self) -> bool:
+        """True when no successful event can match (the database holds failures only)."""
+        return bool(self.outcome) and self.outcome != "ok"
+
+
+#: What a store's scan yields: filterable by Filters.match, made a Summary by Summary.of.
+Scanned = Union[Summary, Record]
+
+
+class Store(Protocol):
+    """A bounded store of recent traces (see the module docstring)."""
+
+    name: str
+
+    def add(self, records: list[tuple]) -> None: ...
+
+    def scan(self) -> Iterator[Scanned]: ...
+
+    def body(self, uid: str) -> str | None: ...
+
+    def get(self, owner: str, event_id: str) -> str | None: ...
+
+    def count(self) -> int: ...
+
+
+class LocalStore:
+    """The newest ``max_events`` traces of this process (the embedded single-process default).
+
+    Each record is kept marshalled (bytes), beside its uid and key in a flat tuple: the garbage
+    collector tracks neither, so 100,000 records add nothing to a collection of the worker (a
+    tuple of tuples stays tracked for several full collections, one nesting level each)."""
+
+    name = "local"
+
+    def __init__(self, max_events: int) -> None:
+        self.max_events = max_events
+        self._lock = threading.Lock()  # the housekeeper adds, admin requests read
+        self._items: collections.deque[tuple[str, str, bytes]] = collections.deque()  # (uid, key, record)
+        self._by_uid: dict[str, bytes] = {}
+        self._by_key: dict[str, bytes] = {}  # pair key -> its newest trace
+
+    def add(self, records: list[tuple]) -> None:
+        if self.max_events <= 0:
+            return
+        with self._lock:
+            items, by_uid, by_key = self._items, self._by_uid, self._by_key
+            for r in records:
+                blob = _pack(r)
+                uid, key = r[UID], pair_key(r[OWNER], r[ID])
+                items.append((uid, key, blob))
+                by_uid[uid] = blob
+                by_key[key] = blob
+            while len(items) > self.max_events:
+                uid, key, blob = items.popleft()
+                del by_uid[uid]
+                if by_key.get(key) is blob:
+                    del by_key[key]
+
+    def scan(self) -> Iterator[Scanned]:
+        with self._lock:
+            blobs = [blob for _, _, blob in self._items]
+        return (view(marshal.loads(blob)) for blob in reversed(blobs))
+
+    def body(self, uid: str) -> str | None:
+        """The trace with this uid as JSON (made now: the store keeps records), or None."""
+        with self._lock:
+            blob = self._by_uid.get(uid)
+        return None if blob is None else to_json(marshal.loads(blob))
+
+    def get(self, owner: str, event_id: str) -> str | None:
+        """The newest trace of (owner, event id) as JSON, or None."""
+        with self._lock:
+            blob = self._by_key.get(pair_key(owner, event_id))
+        return None if blob is None else to_json(marshal.loads(blob))
+
+    def record(self, uid: str) -> Record | None:
+        """The Record with this uid (this process's traces only), or None."""
+        with self._lock:
+            blob = self._by_uid.get(uid)
+        return None if blob is None else view(marshal.loads(blob))
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def clear(self) -> None:
+        """Forget every trace (tests)."""
+        with self._lock:
+            self._items.clear()
+            self._by_uid.clear()
+            self._by_key.clear()
+
+
+def _pack(r: tuple) -> bytes:
+    """A record as bytes (marshal: this process writes and reads them back, nothing else does).
+    A reply's data marshal cannot write (an object of a class) is kept as its JSON text."""
+    try:
+        return marshal.dumps(r)
+    except ValueError:
+        handlers = tuple(h[:8] + (tuple((t, json.loads(to_json_data(d))) for t, d in h[8]),) for h in r[HANDLERS])
+        return marshal.dumps(r[:HANDLERS] + (handlers,) + r[HANDLERS + 1:])
+
+
+# One script per flush: the bodies, the (owner, id) pointers and the summaries go in together,
+# and what falls off the end of the log is deleted with it (its body, and its pointer unless a
+# newer trace of the same pair took it over). Atomic, so workers flushing at once never leak.
+_ADD_SCRIPT = """
+local log, max, p = KEYS[1], tonumber(ARGV[1]), ARGV[2]
+for i = 3, #ARGV, 4 do
+  redis.call('SET', p .. 'r:' .. ARGV[i], ARGV[i + 3])
+  redis.call('SET', p .. 'k:' .. ARGV[i + 1], ARGV[i])
+  redis.call('LPUSH', log, ARGV[i + 2])
+end
+local n = redis.call('LLEN', log)
+if n > max then
+  local old = redis.call('LRANGE', log, max, -1)
+  redis.call('LTRIM', log, 0, max - 1)
+  for _, s in ipairs(old) do
+    local t1 = string.find(s, '\\t', 1, true)
+    local t2 = t1 and string.find(s, '\\t', t1 + 1, true)
+    if t2 then
+      local uid, k = string.sub(s, 1, t1 - 1), string.sub(s, t1 + 1, t2 - 1)
+      redis.call('DEL', p .. 'r:' .. uid)
+      if redis.call('GET', p .. 'k:' .. k) == uid then redis.call('DEL', p .. 'k:' .. k) end
+    end
+  end
+end
+return n
+"""
+
+
+class RedisStore:
+    """The newest ``max_events`` traces of every worker sharing ``REDIS_URL`` (see KEY_PREFIX)."""
+
+    name = "redis"
+
+    def __init__(self, url: str, max_events: int) -> None:
+        import redis
+
+        self.max_events = max_events
+        self.client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+        self.prefix = conf.redis_key(KEY_PREFIX)
+        self.log_key = self.prefix + "log"
+        self._add = self.client.register_script(_ADD_SCRIPT)
+
+    def add(self, records: list[tuple]) -> None:
+        if self.max_events <= 0 or not records:
+            return
+        args: list[Any] = [self.max_events, self.prefix]
+        for r in records:
+            args += [r[UID], key_of(r), Summary.of(r).to_line(), to_json(r)]
+        self._add(keys=[self.log_key], args=args)
+
+    def scan(self) -> Iterator[Scanned]:
+        start = 0
+        while True:
+            lines = self.client.lrange(self.log_key, start, start + SCAN_CHUNK - 1)
+            for line in lines:
+                summary = Summary.from_line(line)
+                if summary is not None:
+                    yield summary
+            if len(lines) < SCAN_CHUNK:
+                return
+            start += SCAN_CHUNK
+
+    def body(self, uid: str) -> str | None:
+        """The stored JSON of the trace with this uid, or None."""
+        raw = self.client.get(self.prefix + "r:" + uid)
+        return None if raw is None else cast(bytes, raw).decode()  # the client returns bytes
+
+    def get(self, owner: str, event_id: str) -> str | None:
+        """The newest trace of (owner, event id) as JSON, or None."""
+        uid = self.client.get(self.prefix + "k:" + pair_key(owner, event_id))
+        return None if uid is None else self.body(cast(bytes, uid).decode())
+
+    def count(self) -> int:
+        return int(self.client.llen(self.log_key))
+
+
+_local: LocalStore | None = None
+_redis: dict[tuple[str, str, int], RedisStore] = {}
+_lock = threading.Lock()
+
+
+def store() -> Store:
+    """The store the settings select: Redis when REDIS_URL is set, else this process's memory."""
+    global _local
+    url, max_events = conf.redis_url(), int(conf.get("HISTORY_MAX_EVENTS"))
+    with _lock:
+        if not url:
+            if _local is None or _local.max_events != max_events:
+                _local = LocalStore(max_events)
+            return _local
+        key = (url, conf.redis_key(KEY_PREFIX), max_events)
+        if key not in _redis:
+            _redis[key] = RedisStore(url, max_events)
+        return _redis[key]
+
+
+def reset_local() -> None:
+    """Forget this process's local store (tests)."""
+    global _local
+    with _lock:
+        _local = None

@@ -1,0 +1,201 @@
+"""A connection's outbox: the frames one task writes to a client, bounded in frames and bytes.
+
+A client that stops reading makes its socket's sends wait (uvicorn's flow control), so what is
+queued for it piles up here: without a bound, a stalled session member grows its worker's
+memory until the keepalive closes it. The policy (docs/protocol.md, "Limits and flow control"):
+
+- ``push``: the client's own frames (replies, errors and the ``done`` of the events it sent).
+  Never dropped (every accepted event ends in exactly one ``done``); while the outbox is over its
+  limits the connection stops reading the client's frames (``wait_room``), so the client's own
+  output is bounded by its events in flight.
+- ``offer``: frames of other session members. Queued while the outbox is under its limits,
+  otherwise dropped and counted per key (the session). Once the writer has caught up (the outbox
+  is down to half its limits) one item made by ``lagged(missed)`` is queued, saying how many were
+  missed (tokio's broadcast ``Lagged(n)``), and offers are queued again.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from . import conf
+from .engine.ratelog import RateLimitedLog
+
+log = logging.getLogger("execapp.connection")
+#: Writes to a channel layer that is down fail for every frame of every connection: one line per
+#: cause a minute for the whole process, not one per connection.
+_rare = RateLimitedLog(log, 60.0)
+
+
+@dataclass(frozen=True)
+class OutboxLimits:
+    """How much one connection's outbox may hold before session frames are dropped (0: no limit)."""
+
+    max_frames: int = conf.DEFAULTS["OUTBOX_MAX_FRAMES"]
+    max_bytes: int = conf.DEFAULTS["OUTBOX_MAX_BYTES"]
+
+    @classmethod
+    def from_settings(cls) -> "OutboxLimits":
+        """Limits from EXECAPP['OUTBOX_MAX_FRAMES'] and ['OUTBOX_MAX_BYTES']."""
+        return cls(int(conf.get("OUTBOX_MAX_FRAMES")), int(conf.get("OUTBOX_MAX_BYTES")))
+
+
+#: No bound at all (the group outbox of a connection without limits, tests).
+UNBOUNDED = OutboxLimits(0, 0)
+
+
+def text_size(text: str) -> int:
+    """The UTF-8 size of a frame's text (``isascii`` is O(1) on str: most frames cost one call)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+class Outbox:
+    """A FIFO of items written by one task, so the loop never awaits a send inside a callback.
+
+    Each item may carry an ``after`` callback, run once the item is written, failed to write,
+    or dropped because the outbox closed (the drain count of a ``done`` relies on it). See the
+    module docstring for ``push`` (never dropped) versus ``offer`` (dropped past the limits).
+    """
+
+    def __init__(self, write: Callable[[Any], Awaitable[None]], name: str, warn: bool = False,
+                 limits: OutboxLimits = UNBOUNDED, lagged: Callable[[dict[str, int]], tuple[Any, int]] | None = None
+                 ) -> None:
+        self._write = write
+        self._items: deque[tuple[Any, Callable[[], None] | None, int]] = deque()
+        self._wake: asyncio.Future[None] | None = None
+        self._room: asyncio.Future[None] | None = None
+        self._closed = False
+        self._warn = warn  # a client socket failing is routine (it left); a channel layer is not
+        self._name = name
+        self.limits = limits
+        self._lagged = lagged
+        #: Frames and bytes queued now (what the limits bound).
+        self.frames = 0
+        self.bytes = 0
+        #: Offers dropped since the member last caught up, by key; and in total.
+        self.missed: dict[str, int] = {}
+        self.dropped_total = 0
+        self.lagged_total = 0
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=name)
+
+    # -- queueing (loop thread only) --------------------------------------------------------------
+
+    def push(self, item: Any, after: Callable[[], None] | None = None, size: int = 0) -> None:
+        """Queue one item that must not be dropped (``size``: its bytes, for the limits)."""
+        if self._closed:
+            if after is not None:
+                after()
+            return
+        self._items.append((item, after, size))
+        self.frames += 1
+        self.bytes += size
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def offer(self, item: Any, key: str, size: int = 0) -> bool:
+        """Queue one droppable item unless the outbox is over its limits or catching up after a
+        lag (then count it as missed under ``key``); True if queued."""
+        if self._closed:
+            return False
+        # While ``missed`` is not empty something is queued (an empty outbox takes any frame),
+        # so the writer is running and calls _resume once it is down to half the limits.
+        if self.missed or self._over(size):
+            self.missed[key] = self.missed.get(key, 0) + 1
+            self.dropped_total += 1
+            return False
+        self.push(item, None, size)
+        return True
+
+    def _over(self, extra: int = 0) -> bool:
+        """At or over a limit (with ``extra`` more bytes); an empty outbox is never over, so a
+        single frame larger than the byte limit still goes out."""
+        if self.frames == 0:
+            return False
+        limits = self.limits
+        return ((limits.max_frames > 0 and self.frames >= limits.max_frames)
+                or (limits.max_bytes > 0 and self.bytes + extra > limits.max_bytes))
+
+    def _low(self) -> bool:
+        """Down to half the limits: the member caught up (hysteresis, so one frame does not flap it)."""
+        limits = self.limits
+        return ((limits.max_frames <= 0 or self.frames <= limits.max_frames // 2)
+                and (limits.max_bytes <= 0 or self.bytes <= limits.max_bytes // 2))
+
+    @property
+    def full(self) -> bool:
+        """Over the limits: the connection should stop reading its client's frames."""
+        return self._over()
+
+    async def wait_room(self) -> None:
+        """Return once the outbox is under its limits (at once when it is): the connection awaits
+        this before reading its client's next frame, so a client that does not read its replies
+        stops being read (backpressure through TCP) instead of growing the worker."""
+        while self._over() and not self._closed and not self._task.done():
+            if self._room is None or self._room.done():
+                self._room = asyncio.get_running_loop().create_future()
+            await self._room
+
+    def _resume(self) -> None:
+        """The member caught up: queue one ``lagged`` item with what it missed, take offers again."""
+        missed, self.missed = self.missed, {}
+        if self._lagged is None or not missed:
+            return
+        self.lagged_total += 1
+        item, size = self._lagged(missed)
+        self.push(item, None, size)
+
+    # -- the writer task --------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        items = self._items
+        while True:
+            while items:
+                item, after, size = items.popleft()
+                try:
+                    await self._write(item)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # a dead socket or layer: keep the loop alive, drop the item
+                    if self._warn:
+                        _rare.warning((self._name, type(exc).__name__), "%s: write failed, item dropped: %r",
+                                      self._name, exc)
+                    else:
+                        log.debug("%s: write failed, item dropped", self._name, exc_info=True)
+                finally:  # also when cancelled mid-write by close()
+                    self.frames -= 1
+                    self.bytes -= size
+                    if after is not None:
+                        after()
+                if self._room is not None and not self._room.done() and not self._over():
+                    self._room.set_result(None)
+                if self.missed and self._low():
+                    self._resume()
+            self._wake = loop.create_future()
+            await self._wake
+            self._wake = None
+
+    def pending(self) -> int:
+        """Items queued and not yet written."""
+        return len(self._items)
+
+    async def flush(self) -> None:
+        """Wait until every queued item is written (tests, orderly close)."""
+        while self._items and not self._task.done():
+            await asyncio.sleep(0.001)
+
+    def close(self) -> None:
+        """Stop writing; queued items are dropped (the client is gone), their callbacks run."""
+        self._closed = True
+        self._task.cancel()
+        while self._items:
+            _, after, size = self._items.popleft()
+            self.frames -= 1
+            self.bytes -= size
+            if after is not None:
+                after()
+        if self._room is not None and not self._room.done():
+            self._room.set_result(None)

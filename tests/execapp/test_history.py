@@ -1,0 +1,405 @@
+"""Event history (execapp/history.py): every event leaves a trace, found by id, filtered, kept bounded;
+failures also in the database, pruned after the retention; the admin's Events page and its trace.
+
+Events go through the real consumer (Channels' WebsocketCommunicator -> Connection -> Engine);
+the recorder is the worker service the housekeeper ticks, flushed by the tests for determinism."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from typing import Any, Iterator
+
+import pytest
+from django.core.management import call_command
+from django.utils import timezone
+
+from execapp import history, history_store
+from execapp import worker as worker_module
+from execapp.engine import Event
+from execapp.history_record import Handler, Record, pair_key, to_json
+from execapp.history_store import Filters, LocalStore, RedisStore, Summary
+from execapp.models import EventTrace
+
+from . import ws_handlers
+from .ws_fixtures import Client, demote
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def recorded(settings: Any, install_worker: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[worker_module.Worker]:
+    """The process's Worker with the test commands and only the history recorder as a service
+    (its housekeeper ticks it; the tests also flush it themselves)."""
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    settings.EXECAPP = {"POOL_IDLE_SECONDS": 0.5, "HISTORY_MAX_EVENTS": 1000, "HISTORY_REPLY_BYTES": 300,
+                        "HISTORY_TEXT_CHARS": 40}
+    monkeypatch.setattr(worker_module, "SERVICE_FACTORIES", ["execapp.history.recorder"])
+    history_store.reset_local()
+    worker = install_worker(worker_module.Worker("history-worker"))
+    ws_handlers.register(worker.engine)
+    worker.engine.add(worker.engine.make_matcher("command", "quiet", lambda ctx: None, plugin="test"))
+    worker.start()
+    assert history.current() is not None
+    yield worker
+    ws_handlers.slow_release.set()
+    worker.stop(timeout=10)
+    ws_handlers.slow_release.clear()
+    assert history.current() is None  # stopping the worker stops recording
+    history_store.reset_local()
+
+
+def recorder() -> history.Recorder:
+    rec = history.current()
+    assert rec is not None
+    return rec
+
+
+async def flush() -> None:
+    from asgiref.sync import sync_to_async
+
+    await sync_to_async(recorder().flush, thread_sensitive=False)()
+
+
+async def send_all(frames: list[dict], owner: str = "tenant:acme") -> list[dict]:
+    """Send each frame on one connection and read until each one's done (or error)."""
+    out = []
+    async with Client(app=_app(owner)) as c:
+        for frame in frames:
+            await c.send(frame)
+            while True:
+                got = await c.recv()
+                out.append(got)
+                if got["type"] == "done" or (got["type"] == "error" and "matcher" not in got):
+                    break
+    return out
+
+
+def _app(owner: str) -> Any:
+    from execapp.consumers import EventConsumer
+
+    app = EventConsumer.as_asgi()
+
+    async def wrapped(scope: dict, receive: Any, send: Any) -> None:
+        tenant = owner.split(":", 1)[1]
+        return await app({**scope, "execapp_auth": {"kind": "token", "name": tenant, "owner": owner}},
+                         receive, send)
+
+    return wrapped
+
+
+async def trace_of(owner: str, event_id: str) -> dict:
+    found = await aget(owner, event_id)
+    assert found is not None, f"no trace of {event_id!r}"
+    return found
+
+
+async def aget(owner: str, event_id: str) -> dict | None:
+    from asgiref.sync import sync_to_async
+
+    return await sync_to_async(history.get, thread_sensitive=False)(owner, event_id)
+
+
+async def asearch(filters: Filters, limit: int = 50) -> list[Summary]:
+    from asgiref.sync import sync_to_async
+
+    return await sync_to_async(history.search, thread_sensitive=False)(filters, limit)
+
+
+# -- what a trace holds ----------------------------------------------------------------------------
+
+async def test_every_handler_of_an_event_is_in_its_trace_with_timings_and_replies(recorded: Any) -> None:
+    demote(recorded, "command:ping")  # inline on the loop
+    frames = await send_all([
+        {"type": "message", "id": "inline-1", "text": "/ping and some text after it", "session": "s-1"},
+        {"type": "message", "id": "pooled-1", "text": "/slow 30"},
+        {"type": "message", "id": "multi-1", "text": "/multi 3"},
+        {"type": "message", "id": "quiet-1", "text": "/quiet"},
+        {"type": "message", "id": "boom-1", "text": "/boom"},
+    ])
+    assert [f["type"] for f in frames if f["id"] == "boom-1"] == ["error", "done"]
+    await flush()
+    owner = history.current().worker.id and "tenant:acme"
+
+    ping = await trace_of(owner, "inline-1")
+    assert ping["outcome"] == "ok" and ping["session"] == "s-1" and ping["owner"] == "tenant:acme"
+    assert ping["text"] == "/ping and some text after it"[:40] and ping["type"] == "message"
+    assert ping["worker"] == "history-worker" and ping["matched"] == 1 and ping["replies"] == 1
+    [h] = ping["handlers"]
+    assert h["matcher"] == "command:ping" and h["plugin"] == "test" and h["exec"] == "sync" and h["code"] == "ok"
+    assert h["wait"] is None and 0 <= h["duration"] < 1 and h["replies"] == [["pong", None]]
+
+    slow = await trace_of(owner, "pooled-1")
+    [h] = slow["handlers"]
+    assert h["exec"] == "pool" and h["replies"] == [["slept 30", None]]
+    assert h["duration"] >= 0.03 and h["wait"] is not None and h["wait"] >= 0
+    assert slow["duration"] >= h["duration"]
+
+    multi = await trace_of(owner, "multi-1")
+    assert multi["handlers"][0]["replies"] == [[f"part {i}", {"i": i}] for i in range(3)]
+
+    # A handler that returned nothing sent no frame: only the run observer saw it, and it is listed.
+    quiet = await trace_of(owner, "quiet-1")
+    assert [h["matcher"] for h in quiet["handlers"]] == ["command:quiet"] and quiet["replies"] == 0
+
+    boom = await trace_of(owner, "boom-1")
+    assert boom["outcome"] == "error" and boom["codes"] == ["handler_error"]
+    [h] = boom["handlers"]
+    assert h["code"] == "handler_error" and h["message"] == "boom: the handler failed on purpose"
+    # ... and the failure is in the database too, with its trace.
+    row = await _db_row("boom-1")
+    assert row.outcome == "error" and row.codes == "handler_error" and row.matchers == ",command:boom,"
+    assert row.trace["handlers"][0]["message"] == "boom: the handler failed on purpose"
+    assert not await _db_exists("inline-1")  # successes stay in the recent store only
+
+
+async def test_replies_are_kept_up_to_the_byte_cap(recorded: Any) -> None:
+    await send_all([{"type": "message", "id": "big", "text": "/echo " + "x" * 500},
+                    {"type": "message", "id": "many", "text": "/multi 40"}])
+    await flush()
+    big = await trace_of("tenant:acme", "big")
+    assert big["handlers"][0]["replies"] == [] and big["replies_truncated"] is True and big["replies"] == 1
+    many = await trace_of("tenant:acme", "many")
+    kept = many["handlers"][0]["replies"]
+    assert 0 < len(kept) < 40 and many["replies_truncated"] is True
+    assert kept == [[f"part {i}", {"i": i}] for i in range(len(kept))]  # the first ones, in order
+
+
+async def test_refusals_leave_a_trace_and_are_counted(recorded: Any, settings: Any) -> None:
+    recorded.set_draining(True)
+    try:
+        frames = await send_all([{"type": "message", "id": "refused-1", "text": "/ping"}])
+    finally:
+        recorded.set_draining(False)
+    assert frames[0]["code"] == "draining"
+    await flush()
+    refused = await trace_of("tenant:acme", "refused-1")
+    assert refused["outcome"] == "draining" and refused["handlers"] == [] and "draining" in refused["message"]
+    assert recorder().event_refusals["draining"] == 1
+    assert (await _db_row("refused-1")).outcome == "draining"
+
+
+async def test_handler_failures_are_counted_by_matcher_plugin_and_code(recorded: Any) -> None:
+    await send_all([{"type": "message", "id": f"b{i}", "text": "/boom"} for i in range(3)]
+                   + [{"type": "message", "id": "late", "text": "/late"}])
+    await flush()
+    rec = recorder()
+    assert rec.handler_failures[("command:boom", "test", "handler_error")] == 3
+    assert rec.handler_failures[("command:late", "test", "timeout")] == 1
+    last = rec.last_failure["command:late"]
+    assert last["code"] == "timeout" and last["event_id"] == "late" and "10 ms budget" in last["message"]
+    assert (await trace_of("tenant:acme", "late"))["uid"] == last["uid"]
+
+
+async def test_owners_never_read_each_others_traces(recorded: Any) -> None:
+    await send_all([{"type": "message", "id": "same-id", "text": "/echo acme"}], owner="tenant:acme")
+    await send_all([{"type": "message", "id": "same-id", "text": "/echo other"}], owner="tenant:other")
+    await flush()
+    assert (await trace_of("tenant:acme", "same-id"))["handlers"][0]["replies"] == [["acme", None]]
+    assert (await trace_of("tenant:other", "same-id"))["handlers"][0]["replies"] == [["other", None]]
+    assert await aget("tenant:nobody", "same-id") is None
+
+
+async def test_an_id_used_again_finds_the_newest_trace(recorded: Any) -> None:
+    await send_all([{"type": "message", "id": "again", "text": "/echo first"},
+                    {"type": "message", "id": "again", "text": "/echo second"}])
+    await flush()
+    assert (await trace_of("tenant:acme", "again"))["handlers"][0]["replies"] == [["second", None]]
+    assert [s.id for s in (await asearch(Filters(id="again")))] == ["again", "again"]
+
+
+# -- the recent store: bounded, filtered, newest first -----------------------------------------------
+
+def _summary(n: int, **over: Any) -> Summary:
+    base = dict(uid=f"u{n}", key=pair_key("tenant:a", f"e{n}"), ts=1000.0 + n, id=f"e{n}", owner="tenant:a",
+                session="", type="message", outcome="ok", codes=(), matchers=("ping.ping",), plugins=("ping",),
+                worker="w", duration=0.001)
+    base.update(over)
+    return Summary(**base)
+
+
+def _record(n: int, **over: Any) -> Record:
+    handler = Handler("ping.ping", "ping", "sync", 0.0, None, 0.001, "ok", "", (("pong", None),))
+    base = dict(uid=f"u{n}", id=f"e{n}", owner="tenant:a", session=None, type="message", text="/ping", size=5,
+                worker="w", ts=1000.0 + n, outcome="ok", message="", codes=(), duration=0.002, matched=1, replies=1,
+                errors=0, blocked_by=None, handlers=(handler,), replies_truncated=False)
+    base.update(over)
+    return Record(**base)
+
+
+def test_the_local_store_keeps_the_newest_events_and_forgets_their_keys() -> None:
+    store = LocalStore(max_events=5)
+    store.add([_record(n) for n in range(8)])
+    assert store.count() == 5 and [s.id for s in store.scan()] == ["e7", "e6", "e5", "e4", "e3"]
+    assert store.get("tenant:a", "e2") is None and store.body("u2") is None  # trimmed with their index
+    assert json.loads(store.get("tenant:a", "e7") or "")["uid"] == "u7"
+
+
+def test_a_record_as_json_keeps_every_field() -> None:
+    failed = Handler("boom.boom", None, None, None, None, 0.0, "plugin_busy", 'busy "now"\n', ())
+    data = {"nested": [1, 2.5, None, "x\u00e9"], "ok": True}
+    r = _record(1, session="s-1", outcome="error", codes=("plugin_busy",), errors=1, blocked_by="guard.guard",
+                handlers=(Handler("echo.echo", "echo", "pool", 0.25, 0.25, 0.5, "ok", "", (("a\tb", data),)), failed),
+                replies_truncated=True, text='quote " and \\ and \u2028')
+    back = json.loads(to_json(r))
+    assert back == {"uid": "u1", "id": "e1", "owner": "tenant:a", "session": "s-1", "type": "message",
+                    "text": r.text, "size": 5, "worker": "w", "ts": 1001.0, "outcome": "error", "message": "",
+                    "codes": ["plugin_busy"], "duration": 0.002, "matched": 1, "replies": 1, "errors": 1,
+                    "blocked_by": "guard.guard", "replies_truncated": True,
+                    "handlers": [{"matcher": "echo.echo", "plugin": "echo", "exec": "pool", "start": 0.25,
+                                  "wait": 0.25, "duration": 0.5, "code": "ok", "message": "",
+                                  "replies": [["a\tb", data]]},
+                                 {"matcher": "boom.boom", "plugin": None, "exec": None, "start": None, "wait": None,
+                                  "duration": 0.0, "code": "plugin_busy", "message": 'busy "now"\n', "replies": []}]}
+    odd = _record(2, handlers=(Handler("x", None, "sync", 0.0, None, 0.0, "ok", "", ((None, {1, 2}),)),))
+    assert json.loads(to_json(odd))["handlers"][0]["replies"] == [[None, "{1, 2}"]]  # not JSON: its text
+
+
+def test_summary_lines_round_trip_and_filters_match() -> None:
+    s = _summary(1, session="s\t1", outcome="error", codes=("timeout",), matchers=("a.b", "c:d"),
+                 plugins=("a", "c"))
+    back = Summary.from_line(s.to_line())
+    assert back == s._replace(session="s 1")
+    assert Summary.from_line("short\tline") is None
+    assert Filters(outcome="failed").match(s) and Filters(outcome="timeout").match(s)
+    assert Filters(outcome="error", plugin="c", matcher="a.b").match(s)
+    assert not Filters(outcome="ok").match(s) and not Filters(plugin="b").match(s)
+    assert Filters(since=1001.0, until=1002.0).match(s) and not Filters(since=1001.5).match(s)
+    assert not Filters(before=1001.0).match(s)
+
+
+@pytest.mark.redis
+def test_the_redis_store_is_bounded_and_shared(redis_url: str, settings: Any) -> None:
+    settings.REDIS_URL = redis_url
+    settings.EXECAPP = {"HISTORY_MAX_EVENTS": 50}
+    store = history_store.store()
+    assert isinstance(store, RedisStore)
+    for start in range(0, 120, 40):  # three flushes, as several workers would add
+        store.add([_record(n) for n in range(start, start + 40)])
+    assert store.count() == 50
+    assert [s.id for s in store.scan()][:3] == ["e119", "e118", "e117"]
+    assert json.loads(store.get("tenant:a", "e119") or "") == json.loads(to_json(_record(119)))
+    assert store.get("tenant:a", "e60") is None and store.body("u60") is None
+    # Every body and pointer of a trimmed trace is gone: 50 bodies + 50 pointers + the log.
+    keys = store.client.keys(store.prefix + "*")
+    assert len(keys) == 101
+    # Another process (a second worker) sees the same traces.
+    other = RedisStore(redis_url, 50)
+    assert other.get("tenant:a", "e100") == store.get("tenant:a", "e100")
+
+
+async def test_search_merges_the_recent_store_and_the_database(recorded: Any) -> None:
+    await send_all([{"type": "message", "id": f"ok{i}", "text": "/ping", "session": "sx"} for i in range(3)]
+                   + [{"type": "message", "id": "fail-now", "text": "/boom", "session": "sx"}])
+    await flush()
+    await _old_failure("fail-old", days_ago=2)  # only in the database (the store forgot it)
+    newest = (await asearch(Filters(session="sx")))
+    assert [s.id for s in newest] == ["fail-now", "ok2", "ok1", "ok0"]
+    failed = (await asearch(Filters(outcome="failed")))
+    assert [s.id for s in failed] == ["fail-now", "fail-old"]
+    assert [s.id for s in (await asearch(Filters(matcher="command:boom")))] == ["fail-now", "fail-old"]
+    assert [s.id for s in (await asearch(Filters(plugin="test", outcome="handler_error")))] == ["fail-now", "fail-old"]
+    assert [s.id for s in (await asearch(Filters(outcome="ok", session="sx"), limit=2))] == ["ok2", "ok1"]
+    since = time.time() - 3600
+    assert [s.id for s in (await asearch(Filters(outcome="failed", since=since)))] == ["fail-now"]
+    from asgiref.sync import sync_to_async
+
+    assert (await sync_to_async(history.detail, thread_sensitive=False)(failed[1].uid))["id"] == "fail-old"
+
+
+# -- retention: prune ---------------------------------------------------------------------------------
+
+@pytest.mark.django_db
+def test_prune_deletes_failures_past_the_retention(settings: Any) -> None:
+    from asgiref.sync import async_to_sync
+
+    async_to_sync(_old_failure)("old", days_ago=8)
+    async_to_sync(_old_failure)("recent", days_ago=6)
+    from io import StringIO
+
+    out = StringIO()
+    call_command("prune_history", "--dry-run", stdout=out)
+    assert "would delete 1 event traces older than 7 days" in out.getvalue()
+    assert EventTrace.objects.count() == 2
+    out = StringIO()
+    call_command("prune_history", stdout=out)
+    assert "deleted 1 event traces older than 7 days" in out.getvalue() and "1 kept" in out.getvalue()
+    assert list(EventTrace.objects.values_list("event_id", flat=True)) == ["recent"]
+    settings.EXECAPP = {"HISTORY_FAILURE_DAYS": 1}
+    assert history.prune() == 1 and not EventTrace.objects.exists()
+
+
+async def test_events_still_running_when_the_worker_stops_are_recorded_incomplete(recorded: Any) -> None:
+    async with Client(app=_app("tenant:acme")) as c:
+        await c.send({"type": "message", "id": "unfinished", "text": "/slow 5000"})
+        from .ws_fixtures import wait_for
+
+        await wait_for(lambda: ws_handlers.slow_running.is_set())
+        rec = recorder()
+        from asgiref.sync import sync_to_async
+
+        await sync_to_async(rec.flush, thread_sensitive=False)(expire_all=True)
+        ws_handlers.slow_release.set()
+        await c.until_done("unfinished")
+    trace = await trace_of("tenant:acme", "unfinished")
+    assert trace["outcome"] == "incomplete" and trace["duration"] is None
+
+
+# -- the hot path's bound -------------------------------------------------------------------------------
+
+def test_hooks_do_nothing_without_a_recorder_and_the_buffer_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert history.current() is None
+    before = len(history._buffer)
+    history.accepted(object(), Event(text="/x"))
+    assert len(history._buffer) == before  # no recorder: nothing kept
+    monkeypatch.setattr(history, "_recorder", object())
+    monkeypatch.setattr(history, "BUFFER_LIMIT", before + 2)
+    dropped = history.count_value(history._dropped)
+    for _ in range(5):
+        history.delivered(object(), object())
+    assert len(history._buffer) == before + 2 and history.count_value(history._dropped) == dropped + 3
+    for _ in range(2):
+        history._buffer.pop()
+
+
+# -- helpers ----------------------------------------------------------------------------------------------
+
+async def _db_row(event_id: str) -> EventTrace:
+    from asgiref.sync import sync_to_async
+
+    return await sync_to_async(EventTrace.objects.get)(event_id=event_id)
+
+
+async def _db_exists(event_id: str) -> bool:
+    from asgiref.sync import sync_to_async
+
+    return await sync_to_async(EventTrace.objects.filter(event_id=event_id).exists)()
+
+
+async def _old_failure(event_id: str, days_ago: float) -> None:
+    from asgiref.sync import sync_to_async
+
+    when = timezone.now() - dt.timedelta(days=days_ago)
+    trace = {"uid": f"old-{event_id}", "id": event_id, "owner": "tenant:acme", "ts": when.timestamp(),
+             "outcome": "error", "codes": ["handler_error"], "worker": "gone", "session": None, "type": "message",
+             "text": "/boom", "size": 5, "message": "", "duration": 0.001, "matched": 1, "replies": 0, "errors": 1,
+             "blocked_by": None, "replies_truncated": False,
+             "handlers": [{"matcher": "command:boom", "plugin": "test", "exec": "sync", "start": 0.0, "wait": None,
+                           "duration": 0.001, "code": "handler_error", "message": "boom (old)", "replies": []}]}
+    await sync_to_async(EventTrace.objects.create)(
+        uid=trace["uid"], event_id=event_id, owner="tenant:acme", event_type="message", text="/boom",
+        outcome="error", codes="handler_error", matchers=",command:boom,", plugins=",test,", worker="gone",
+        created_at=when, duration_seconds=0.001, trace=trace)
+
+
+def test_the_local_store_adds_nothing_for_the_garbage_collector_to_walk() -> None:
+    """100,000 kept traces must not make every full collection of the worker walk them: the store
+    holds bytes in flat tuples, which the collector does not track (a tuple of tuples stays tracked)."""
+    import gc
+
+    store = LocalStore(max_events=100)
+    store.add([_record(n) for n in range(10)])
+    gc.collect()
+    assert not any(gc.is_tracked(item) for item in store._items)
+    assert not any(gc.is_tracked(v) for v in [*store._by_uid.values(), *store._by_key.values()])
+    assert json.loads(store.body("u3") or "") == json.loads(to_json(_record(3)))
