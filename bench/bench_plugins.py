@@ -135,9 +135,27 @@ def _js_bare(code: str) -> dict[str, Callable[[], Any]]:
         ctx.eval("function __run(ev) { return JSON.stringify(upper(JSON.parse(ev))); }")
         return ctx.get("__run")
 
-    run = context()
+    def context_fields() -> Any:
+        ctx = quickjs.Context()
+        ctx.set_memory_limit(16 << 20)
+        ctx.set_max_stack_size(512 << 10)
+        ctx.set_time_limit(5.0)
+        ctx.eval(code)
+        ctx.eval("function __run(id, type, text, data, session, args) {"
+                 " return JSON.stringify(upper({id, type, text, data: JSON.parse(data), session, args})); }")
+        return ctx.get("__run")
+
+    def call_fields(run: Any) -> Any:  # the event's strings as arguments, its data as JSON
+        e = EVENT
+        data = e["data"]
+        return scan_json(run(e["id"], e["type"], e["text"], "{}" if not data else to_json(data), e["session"],
+                             e["args"]), 0)[0]
+
+    run, run_fields = context(), context_fields()
     return {"reused": lambda: scan_json(run(to_json(EVENT)), 0)[0],
-            "fresh": lambda: scan_json(context()(to_json(EVENT)), 0)[0]}
+            "fresh": lambda: scan_json(context()(to_json(EVENT)), 0)[0],
+            "reused_fields": lambda: call_fields(run_fields),
+            "fresh_fields": lambda: call_fields(context_fields())}
 
 
 def _mini_racer(code: str) -> dict[str, Callable[[], Any]] | None:

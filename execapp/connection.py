@@ -79,8 +79,9 @@ class Connection:
         bounds = outbox_limits if outbox_limits is not None else OutboxLimits.from_settings()
         self.outbox = Outbox(send, "execapp-ws-writer", limits=bounds, lagged=_lagged)
         self._publish = publish
-        # Frames waiting for the channel layer (slow, or down: each publish then fails fast) are
-        # bounded the same way; past the limits they are dropped and counted (dropped_total).
+        # Frames waiting for the channel layer are this client's own output too: bounded the same
+        # way, by backpressure (a layer slower than the sender slows the sender; a layer that is
+        # down fails each publish at once, so nothing piles up then).
         self.group_outbox = (Outbox(self._publish_one, "execapp-ws-group", warn=True, limits=bounds)
                              if publish is not None else None)
         self._join = join
@@ -110,8 +111,12 @@ class Connection:
                                                            "it is logged; the connection stays open"))
 
     async def _receive(self, text: str | None, data: bytes | None) -> None:
-        if self.outbox.full:  # backpressure: this client is not reading; stop reading its frames too
+        # Backpressure: this client does not read (or the channel layer is slower than its
+        # session's frames): stop reading its frames until its outboxes have room again.
+        if self.outbox.full:
             await self.outbox.wait_room()
+        if self.group_outbox is not None and self.group_outbox.full:
+            await self.group_outbox.wait_room()
         try:
             event, resend_ = parse_request(text, data, self.limits)
             if len(self.in_flight) >= self.limits.max_in_flight:
@@ -206,10 +211,7 @@ class Connection:
         size = text_size(frame)
         self.outbox.push(frame, after, size)
         if session is not None and self.group_outbox is not None:
-            if not self.group_outbox.offer((self._group_prefix + session, frame), session, size):
-                _rare.warning(("publish-dropped",), "session frames are waiting for the channel layer past the outbox "
-                              "limits (EXECAPP['OUTBOX_MAX_FRAMES'] / ['OUTBOX_MAX_BYTES']): dropped, %d so far on "
-                              "this connection", self.group_outbox.dropped_total)
+            self.group_outbox.push((self._group_prefix + session, frame), None, size)
 
     def session_frame(self, frame: str, session: str) -> None:
         """A frame of another member of one of this client's sessions: queued unless the outbox is

@@ -25,8 +25,9 @@ class ControlThread:
         self._thread = threading.Thread(target=self._run, name="execapp-control", daemon=True)
 
     def start(self, wait: float = 10.0) -> bool:
-        """Start the thread; True once the listener joined the group (False: not within ``wait``
-        seconds, or it failed, e.g. Redis is down; the service's tick restarts it)."""
+        """Start the thread; True once the listener is ready: joined, or knowing that the layer is
+        down (it joins once Redis answers: execapp.layer_watch). False: not within ``wait``
+        seconds, or the thread died (the service's tick restarts it)."""
         self._thread.start()
         deadline = time.monotonic() + wait
         while not self.listener.ready.wait(0.05):

@@ -40,7 +40,19 @@ from .engine.pool import count_value
 from .engine.profile import ExecClass
 from .engine.ratelog import RateLimitedLog
 from .history_query import detail, get, prune, search
-from .history_record import H_CODE, H_MATCHER, H_MESSAGE, H_PLUGIN, H_START, OUTCOME, UID, Record, to_json, view
+from .history_record import (
+    H_CODE,
+    H_MATCHER,
+    H_MESSAGE,
+    H_PLUGIN,
+    H_START,
+    OUTCOME,
+    Record,
+    flat,
+    is_plain,
+    to_json,
+    view,
+)
 from .history_store import Filters, Summary, store
 from .seams import WorkerLike
 
@@ -60,14 +72,22 @@ PRUNE_SECONDS = 3600.0
 #: Outcome of an event whose done never came (its worker stopped first).
 INCOMPLETE = "incomplete"
 
-# Buffer item kinds: accepted, run (the engine's observer), outcome (delivered), refused.
-_A, _R, _O, _X = 0, 1, 2, 3
 _POOL = ExecClass.POOL
 
+#: An event in flight, built on the hot path as a list (cheapest to make and to append to):
+#: [conn, event, accepted wall time, accepted monotonic time, runs or None, outcomes or None].
+#: ``runs`` collects the run observer's (matcher, plugin, exec class, elapsed, code, end time);
+#: ``outcomes`` the replies and failures the connection delivered, with their delivery time.
+_CONN, _EVENT, _TS, _T0, _RUNS, _OUTS = range(6)
+#: Events accepted and not yet completed: by (id(connection), event id) for the connection's
+#: outcomes (loop thread only), and by id(event) for runs observed on pool threads.
+_pending: dict[tuple[int, str], list[Any]] = {}
+_by_event: dict[int, list[Any]] = {}
+#: What the housekeeper takes: (pending list, completion) per finished event, or a refusal.
 _buffer: collections.deque = collections.deque()
 _dropped = itertools.count()
-#: The event the current asyncio task is dispatching (set by ``accepted``): an inline run's
-#: observer call happens inside that dispatch, in that task's context.
+#: The in-flight list of the event the current asyncio task is dispatching (set by
+#: ``accepted``): an inline run's observer call happens inside that dispatch, in that task's context.
 _current: contextvars.ContextVar[Any] = contextvars.ContextVar("execapp_history_event", default=None)
 _recorder: "Recorder | None" = None
 
@@ -75,24 +95,37 @@ _recorder: "Recorder | None" = None
 # -- the hot path: what the connection and the engine call ------------------------------------------
 
 def accepted(conn: Any, event: Any) -> None:
-    """The connection accepted ``event`` (counted in flight) and is about to dispatch it."""
+    """The connection accepted ``event`` (counted in flight) and is about to dispatch it (loop thread)."""
     if _recorder is None:
         return
-    _current.set(event)
-    if len(_buffer) < BUFFER_LIMIT:
-        _buffer.append((_A, conn, event, time.time(), time.monotonic()))
-    else:
-        next(_dropped)
+    pending = [conn, event, time.time(), time.monotonic(), None, None]
+    _current.set(pending)
+    _pending[(id(conn), event.id)] = pending
+    _by_event[id(event)] = pending
 
 
 def delivered(conn: Any, outcome: Any) -> None:
-    """One outcome of an accepted event (reply, failure or its completion) reached the connection."""
+    """One outcome of an accepted event (reply, failure or its completion) reached the connection
+    (loop thread). The completion hands the event to the housekeeper."""
     if _recorder is None:
         return
-    if len(_buffer) < BUFFER_LIMIT:
-        _buffer.append((_O, conn, outcome, time.monotonic()))
-    else:
-        next(_dropped)
+    if outcome.__class__ is Completion:
+        pending = _pending.pop((id(conn), outcome.event_id), None)
+        if pending is None:
+            return  # accepted before the recorder started
+        _by_event.pop(id(pending[_EVENT]), None)
+        if len(_buffer) < BUFFER_LIMIT:
+            _buffer.append((pending, outcome))
+        else:
+            next(_dropped)
+        return
+    pending = _pending.get((id(conn), outcome.event_id))
+    if pending is not None:
+        outs = pending[_OUTS]
+        if outs is None:
+            pending[_OUTS] = [outcome]
+        else:
+            outs.append(outcome)
 
 
 def refused(conn: Any, code: str, message: str, event_id: str | None) -> None:
@@ -100,26 +133,33 @@ def refused(conn: Any, code: str, message: str, event_id: str | None) -> None:
     if _recorder is None:
         return
     if len(_buffer) < BUFFER_LIMIT:
-        _buffer.append((_X, conn, code, message, event_id, time.time()))
+        _buffer.append((None, conn, code, message, event_id, time.time()))
     else:
         next(_dropped)
 
 
 def _observe(m: Any, exec_class: ExecClass, elapsed: float, code: str) -> None:
     # The engine's run observer (Engine.add_observer): after every handler run, on the thread that
-    # ran it. On the loop the task's context names the event; on a pool thread the engine's own
-    # frame does (found by type among its arguments, as engine.running_handlers does): ~1 us on
-    # that pool thread, nothing on the loop.
-    event = _current.get()
-    if event is None:
+    # ran it, before the run's outcome completes its event. On the loop the task's context holds
+    # the event's list; on a pool thread the engine's own frame names the event (found by type
+    # among its arguments, as engine.running_handlers does): ~1 us on that pool thread, nothing
+    # on the loop. list.append is atomic: threads of one event may append at once.
+    if _recorder is None:
+        return
+    pending = _current.get()
+    if pending is None:
         run = _caller_run()
         if run is None:
             return
-        event = run.event
-    if len(_buffer) < BUFFER_LIMIT:
-        _buffer.append((_R, event, m.name, m.plugin, exec_class, elapsed, code, time.monotonic()))
+        pending = _by_event.get(id(run.event))
+        if pending is None:
+            return
+    item = (m.name, m.plugin, exec_class, elapsed, code, time.monotonic())
+    runs = pending[_RUNS]
+    if runs is None:
+        pending[_RUNS] = [item]
     else:
-        next(_dropped)
+        runs.append(item)
 
 
 _RUNNER_PARAMS: dict[Any, tuple[str, ...]] = {}
@@ -158,9 +198,6 @@ def _caller_run() -> EventRun | None:
 
 # -- the recorder: a worker service on the housekeeping thread ---------------------------------------
 
-#: An accepted event whose completion has not been seen yet, as a list (made per event on the
-#: housekeeper; a list is cheaper than an object): [conn, event, owner, ts, t0, runs, outcomes].
-_CONN, _EVENT, _OWNER, _TS, _T0, _RUNS, _OUTS = range(7)
 _EXEC = {ExecClass.SYNC: "sync", ExecClass.POOL: "pool"}
 
 
@@ -178,8 +215,6 @@ class Recorder:
         self._tag = secrets.token_hex(4)  # uids are unique across workers and restarts
         self._seq = itertools.count(1)
         self._lock = threading.Lock()  # tick() runs on the housekeeper; close() and flush() elsewhere
-        self._by_event: dict[int, list[Any]] = {}
-        self._by_conn: dict[tuple[int, str], list[Any]] = {}
         #: Failed or refused handlers by (matcher, plugin, code), and refused events by code (before
         #: any matcher): totals since this recorder started. Read by the dashboard and /metrics.
         self.handler_failures: collections.Counter[tuple[str, str, str]] = collections.Counter()
@@ -227,46 +262,28 @@ class Recorder:
             return len(records)
 
     def _take_all(self, records: list[tuple]) -> None:
-        # One loop over every buffered item (several per event: written flat, names bound locally).
-        by_event, by_conn, trace, append = self._by_event, self._by_conn, self._trace, records.append
-        popleft = _buffer.popleft
+        # One loop over every finished event (and refusal) the hot path handed over.
+        trace, append, popleft = self._trace, records.append, _buffer.popleft
         for _ in range(len(_buffer)):
             item = popleft()
-            kind = item[0]
-            if kind == _O:
-                outcome = item[2]
-                key = (id(item[1]), outcome.event_id)
-                pending = by_conn.get(key)
-                if pending is None:
-                    continue  # its acceptance was dropped (buffer full) or came before the recorder
-                if outcome.__class__ is Completion:
-                    del by_conn[key]
-                    by_event.pop(id(pending[_EVENT]), None)
-                    append(trace(pending, outcome))
-                else:
-                    pending[_OUTS].append((outcome, item[3]))
-            elif kind == _A:
-                _, conn, event, ts, t0 = item
-                pending = [conn, event, getattr(conn, "owner", "") or "", ts, t0, [], []]
-                by_event[id(event)] = pending
-                by_conn[(id(conn), event.id)] = pending
-            elif kind == _R:
-                pending = by_event.get(id(item[1]))
-                if pending is not None:
-                    pending[_RUNS].append(item)
-            elif kind == _X:
+            pending = item[0]
+            if pending is not None:
+                append(trace(pending, item[1]))
+            else:
                 _, conn, code, message, event_id, ts = item
                 self.event_refusals[code] += 1
                 if event_id is not None:
                     append(self._refusal(getattr(conn, "owner", "") or "", code, message, event_id, ts))
 
     def _expire(self, records: list[tuple], expire_all: bool) -> None:
+        """Events accepted long ago (PENDING_SECONDS; all at close) that never completed: recorded
+        ``incomplete``. Runs on the housekeeper while the loop may add to these dicts: copied first."""
         horizon = time.monotonic() - PENDING_SECONDS
-        old = [p for p in self._by_event.values() if expire_all or p[_T0] < horizon]
-        for pending in old:
-            self._by_event.pop(id(pending[_EVENT]), None)
-            self._by_conn.pop((id(pending[_CONN]), pending[_EVENT].id), None)
-            records.append(self._trace(pending, None))
+        for key, pending in list(_pending.items()):
+            if expire_all or pending[_T0] < horizon:
+                if _pending.pop(key, None) is not None:
+                    _by_event.pop(id(pending[_EVENT]), None)
+                    records.append(self._trace(pending, None))
 
     # -- building traces ------------------------------------------------------------------------
 
@@ -274,73 +291,81 @@ class Recorder:
         return f"{self._tag}-{next(self._seq):x}"
 
     def _refusal(self, owner: str, code: str, message: str, event_id: str, ts: float) -> tuple:
-        return _record((self._uid(), event_id, owner, None, "", "", 0, self.worker_id, ts, code, message, (code,),
-                        0.0, 0, 0, 0, None, (), False))
+        return (self._uid(), event_id, owner, None, "", "", 0, self.worker_id, ts, code, message, (code,), 0.0, 0, 0,
+                0, None, (), False)
 
     def _trace(self, p: list[Any], completion: Completion | None) -> tuple:
         """The stored record of one event (a plain tuple in Record's field order): its handlers from
         the run observer's items (what ran, where, how long) merged with its outcomes (replies,
         failures, refusals that never ran)."""
         event, t0 = p[_EVENT], p[_T0]
-        runs, outcomes = p[_RUNS], p[_OUTS]
-        if (completion is not None and len(runs) == 1 and len(outcomes) == 1 and not completion.errors
-                and outcomes[0][0].__class__ is Reply and outcomes[0][0].matcher == runs[0][2]):
-            # The common event: one handler, one reply (a dict-free path: this runs per event).
-            _, _, name, plugin, exec_class, elapsed, code, t_end = runs[0]
-            reply = outcomes[0][0]
+        runs = p[_RUNS]
+        outs = p[_OUTS]
+        owner = getattr(p[_CONN], "owner", "") or ""
+        text = event.text
+        if len(text) > self.text_chars:
+            text = text[:self.text_chars]
+        elif not text and event.data:
+            text = _json(event.data)[:self.text_chars]
+        uid = f"{self._tag}-{next(self._seq):x}"
+        ts = p[_TS]
+        if (completion is not None and runs is not None and len(runs) == 1 and not completion.errors
+                and (outs is None or (len(outs) == 1 and outs[0].__class__ is Reply
+                                      and outs[0].matcher == runs[0][0] and is_plain(outs[0].data)))):
+            # The common event: one handler that replied once (or not at all), no failure: a flat
+            # record, built without a dict or a nested tuple (this runs for every event).
+            name, plugin, exec_class, elapsed, code, t_end = runs[0]
             start = t_end - elapsed - t0
             if start < 0.0:
                 start = 0.0
-            kept = ((reply.text, reply.data),) if _size(reply.text, reply.data) <= self.reply_bytes else ()
-            handlers: tuple[tuple, ...] = (_handler((name, plugin, _EXEC[exec_class], start,
-                                                       start if exec_class is _POOL else None, elapsed, code, "",
-                                                       kept)),)
-            codes: tuple[str, ...] = ()
-            truncated = not kept
-        else:
-            handlers, codes, truncated = self._handlers(p)
-        text = event.text
-        if not text and event.data:
-            text = _json(event.data)[:self.text_chars]
-        elif len(text) > self.text_chars:
-            text = text[:self.text_chars]
+            if outs is None:
+                reply_text = reply_data = None
+                kept = False
+            else:
+                reply = outs[0]
+                reply_text, reply_data = reply.text, reply.data
+                kept = _size(reply_text, reply_data) <= self.reply_bytes
+                if not kept:
+                    reply_text = reply_data = None
+            return flat(uid, event.id, owner, event.session, event.type, text, event.size, self.worker_id, ts,
+                        completion.elapsed, completion.matched, completion.replies, completion.blocked_by, name,
+                        plugin, _EXEC[exec_class], start, start if exec_class is _POOL else None, elapsed,
+                        reply_text, reply_data, kept or outs is None)
+        handlers, codes, truncated = self._handlers(p)
         if completion is None:
             outcome, duration, matched, replies, errors, blocked_by = INCOMPLETE, None, None, None, len(codes), None
         else:
             outcome = "error" if completion.errors else "ok"
             duration, matched, replies = completion.elapsed, completion.matched, completion.replies
             errors, blocked_by = len(completion.errors), completion.blocked_by
-        record = _record((f"{self._tag}-{next(self._seq):x}", event.id, p[_OWNER], event.session, event.type, text,
-                          event.size, self.worker_id, p[_TS], outcome, "", codes, duration, matched, replies, errors,
-                          blocked_by, handlers, truncated))
+        record = (uid, event.id, owner, event.session, event.type, text, event.size, self.worker_id, ts, outcome, "",
+                  codes, duration, matched, replies, errors, blocked_by, handlers, truncated)
         if codes:
             for h in handlers:
                 if h[H_CODE] != "ok":
-                    self.last_failure[h[H_MATCHER]] = {"ts": p[_TS] + (h[H_START] or 0.0), "code": h[H_CODE],
-                                                       "message": h[H_MESSAGE], "event_id": event.id,
-                                                       "uid": record[UID], "plugin": h[H_PLUGIN]}
+                    self.last_failure[h[H_MATCHER]] = {"ts": ts + (h[H_START] or 0.0), "code": h[H_CODE],
+                                                       "message": h[H_MESSAGE], "event_id": event.id, "uid": uid,
+                                                       "plugin": h[H_PLUGIN]}
         return record
 
     def _handlers(self, p: list[Any]) -> tuple[tuple[tuple, ...], tuple[str, ...], bool]:
         """Every handler of an event (the general case: several, failed, refused, unattributed)."""
         t0 = p[_T0]
         found: dict[str, list[Any]] = {}
-        for _, _, name, plugin, exec_class, elapsed, code, t_end in p[_RUNS]:
+        for name, plugin, exec_class, elapsed, code, t_end in p[_RUNS] or ():
             start = max(0.0, t_end - elapsed - t0)
             found[name] = [name, plugin, _EXEC[exec_class], start, start if exec_class is _POOL else None, elapsed,
                            code, "", []]
         budget = self.reply_bytes
         truncated = False
         codes: list[str] = []
-        for outcome, t in p[_OUTS]:
+        for outcome in p[_OUTS] or ():
             h = found.get(outcome.matcher)
-            if h is None:  # not observed (a refusal, or a run the observer could not attribute)
+            if h is None:  # not observed (a refusal, or a run the observer could not attribute): no times
                 exec_class = outcome.exec_class
-                start = max(0.0, t - outcome.elapsed - t0)
-                h = found[outcome.matcher] = [
-                    outcome.matcher, outcome.plugin, _EXEC[exec_class] if exec_class is not None else None,
-                    start if exec_class is not None else None, start if exec_class is _POOL else None,
-                    outcome.elapsed, "ok", "", []]
+                h = found[outcome.matcher] = [outcome.matcher, outcome.plugin,
+                                              _EXEC[exec_class] if exec_class is not None else None, None, None,
+                                              outcome.elapsed, "ok", "", []]
             if outcome.__class__ is Reply:
                 size = _size(outcome.text, outcome.data)
                 if size <= budget:
@@ -352,7 +377,8 @@ class Recorder:
                 h[6], h[7] = outcome.code, outcome.message
                 codes.append(outcome.code)
                 self.handler_failures[(outcome.matcher, outcome.plugin or "", outcome.code)] += 1
-        handlers = tuple(sorted((_handler((*h[:8], tuple(h[8]))) for h in found.values()),
+        # Plain tuples in Handler's field order (see execapp/history_record.py: not NamedTuples).
+        handlers = tuple(sorted(((*h[:8], tuple(h[8])) for h in found.values()),
                                 key=lambda h: -1.0 if h[H_START] is None else h[H_START]))
         return handlers, tuple(sorted(set(codes))), truncated
 
@@ -393,18 +419,19 @@ class Recorder:
     def stats(self) -> dict[str, Any]:
         """What the recorder did: traces recorded, dropped, written to the database, pending."""
         return {"recorded": self.recorded, "dropped": self.dropped, "db_written": self.db_written,
-                "db_skipped": self.db_skipped, "store_errors": self.store_errors, "pending": len(self._by_event),
+                "db_skipped": self.db_skipped, "store_errors": self.store_errors, "pending": len(_pending),
                 "store": self.store.name}
 
     def close(self) -> None:
         """At worker stop: record what is buffered (unfinished events as ``incomplete``), stop recording."""
         global _recorder
-        if _recorder is self:
+        active = _recorder is self
+        if active:
             _recorder = None
         try:
             from .persistence import off_loop
 
-            off_loop(lambda: self.flush(expire_all=True))
+            off_loop(lambda: self.flush(expire_all=active))  # another recorder's events are its own
         except Exception as exc:
             log.warning("final event history flush failed: %r", exc)
 
@@ -441,11 +468,6 @@ def current() -> Recorder | None:
     """The process's running recorder, or None."""
     return _recorder
 
-
-# Stored records and handlers are plain tuples in Record's and Handler's field order (see
-# execapp/history_record.py: the garbage collector stops tracking them).
-_record = tuple
-_handler = tuple
 
 __all__ = ["BUFFER_LIMIT", "INCOMPLETE", "Filters", "Recorder", "Summary", "accepted", "current", "delivered",
            "detail", "get", "prune", "recorder", "refused", "search"]

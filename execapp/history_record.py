@@ -74,9 +74,41 @@ UID, ID, OWNER, OUTCOME, HANDLERS = 0, 1, 2, 9, 17
 H_MATCHER, H_PLUGIN, H_START, H_CODE, H_MESSAGE = 0, 1, 3, 6, 7
 
 
+#: The common event (one handler that replied once, or not at all, with no failure) is stored
+#: *flat*: Record's first 17 fields, then the handler's fields and its one reply, all plain
+#: values: nothing nested, so the garbage collector stops tracking it at its first collection
+#: and the store keeps it as it is (``expand`` rebuilds the Record).
+FLAT_LEN = 27
+_ATOMS = (str, int, float, bool, type(None))
+
+
+def flat(uid: str, event_id: str, owner: str, session: str | None, type_: str, text: str, size: int, worker: str,
+         ts: float, duration: float, matched: int, replies: int, blocked_by: str | None, matcher: str,
+         plugin: str | None, exec_: str, start: float, wait: float | None, elapsed: float, reply_text: str | None,
+         reply_data: Any, kept: bool) -> tuple:
+    """A stored flat record (see FLAT_LEN): outcome ok, no codes, one handler ``ok``, its reply
+    (``kept`` False: left out, over HISTORY_REPLY_BYTES). ``reply_data`` must be a plain value."""
+    return (uid, event_id, owner, session, type_, text, size, worker, ts, "ok", "", (), duration, matched, replies,
+            0, blocked_by, matcher, plugin, exec_, start, wait, elapsed, reply_text, reply_data, kept, not kept)
+
+
+def is_plain(value: Any) -> bool:
+    """True for a value a flat record may hold (str, number, bool, None)."""
+    return value.__class__ in _ATOMS
+
+
+def expand(stored: tuple) -> tuple:
+    """A stored record in Record's field order (a flat one rebuilt with its one handler)."""
+    if len(stored) != FLAT_LEN:
+        return stored
+    *head, matcher, plugin, exec_, start, wait, elapsed, text, data, kept, truncated = stored
+    replies = ((text, data),) if kept else ()
+    return (*head, ((matcher, plugin, exec_, start, wait, elapsed, "ok", "", replies),), truncated)
+
+
 def view(stored: tuple) -> Record:
     """A stored record (a plain tuple) as a Record, to read it by field name."""
-    return stored if isinstance(stored, Record) else tuple.__new__(Record, stored)
+    return stored if isinstance(stored, Record) else tuple.__new__(Record, expand(stored))
 
 
 def key_of(stored: tuple) -> str:
@@ -119,9 +151,10 @@ def to_json_data(value: Any) -> str:
 _data = to_json_data
 
 
-def to_json(r: tuple) -> str:
+def to_json(stored: tuple) -> str:
     """A record (stored or a Record) as JSON: an object with the Record's fields (times to the
     microsecond; handlers as objects with the Handler's fields; replies as [text, data] pairs)."""
+    r = expand(stored)
     handlers = ",".join(
         '{"matcher":%s,"plugin":%s,"exec":%s,"start":%s,"wait":%s,"duration":%s,"code":%s,"message":%s,"replies":[%s]}'
         % (_s(h[0]), _s(h[1]), _s(h[2]), _f(h[3]), _f(h[4]), _f(h[5]), _s(h[6]), _s(h[7]),

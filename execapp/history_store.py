@@ -18,7 +18,20 @@ from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Protocol, Union, cast
 
 from . import conf
-from .history_record import HANDLERS, ID, OWNER, UID, Record, key_of, pair_key, to_json, to_json_data, view
+from .history_record import (
+    FLAT_LEN,
+    HANDLERS,
+    ID,
+    OWNER,
+    UID,
+    Record,
+    expand,
+    key_of,
+    pair_key,
+    to_json,
+    to_json_data,
+    view,
+)
 
 #: Redis keys: conf.redis_key(KEY_PREFIX) + "log" (the summaries, newest first), + "r:<uid>" (the
 #: bodies), + "k:<owner digest>:<event id>" (the uid of the newest trace of that pair).
@@ -162,18 +175,19 @@ class Store(Protocol):
 class LocalStore:
     """The newest ``max_events`` traces of this process (the embedded single-process default).
 
-    Each record is kept marshalled (bytes), beside its uid and key in a flat tuple: the garbage
-    collector tracks neither, so 100,000 records add nothing to a collection of the worker (a
-    tuple of tuples stays tracked for several full collections, one nesting level each)."""
+    Records hold plain values only (the common event's flat record, one without handlers) or are
+    kept marshalled (bytes), beside their uid and key in a flat tuple: the garbage collector
+    tracks none of these, so 100,000 records add nothing to a collection of the worker (a tuple
+    of tuples stays tracked for several full collections, one nesting level each)."""
 
     name = "local"
 
     def __init__(self, max_events: int) -> None:
         self.max_events = max_events
         self._lock = threading.Lock()  # the housekeeper adds, admin requests read
-        self._items: collections.deque[tuple[str, str, bytes]] = collections.deque()  # (uid, key, record)
-        self._by_uid: dict[str, bytes] = {}
-        self._by_key: dict[str, bytes] = {}  # pair key -> its newest trace
+        self._items: collections.deque[tuple[str, str, tuple | bytes]] = collections.deque()  # (uid, key, record)
+        self._by_uid: dict[str, tuple | bytes] = {}
+        self._by_key: dict[str, tuple | bytes] = {}  # pair key -> its newest trace
 
     def add(self, records: list[tuple]) -> None:
         if self.max_events <= 0:
@@ -181,39 +195,41 @@ class LocalStore:
         with self._lock:
             items, by_uid, by_key = self._items, self._by_uid, self._by_key
             for r in records:
-                blob = _pack(r)
+                # A record with nested handler tuples is marshalled; a flat one (the common event)
+                # and one without handlers hold plain values only and are kept as they are.
+                item = r if (len(r) == FLAT_LEN or not r[HANDLERS]) else _pack(r)
                 uid, key = r[UID], pair_key(r[OWNER], r[ID])
-                items.append((uid, key, blob))
-                by_uid[uid] = blob
-                by_key[key] = blob
+                items.append((uid, key, item))
+                by_uid[uid] = item
+                by_key[key] = item
             while len(items) > self.max_events:
-                uid, key, blob = items.popleft()
+                uid, key, item = items.popleft()
                 del by_uid[uid]
-                if by_key.get(key) is blob:
+                if by_key.get(key) is item:
                     del by_key[key]
 
     def scan(self) -> Iterator[Scanned]:
         with self._lock:
-            blobs = [blob for _, _, blob in self._items]
-        return (view(marshal.loads(blob)) for blob in reversed(blobs))
+            stored = [item for _, _, item in self._items]
+        return (view(_unpack(item)) for item in reversed(stored))
 
     def body(self, uid: str) -> str | None:
         """The trace with this uid as JSON (made now: the store keeps records), or None."""
         with self._lock:
-            blob = self._by_uid.get(uid)
-        return None if blob is None else to_json(marshal.loads(blob))
+            item = self._by_uid.get(uid)
+        return None if item is None else to_json(_unpack(item))
 
     def get(self, owner: str, event_id: str) -> str | None:
         """The newest trace of (owner, event id) as JSON, or None."""
         with self._lock:
-            blob = self._by_key.get(pair_key(owner, event_id))
-        return None if blob is None else to_json(marshal.loads(blob))
+            item = self._by_key.get(pair_key(owner, event_id))
+        return None if item is None else to_json(_unpack(item))
 
     def record(self, uid: str) -> Record | None:
         """The Record with this uid (this process's traces only), or None."""
         with self._lock:
-            blob = self._by_uid.get(uid)
-        return None if blob is None else view(marshal.loads(blob))
+            item = self._by_uid.get(uid)
+        return None if item is None else view(_unpack(item))
 
     def count(self) -> int:
         with self._lock:
@@ -227,12 +243,17 @@ class LocalStore:
             self._by_key.clear()
 
 
+def _unpack(item: tuple | bytes) -> tuple:
+    return marshal.loads(item) if isinstance(item, bytes) else item
+
+
 def _pack(r: tuple) -> bytes:
     """A record as bytes (marshal: this process writes and reads them back, nothing else does).
     A reply's data marshal cannot write (an object of a class) is kept as its JSON text."""
     try:
         return marshal.dumps(r)
     except ValueError:
+        r = expand(r)
         handlers = tuple(h[:8] + (tuple((t, json.loads(to_json_data(d))) for t, d in h[8]),) for h in r[HANDLERS])
         return marshal.dumps(r[:HANDLERS] + (handlers,) + r[HANDLERS + 1:])
 

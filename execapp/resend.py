@@ -228,7 +228,6 @@ class Renewer:
         self._lock = threading.Lock()
         self._running: dict[tuple[Ledger, str], set[tuple[str, str]]] = {}
         self._thread: threading.Thread | None = None
-        self._wake = threading.Event()
 
     def hold(self, store: Ledger, worker: str, owner: str, event_id: str) -> None:
         """Keep renewing the lease of (owner, id) until ``drop``."""
@@ -256,7 +255,7 @@ class Renewer:
         failing = False
         while True:
             lease = float(conf.get("RESEND_LEASE_SECONDS"))
-            self._wake.wait(lease / 3)
+            time.sleep(lease / 3)
             with self._lock:
                 work = [(s, w, list(p)) for (s, w), p in self._running.items()]
             for store_, worker, pairs in work:
@@ -279,7 +278,7 @@ renewer = Renewer()
 
 def claim(owner: str, event_id: str, worker: str) -> tuple[Claim, list[str]]:
     """Claim (owner, id) for ``worker``: (claim, frames to replay). A ``new`` claim is held (its
-    lease renewed) until ``complete`` or ``abandon``; ``done`` comes with the recorded frames.
+    lease renewed) until ``complete``; ``done`` comes with the recorded frames.
     Raises ResendError (resend_in_progress, resend_expired, resend_unavailable) when the event is
     neither to be run nor answered from its record."""
     if history.current() is None or int(conf.get("HISTORY_MAX_EVENTS")) <= 0:
@@ -328,16 +327,6 @@ def complete(owner: str, event_id: str, worker: str, elapsed: float) -> str:
             raise
         raise ResendError("resend_unavailable", f"the record could not be written ({type(exc).__name__}: {exc})"
                           ) from exc
-
-
-def abandon(owner: str, event_id: str, worker: str) -> None:
-    """A claimed event was not run after all (e.g. the worker started draining): release it."""
-    store_ = ledger()
-    renewer.drop(store_, worker, owner, event_id)
-    try:
-        store_.release(owner, event_id, worker)
-    except Exception as exc:  # its lease lapses by itself
-        log.debug("releasing the resend lease of %r failed: %r", event_id, exc)
 
 
 def _durable_trace(owner: str, event_id: str, worker: str, elapsed: float) -> str:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Coroutine, Iterable, Mapping, NamedTuple
 
 from .backpressure import SlotWaiters
 from .errors import BadEvent, ConfigError, ExecAppError, HandlerError, HandlerTimeout, Overloaded, PoolClosed
-from .event import Completion, Context, Event, EventRun, Failure, OutcomeCallback, Reply
+from .event import Completion, Context, Event, EventRun, Failure, OutcomeCallback
 from .matcher import MARK_SIZE, Handler, Matcher, MatcherKind, Routes
 from .pool import MAX_WORKERS, QUEUE_SIZE, ExecPool, Watch, count_value
 from .profile import ExecClass, ExecProfile

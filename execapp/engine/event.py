@@ -194,8 +194,10 @@ class Context:
 
         Raises BadEvent when the data cannot be copied (nested too deep for the copy, or a
         value that is not plain data): the engine reports it as that handler's failure."""
+        data = event.data
         try:
-            data = copy.deepcopy(event.data)
+            # An empty dict (every message from the protocol) needs no deepcopy machinery (~1.5 us).
+            data = {} if not data and type(data) is dict else copy.deepcopy(data)
         except RecursionError:
             raise BadEvent(f"event {event.id}: its data is nested too deeply to be copied for a pooled handler "
                            f"({getattr(matcher, 'name', matcher)!r}); send data nested a few dozen levels at most "

@@ -348,18 +348,21 @@ async def test_events_still_running_when_the_worker_stops_are_recorded_incomplet
 # -- the hot path's bound -------------------------------------------------------------------------------
 
 def test_hooks_do_nothing_without_a_recorder_and_the_buffer_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from execapp.engine import Completion
+
     assert history.current() is None
-    before = len(history._buffer)
-    history.accepted(object(), Event(text="/x"))
-    assert len(history._buffer) == before  # no recorder: nothing kept
+    conn = object()
+    history.accepted(conn, Event(text="/x", id="a"))
+    assert not history._pending and not history._buffer  # no recorder: nothing kept
     monkeypatch.setattr(history, "_recorder", object())
-    monkeypatch.setattr(history, "BUFFER_LIMIT", before + 2)
+    monkeypatch.setattr(history, "BUFFER_LIMIT", 2)
     dropped = history.count_value(history._dropped)
-    for _ in range(5):
-        history.delivered(object(), object())
-    assert len(history._buffer) == before + 2 and history.count_value(history._dropped) == dropped + 3
-    for _ in range(2):
-        history._buffer.pop()
+    for n in range(5):
+        history.accepted(conn, Event(text="/x", id=f"e{n}"))
+        history.delivered(conn, Completion(f"e{n}", 0, 0, (), None, 0.0))
+    assert len(history._buffer) == 2 and history.count_value(history._dropped) == dropped + 3
+    assert not history._pending and not history._by_event  # completed events leave the in-flight maps
+    history._buffer.clear()
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
@@ -397,9 +400,15 @@ def test_the_local_store_adds_nothing_for_the_garbage_collector_to_walk() -> Non
     holds bytes in flat tuples, which the collector does not track (a tuple of tuples stays tracked)."""
     import gc
 
+    from execapp.history_record import flat
+
     store = LocalStore(max_events=100)
-    store.add([_record(n) for n in range(10)])
+    store.add([_record(n) for n in range(10)])  # nested handlers: kept marshalled
+    common = flat("f1", "e-f", "tenant:a", None, "message", "/ping", 5, "w", 1000.5, 0.002, 1, 1, None, "ping.ping",
+                  "ping", "sync", 0.0, None, 0.001, "pong", None, True)
+    store.add([common])  # the common event: a flat tuple of plain values, kept as it is
     gc.collect()
     assert not any(gc.is_tracked(item) for item in store._items)
     assert not any(gc.is_tracked(v) for v in [*store._by_uid.values(), *store._by_key.values()])
     assert json.loads(store.body("u3") or "") == json.loads(to_json(_record(3)))
+    assert json.loads(store.body("f1") or "") == json.loads(to_json(_record(1, uid="f1", id="e-f", ts=1000.5)))
