@@ -51,6 +51,7 @@ _POOL = ExecClass.POOL
 _SYNC = ExecClass.SYNC
 _COMMAND = MatcherKind.COMMAND
 _REGEX = MatcherKind.REGEX
+_new_context = object.__new__
 
 
 class _Parked(NamedTuple):
@@ -375,8 +376,8 @@ class Engine:
         size = event.size
         done = False
         try:
-            for i in range(start, len(plan)):
-                m = plan[i]
+            # Most events start at 0: iterate the tuple itself (its position is only needed to park).
+            for m in (plan if not start else plan[start:]):
                 kind = m.kind
                 if kind is _COMMAND:  # a candidate command always matches: Routes keyed it by name
                     args = cmd_args
@@ -424,7 +425,8 @@ class Engine:
                         if on_loop and self.overflow != "inline":  # the loop must never block
                             if self.overflow == "wait" and not pool.closed:
                                 done = True  # the dispatch hold passes to the parked state
-                                return _Parked(plan, i, task, m, blocking, cmd_args)
+                                # A matcher appears once in a plan (Matcher compares by identity).
+                                return _Parked(plan, plan.index(m, start), task, m, blocking, cmd_args)
                             run.release()
                             self._refuse(run, m, pool)
                             if blocking:
@@ -525,7 +527,15 @@ class Engine:
                 slot[:] = mark
                 self._slot_mark = mark
         started = _clock()
-        ctx = Context(run.event, args, m, _SYNC, None if budget is None else started + budget)
+        # Context(run.event, args, m, _SYNC, deadline) without the __init__ frame (~0.06 us of ~1 us
+        # per event): the same slots, set here.
+        ctx = _new_context(Context)
+        ctx.event = run.event
+        ctx.args = args
+        ctx.matcher = m
+        ctx.exec_class = _SYNC
+        ctx._replies = None
+        ctx.deadline = None if budget is None else started + budget
         try:
             result = m.handler(ctx)
         except BaseException as exc:  # a handler error is reported, never propagated (SystemExit too)
