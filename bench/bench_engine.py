@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
 from typing import Any, Awaitable, Callable
 
-from bench.common import interleaved, median, per_call_us, percentile, row
+from bench.common import interleaved, median, percentile, row
 from execapp.engine import Engine, Event, ExecPool, ExecProfile
 
 # -- 1. inline dispatch overhead -----------------------------------------------------------------

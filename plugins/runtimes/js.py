@@ -229,7 +229,9 @@ class _PreludeBytecode:
         import _quickjs
 
         JSValue = self.JSValue
-        api = self._api = ctypes.CDLL(_quickjs.__file__)
+        # PyDLL: these calls keep the GIL. Each is microseconds, and a CDLL call releases and
+        # retakes it, a hand-off to any other thread that waits for it (3 per new Context).
+        api = self._api = ctypes.PyDLL(_quickjs.__file__)
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         for name, restype, argtypes in (
                 ("JS_Eval", JSValue, [vp, ctypes.c_char_p, sz, ctypes.c_char_p, ctypes.c_int]),
