@@ -7,10 +7,16 @@
    repetitions, medians. Target: the overhead over a direct handler call stays <= 5 us. The
    buffered items are turned into traces between repetitions (the housekeeper's work, off the
    hot path); its cost per event is measured on its own.
-2. **/ping WebSocket throughput**: bench_ws.py's closed loop (10 connections, the bundled Lua
+2. **The connection's path in process, GC on**: ``execapp.connection.Connection`` fed /ping
+   frames (the frame parsed, the event dispatched inline, its reply and done encoded and
+   written to a no-op socket) with the recorder vs without, the recorder's flushes included
+   (every 2,500 events, as its housekeeper would), CPU time per event, the garbage collector
+   running as in the server (the inline case above pauses it, as timeit does). The server's
+   own code without the transport's noise; no target of its own.
+3. **/ping WebSocket throughput**: bench_ws.py's closed loop (10 connections, the bundled Lua
    ``ping`` demoted to inline, a separate client process) against two servers, one with the
    recorder and one without (``BENCH_NO_HISTORY=1``, bench/bench_app.py), loaded one at a time
-   in alternation. Target: with recording >= 0.9x without.
+   in alternation, 6 runs of 4 s each. Target: with recording >= 0.9x without.
 
 Run alone: ``python bench/run.py --only history`` (``--quick`` for a short run).
 """
@@ -24,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -100,11 +106,83 @@ def bench_inline(quick: bool) -> list[dict[str, Any]]:
     ]
 
 
+def bench_connection(quick: bool) -> list[dict[str, Any]]:
+    """The connection's path in process, recorder on vs off, GC on (see the docstring)."""
+    from execapp import history
+    from execapp.connection import Connection
+    from execapp.engine import Engine
+    from execapp.protocol import Limits
+
+    n, reps = (5_000, 3) if quick else (20_000, 7)
+
+    class Admission:
+        draining = False
+
+        def begin_event(self) -> bool:
+            return True
+
+        def end_event(self) -> None:
+            pass
+
+    engine = Engine(pool_enabled=True)
+    m = engine.on_command("ping", lambda ctx: "pong")
+    m.profile.restore("demoted", [0.00001] * m.profile.window)
+    recorder = history.Recorder(SimpleNamespace(engine=engine, id="bench"))
+    frames = [f'{{"type":"message","id":"e{i}","text":"/ping"}}' for i in range(n)]
+    flush_s: list[float] = []
+
+    async def one_run(on: bool) -> float:
+        written = [0]
+        done = asyncio.Event()
+
+        async def send(text: str) -> None:
+            written[0] += 1
+            if written[0] == 2 * n:  # every reply and done
+                done.set()
+
+        conn = Connection(engine, Admission(), Limits(65536, 1000), send, owner="tenant:bench")
+        if on:
+            recorder.start()
+        flushed = 0.0
+        started = time.process_time()
+        for i, frame in enumerate(frames):
+            await conn.receive(frame)
+            if i % 50 == 49:
+                await asyncio.sleep(0)  # the writer task runs, as between a socket's reads
+            if on and i % 2500 == 2499:
+                f0 = time.process_time()
+                recorder.flush()
+                flushed += time.process_time() - f0
+        await done.wait()
+        if on:
+            f0 = time.process_time()
+            recorder.flush()
+            flushed += time.process_time() - f0
+            flush_s.append(flushed)
+        elapsed = time.process_time() - started
+        history._recorder = None
+        conn.close()
+        return elapsed / n * 1e6
+
+    def case(on: bool) -> Callable[[], float]:
+        return lambda: asyncio.run(one_run(on))
+
+    results = interleaved({"off": case(False), "on": case(True)}, reps)
+    off_us, on_us = results["off"], results["on"]
+    return [
+        row(BENCH, "connection path in process, GC on, no recorder (baseline)", off_us, "us/event"),
+        row(BENCH, "connection path in process, GC on, recorder on", on_us, "us/event", baseline="no recorder",
+            ratio=on_us / off_us),
+        row(BENCH, "  of which the recorder's flushes (housekeeper)", statistics.median(flush_s) / n * 1e6,
+            "us/event"),
+    ]
+
+
 def bench_ws(quick: bool) -> list[dict[str, Any]]:
     """/ping closed-loop throughput with and without the recorder (see the docstring)."""
     import bench_ws as ws
 
-    seconds, reps = (2.0, 2) if quick else (4.0, 4)
+    seconds, reps = (2.0, 2) if quick else (4.0, 6)  # 6: single runs move by 2x on this machine
     workdir = tempfile.mkdtemp(prefix="bench-history-")
     env = {**os.environ, "DATABASE_URL": f"sqlite:///{workdir}/db.sqlite3", "REDIS_URL": "",
            "BENCH_DIR": workdir, "PYTHONUNBUFFERED": "1",
@@ -150,7 +228,7 @@ def bench_ws(quick: bool) -> list[dict[str, Any]]:
 def run(quick: bool) -> list[dict[str, Any]]:
     """The bench/run.py entry point."""
     setup_django()
-    return bench_inline(quick) + bench_ws(quick)
+    return bench_inline(quick) + bench_connection(quick) + bench_ws(quick)
 
 
 if __name__ == "__main__":

@@ -16,14 +16,18 @@ with none of our Python in between:
 - JS: a QuickJS Context with the same limits and source called with the JSON event
   (``JSON.stringify(upper(JSON.parse(ev)))``), reused, or new per call (per request).
   Since issue 14 ours passes the engine's event differently: its strings as call arguments
-  (converted in C by the binding) and only ``data`` as JSON, so a second bare baseline does
-  the same (``upper({id, type, text, data: JSON.parse(data), session, args})``): against it
-  the ratio is our layer alone; against the JSON one, what a call costs compared with the
-  obvious way to use the library. mini-racer (V8) is measured when installed.
+  (converted in C by the binding) and only ``data`` as JSON, and a string reply back as
+  itself (when the binding can carry it: no NUL, no lone surrogate), so a second bare
+  baseline does the same (``upper({id, type, text, data: JSON.parse(data), session, args})``,
+  the string returned as is): against it the ratio is our layer alone; against the JSON one,
+  what a call costs compared with the obvious way to use the library. mini-racer (V8) is
+  measured when installed.
 
 Both sides use the same JSON codec (plugins.runtimes.base.to_json / scan_json), so the ratio
 is the layer's overhead, not a difference in JSON code. Every case starts after a
-``gc.collect()`` (outside the timing) so that no case pays for another's garbage.
+``gc.collect()`` (outside the timing) so that no case pays for another's garbage. The cases
+take turns in 21 short rounds; a value is the median over the rounds, a ratio the median of
+the per-round ratios (case and baseline from the same round).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import gc
 import time
 from typing import Any, Callable
 
-from bench.common import interleaved, per_call_us, row, setup_django
+from bench.common import median, per_call_us, row, setup_django
 
 BENCH = "plugins"
 EVENT = {"args": "2 3", "text": "/add 2 3", "type": "message", "id": "bench", "session": "s1", "data": {}}
@@ -145,15 +149,16 @@ def _js_bare(code: str) -> dict[str, Callable[[], Any]]:
         ctx.set_max_stack_size(512 << 10)
         ctx.set_time_limit(5.0)
         ctx.eval(code)
+        # A string reply crosses as itself when the binding can carry it, as ours does.
         ctx.eval("function __run(id, type, text, data, session, args) {"
-                 " return JSON.stringify(upper({id, type, text, data: JSON.parse(data), session, args})); }")
+                 " const r = upper({id, type, text, data: JSON.parse(data), session, args});"
+                 " return typeof r === 'string' && r.isWellFormed() && !r.includes('\\0') ? r : 0; }")
         return ctx.get("__run")
 
     def call_fields(run: Any) -> Any:  # the event's strings as arguments, its data as JSON
         e = EVENT
         data = e["data"]
-        return scan_json(run(e["id"], e["type"], e["text"], "{}" if not data else to_json(data), e["session"],
-                             e["args"]), 0)[0]
+        return run(e["id"], e["type"], e["text"], "{}" if not data else to_json(data), e["session"], e["args"])
 
     run, run_fields = context(), context_fields()
     return {"reused": lambda: scan_json(run(to_json(EVENT)), 0)[0],
@@ -178,18 +183,29 @@ def _mini_racer(code: str) -> dict[str, Callable[[], Any]] | None:
     return {"reused": lambda: ctx.call("upper", EVENT), "fresh": fresh}
 
 
+def _rounds(cases: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
+    """Each case's result in each of ``reps`` rounds, the cases taking turns within a round."""
+    results: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(reps):
+        for name, fn in cases.items():
+            results[name].append(fn())
+    return results
+
+
 def run(quick: bool) -> list[dict[str, Any]]:
     setup_django()
     from plugins.loaded import LoadedPlugin
 
     code = _examples()
-    reps = 3 if quick else 7
-    fast_n, slow_n = (300, 60) if quick else (2000, 300)
+    # Many short rounds rather than a few long ones: the machine is shared, and a load burst
+    # then spoils a few rounds out of 21 instead of one round out of 7.
+    reps = 5 if quick else 21
+    fast_n, slow_n = (300, 40) if quick else (600, 80)
     ours = {(rt, s): LoadedPlugin(_spec(f"bench-{rt}-{s}", rt, code[rt], s))
             for rt in ("lua", "wasm", "js") for s in ("per_request", "pooled", "sharded")}
     for loaded in ours.values():
         loaded.call("echo" if loaded.spec.runtime == "lua" else "upper" if loaded.spec.runtime == "js" else "add",
-                    EVENT)  # warm: per-thread runtimes, pooled instances, shard threads
+                    EVENT)  # warm: per-thread runtimes, pooled instances, shard instances
 
     def timed(fn: Callable[[], Any], n: int) -> Callable[[], float]:
         # Collect first (untimed): a case must not pay for the cycles another case left.
@@ -227,12 +243,15 @@ def run(quick: bool) -> list[dict[str, Any]]:
     if racer:
         cases["mini-racer reused"] = timed(racer["reused"], slow_n // 3)
         cases["mini-racer fresh"] = timed(racer["fresh"], 10)
-    m = interleaved(cases, reps)
+    rounds = _rounds(cases, reps)
+    m = {name: median(values) for name, values in rounds.items()}
     for loaded in ours.values():
         loaded.close()
 
     def ratio(a: str, b: str) -> float:
-        return m[a] / m[b]
+        # The median of the per-round ratios: a case and its baseline ran in the same round, a
+        # few milliseconds apart, so load that lasts a round cancels out.
+        return median(x / y for x, y in zip(rounds[a], rounds[b]))
 
     def mk(case: str, baseline: str, target_us: float | None = None, overhead: bool = True,
            label: str | None = None, limit: float = 1.2) -> dict[str, Any]:
@@ -268,10 +287,12 @@ def run(quick: bool) -> list[dict[str, Any]]:
         row(BENCH, "js bare reused, event strings as arguments (the marshalling ours uses)",
             m["js bare reused fields"], "us"),
         row(BENCH, "js bare fresh, event strings as arguments", m["js bare fresh fields"], "us"),
-        mk("js pooled", "js bare reused", 20, label="js pooled (per-thread Context)"),
+        mk("js pooled", "js bare reused", 20, label="js pooled (shared free list of Contexts)"),
         mk("js pooled", "js bare reused fields", overhead=False,
            label="js pooled vs bare with the same marshalling (our layer alone)"),
-        mk("js sharded", "js bare reused", label="js sharded (shard thread hop)"),
+        mk("js sharded", "js bare reused", 20, label="js sharded (on the caller's thread)"),
+        mk("js sharded", "js bare reused fields", overhead=False,
+           label="js sharded vs bare with the same marshalling (our layer alone)"),
         mk("js per_request", "js bare fresh", 300, limit=1.3,
            label="js per_request (new Context per call, prelude from bytecode)"),
         mk("js per_request", "js bare fresh fields", overhead=False,

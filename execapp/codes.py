@@ -51,8 +51,15 @@ OTHER = "other"
 #: Every label of ``execapp_events_total``: the done outcomes, every error code, a refused handshake.
 EVENT_OUTCOMES: frozenset[str] = frozenset((OK, ERROR, *ERROR_CODES, UNAUTHORIZED))
 
+#: The refusals that come before any matching: the whole event was refused (the connection's
+#: in-flight cap, a resend that is neither run nor replayed), so they are counted per worker only.
+EVENT_REFUSAL_CODES: frozenset[str] = frozenset(("rate_limited", "resend_in_progress", "resend_expired",
+                                                 "resend_unavailable"))
+#: The refusals a matched handler can get (``draining`` also refuses whole events): counted per
+#: matcher and plugin in execapp_handler_failures_total; docs/prometheus/ lists these in its rules.
+HANDLER_REFUSAL_CODES: frozenset[str] = frozenset(("plugin_busy", "plugin_unavailable", "overloaded", "draining",
+                                                   "quota_kv", "quota_kv_writes", "quota_http"))
 #: The codes that say a handler or an event was refused (not run, or its call ended by a host
 #: quota) rather than failed on its own: the dashboard's "refused" columns and the alert rules
 #: (docs/prometheus/) count these.
-REFUSAL_CODES: frozenset[str] = frozenset(("plugin_busy", "plugin_unavailable", "overloaded", "draining",
-                                           "rate_limited", "quota_kv", "quota_kv_writes", "quota_http"))
+REFUSAL_CODES: frozenset[str] = EVENT_REFUSAL_CODES | HANDLER_REFUSAL_CODES

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Awaitable, Callable, Protocol
+from collections import deque
+from typing import Any, Awaitable, Callable, Coroutine, Protocol
 
 from . import extensions, history, metrics, resend
+from .codes import ERROR, OK
 from .engine import Completion, Event
-from .engine.event import Outcome, OutcomeCallback
+from .engine.event import EventRun, Outcome, OutcomeCallback
 from .engine.ratelog import RateLimitedLog
 from .outbox import Outbox, OutboxLimits, text_size
 from .protocol import (
@@ -31,12 +33,15 @@ from .protocol import (
 log = logging.getLogger("execapp.connection")
 #: Failures a client can cause on every frame are logged once per cause per minute, with a count.
 _rare = RateLimitedLog(log, 60.0)
+#: events_total's children for a done, looked up once (``labels()`` takes a lock per call).
+_COUNT_DONE = {False: metrics.EVENTS.labels(OK).inc, True: metrics.EVENTS.labels(ERROR).inc}
 
 
 class Dispatcher(Protocol):
     """What a Connection needs of its engine (execapp.engine.Engine)."""
 
-    async def process_event_async(self, event: Event, on_outcome: OutcomeCallback | None = None) -> Any: ...
+    def start_event(self, event: Event, on_outcome: OutcomeCallback | None = None
+                    ) -> tuple[EventRun, Coroutine[Any, Any, EventRun] | None]: ...
 
 
 class Admission(Protocol):
@@ -54,11 +59,13 @@ class Connection:
     session's channel-layer group (None: sessions are served to the sender only); ``join(group)``
     adds this connection to one. Group names come from ``group_name(owner, session)`` here and
     nowhere else, so a connection can only ever join or publish to its own owner's sessions.
-    Outcomes arrive on any thread and are queued on the loop in arrival order: per event that is
-    every reply/error, then its one done. The outboxes are bounded by ``outbox_limits`` (default:
-    the settings): other members' session frames past them are dropped and counted (then one
-    ``lagged`` frame), and the client's own frames make the connection stop reading until its
-    outbox drained (docs/protocol.md, "Limits and flow control").
+    Outcomes arrive on any thread and reach the client in arrival order: per event that is every
+    reply/error, then its one done. One produced on the loop (an inline handler's) goes to the
+    outbox at once, unless outcomes from pool threads are still queued for the loop: then it waits
+    behind them. The outboxes are bounded by ``outbox_limits`` (default: the settings): other members'
+    session frames past them are dropped and counted (then one ``lagged`` frame), and the
+    client's own frames make the connection stop reading until its outbox drained
+    (docs/protocol.md, "Limits and flow control").
     """
 
     def __init__(self, engine: Dispatcher, worker: Admission, limits: Limits, send: Callable[[str], Awaitable[None]],
@@ -93,6 +100,10 @@ class Connection:
         #: ids of this connection's running ``"resend": true`` events (their done waits for the record).
         self._resends: set[str] = set()
         self._recording: set[asyncio.Task] = set()
+        #: Outcomes from pool threads waiting for the loop (``_drain``), in arrival order.
+        self._from_threads: deque[Outcome] = deque()
+        #: The event the engine is dispatching on the loop now (its done may come before start_event returns).
+        self._dispatching: Event | None = None
         self.closed = False
 
     async def receive(self, text: str | None = None, data: bytes | None = None) -> None:
@@ -100,8 +111,60 @@ class Connection:
         return as soon as its handlers are started (never wait for them: Channels would hold back
         this connection's next frames). Never raises: a failure of the server's own is an
         ``internal_error`` frame (logged once per cause per minute) and the connection stays."""
-        try:
-            await self._receive(text, data)
+        try:  # one coroutine per frame: the whole path is written out here, not in helpers
+            # Backpressure: this client does not read (or the channel layer is slower than its
+            # session's frames): stop reading its frames until its outboxes have room again.
+            if self.outbox.full:
+                await self.outbox.wait_room()
+            if self.group_outbox is not None and self.group_outbox.full:
+                await self.group_outbox.wait_room()
+            try:
+                event, resend_ = parse_request(text, data, self.limits)
+                if len(self.in_flight) >= self.limits.max_in_flight:
+                    raise ProtocolError("rate_limited", f"this connection has {len(self.in_flight)} events in flight, "
+                                                        f"the limit is {self.limits.max_in_flight} (EXECAPP["
+                                                        "'MAX_IN_FLIGHT_PER_CONNECTION']); wait for a done first",
+                                        event.id)
+                if event.id in self.in_flight:
+                    raise ProtocolError("bad_event", f"id {event.id!r} is already in flight on this connection; use "
+                                                     "a new id for each event", event.id)
+                if event.session is not None:
+                    await self.join_session(event.session, event.id)
+                # Last check: from here on the event counts as accepted for a drain (atomically
+                # with the drain's flag), and end_event runs once its done is written.
+                if not self.worker.begin_event():
+                    raise ProtocolError("draining", "this worker is draining for a restart and takes no new events;"
+                                                    " reconnect (the load balancer sends you to a live worker)",
+                                        event.id)
+            except ProtocolError as exc:
+                metrics.count_event(exc.code)
+                history.refused(self, exc.code, exc.message, exc.event_id)
+                self.outbox.push(error_frame(exc.code, exc.message, exc.event_id))
+                return
+            if resend_ and not await self._claim(event):
+                return
+            eid = event.id
+            self.in_flight[eid] = event.session
+            history.accepted(self, event)  # one list made; traces are built by the housekeeper
+            self._dispatching = event
+            try:
+                # Inline handlers run right here on the loop (their frames are queued before this
+                # returns; the outbox's task writes them a loop turn later, which lets the loop take
+                # in other connections' frames first: fewer wake-ups per event under load); pooled
+                # ones start in threads. With the "wait" overflow policy ``rest`` awaits a pool
+                # slot: backpressure on this client only.
+                run, rest = self.engine.start_event(event, self._on_outcome)
+                if rest is not None:
+                    self._dispatching = None
+                    await rest
+                elif not run.matched and eid in self.in_flight:  # rare: its done waits behind pooled outcomes
+                    hint = extensions.unmatched_hint(event.type, event.text)
+                    if hint:  # _deliver adds it
+                        self._hints[eid] = hint
+            except Exception as exc:  # an engine bug; its run still completes (dispatch releases in `finally`)
+                _rare.exception(("dispatch", type(exc).__name__), "dispatch of event %s failed", eid)
+            finally:
+                self._dispatching = None
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -109,51 +172,6 @@ class Connection:
             metrics.count_event("internal_error")
             self.outbox.push(error_frame("internal_error", f"the server failed on this frame ({type(exc).__name__}); "
                                                            "it is logged; the connection stays open"))
-
-    async def _receive(self, text: str | None, data: bytes | None) -> None:
-        # Backpressure: this client does not read (or the channel layer is slower than its
-        # session's frames): stop reading its frames until its outboxes have room again.
-        if self.outbox.full:
-            await self.outbox.wait_room()
-        if self.group_outbox is not None and self.group_outbox.full:
-            await self.group_outbox.wait_room()
-        try:
-            event, resend_ = parse_request(text, data, self.limits)
-            if len(self.in_flight) >= self.limits.max_in_flight:
-                raise ProtocolError("rate_limited", f"this connection has {len(self.in_flight)} events in flight, "
-                                                    f"the limit is {self.limits.max_in_flight} (EXECAPP["
-                                                    "'MAX_IN_FLIGHT_PER_CONNECTION']); wait for a done first",
-                                    event.id)
-            if event.id in self.in_flight:
-                raise ProtocolError("bad_event", f"id {event.id!r} is already in flight on this connection; use a new "
-                                                 "id for each event", event.id)
-            if event.session is not None:
-                await self.join_session(event.session, event.id)
-            # Last check: from here on the event counts as accepted for a drain (atomically
-            # with the drain's flag), and end_event runs once its done is written.
-            if not self.worker.begin_event():
-                raise ProtocolError("draining", "this worker is draining for a restart and takes no new events; "
-                                                "reconnect (the load balancer sends you to a live worker)", event.id)
-        except ProtocolError as exc:
-            metrics.count_event(exc.code)
-            history.refused(self, exc.code, exc.message, exc.event_id)
-            self.outbox.push(error_frame(exc.code, exc.message, exc.event_id))
-            return
-        if resend_ and not await self._claim(event):
-            return
-        self.in_flight[event.id] = event.session
-        history.accepted(self, event)  # one tuple appended; traces are built by the housekeeper
-        try:
-            # Inline handlers run right here on the loop; pooled ones start in threads. With the
-            # "wait" overflow policy this may await a pool slot: backpressure on this client only.
-            run = await self.engine.process_event_async(event, self._on_outcome)
-            completion = getattr(run, "completion", None)
-            if completion is not None and not completion.matched:  # rare: say why, if anyone knows
-                hint = extensions.unmatched_hint(event.type, event.text)
-                if hint:  # its done is queued (call_soon), not yet written: _deliver adds the hint
-                    self._hints[event.id] = hint
-        except Exception as exc:  # an engine bug; its run still completes (dispatch releases in `finally`)
-            _rare.exception(("dispatch", type(exc).__name__), "dispatch of event %s failed", event.id)
 
     async def join_session(self, session: str, event_id: str | None = None) -> None:
         """Join a session's group (once per connection), within MAX_SESSIONS_PER_CONNECTION."""
@@ -170,41 +188,69 @@ class Connection:
             log.warning("joining session %r failed; its group frames are not delivered", session, exc_info=True)
 
     def _on_outcome(self, outcome: Outcome) -> None:
-        # Called from the loop (inline handlers) or from pool threads. Both paths go through the
-        # loop's FIFO ready queue, so a pooled reply queued before its run's last release is
-        # always delivered before the done that release produces, whichever thread emits it.
+        # Called from the loop (inline handlers) or from pool threads. A pool thread's outcome
+        # joins ``_from_threads`` before its run's release, and a loop outcome is delivered at
+        # once only while that queue is empty (else it joins it too): so a pooled reply is
+        # always delivered before the done that its run's last release produces, on any thread.
+        if threading.get_ident() == self._loop_thread:
+            if not self._from_threads:
+                self._deliver(outcome)
+            else:  # a _drain is scheduled for what is queued: this one waits its turn
+                self._from_threads.append(outcome)
+            return
+        self._from_threads.append(outcome)
         try:
-            if threading.get_ident() == self._loop_thread:
-                self.loop.call_soon(self._deliver, outcome)
-            else:
-                self.loop.call_soon_threadsafe(self._deliver, outcome)
+            self.loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the loop is closed: the server is shutting down, the client is gone
             pass
+
+    def _drain(self) -> None:
+        """Deliver the outcomes queued by pool threads (and loop outcomes behind them), in order."""
+        queued = self._from_threads
+        while queued:
+            outcome = queued.popleft()
+            try:
+                self._deliver(outcome)
+            except Exception as exc:  # one frame's failure must not hold back the others
+                _rare.exception(("deliver", type(exc).__name__), "delivering an outcome of event %s failed: %r",
+                                outcome.event_id, exc)
 
     def _deliver(self, outcome: Outcome) -> None:
         """Queue one outcome's frame for the client (and the session's group) on the loop."""
         eid = outcome.event_id
-        session = self.in_flight.get(eid)
         done = outcome.__class__ is Completion
         history.delivered(self, outcome)
         hint = None
         if done:
-            self.in_flight.pop(eid, None)
-            if self._hints:
-                hint = self._hints.pop(eid, None)
-            metrics.count_event(metrics.completion_outcome(outcome))
+            session = self.in_flight.pop(eid, None)
+            if not outcome.matched:  # type: ignore[union-attr]
+                hint = self._hint(eid)
+            _COUNT_DONE[bool(outcome.errors)]()  # type: ignore[union-attr]
             if self._resends and eid in self._resends:  # its done waits for the durable record
                 self._resends.discard(eid)
                 task = self.loop.create_task(self._record_then_done(outcome, session, hint))
                 self._recording.add(task)
                 task.add_done_callback(self._recording.discard)
                 return
+        else:
+            session = self.in_flight.get(eid)
         if self.closed:
             if done:
                 self.worker.end_event()
             return
         frame = outcome_frame(outcome, session, hint)
         self._queue(frame, session, self.worker.end_event if done else None)
+
+    def _hint(self, eid: str) -> str | None:
+        """Why event ``eid`` matched no handler, if anyone knows (execapp.extensions.unmatched_hint)."""
+        if self._hints:
+            hint = self._hints.pop(eid, None)
+            if hint is not None:
+                return hint
+        event = self._dispatching
+        if event is not None and event.id == eid:  # done during its own dispatch: the common case
+            return extensions.unmatched_hint(event.type, event.text)
+        return None
 
     def _queue(self, frame: str, session: str | None, after: Callable[[], None] | None = None) -> None:
         """One frame of this client's event: to the client (never dropped), and to its session."""
@@ -241,6 +287,7 @@ class Connection:
             if not isinstance(exc, resend.ResendError):
                 _rare.exception(("claim", type(exc).__name__), "claiming resend event %s failed", eid)
             metrics.count_event(code)
+            history.refused(self, code, message, eid)
             self.outbox.push(error_frame(code, message, eid, **extra))
             return False
         if claim.state != resend.NEW:  # completed before: its record again, nothing runs

@@ -6,6 +6,7 @@ for ``WORKER_STALE_SECONDS`` stale and drops those silent for ``WORKER_DROP_SECO
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -13,7 +14,17 @@ from . import conf
 from .codes import REFUSAL_CODES
 from .engine.engine import COUNTERS as ENGINE_COUNTERS
 from .engine.profile import COUNTERS as PROFILE_COUNTERS
-from .snapshots import RATE_WINDOW_SECONDS, SERIES_FIELDS, HistoryPoint, backend, points, refresh_local
+from .snapshots import (
+    RATE_WINDOW_SECONDS,
+    SERIES_FIELDS,
+    HistoryPoint,
+    backend,
+    local_snapshots,
+    points,
+    refresh_local,
+)
+
+log = logging.getLogger("execapp.dashboard")
 
 #: The worst worker's value counts in the total series (a percentile is not summed); ``t`` is the latest.
 _WORST = ("delay_p50", "delay_p99")
@@ -106,6 +117,7 @@ def _total(live: list[dict[str, Any]]) -> dict[str, Any]:
         for code, n in _refusals(w).items():
             refusals[code] = refusals.get(code, 0) + n
     total["refusals"] = refusals
+    total["session_frames_dropped"] = sum((w.get("session_frames") or {}).get("dropped", 0) for w in live)
     total["recycling"] = sum(1 for w in live if w.get("recycling"))
     # Scheduling delay over the last closed interval (what the charts plot), the worst worker's.
     for key in ("delay_p50", "delay_p99"):
@@ -152,10 +164,21 @@ def collect(refresh: bool = True) -> dict[str, Any]:
     drop_after = conf.get("WORKER_DROP_SECONDS")
     period = conf.get("SNAPSHOT_SECONDS")
     workers = []
-    for snap, series in store.load():
+    warning = ""
+    try:
+        loaded = store.load()
+    except Exception as exc:  # Redis down (a restart): answer with this process's own workers, and say so
+        warning = (f"the {store.name} backend cannot be read ({type(exc).__name__}): showing only this "
+                   "process's workers, without chart history")
+        loaded = local_snapshots()
+    for snap, series in loaded:
         age = now - snap.get("ts", 0)
         if age > drop_after or (snap.get("stopped") and age > stale_after):
-            store.drop(snap["worker"])
+            if not warning:
+                try:
+                    store.drop(snap["worker"])
+                except Exception:  # Redis went away since the load: the next read drops it
+                    log.debug("dropping %s failed", snap.get("worker"), exc_info=True)
             continue
         snap["age"] = age
         snap["stale"] = age > stale_after
@@ -181,6 +204,7 @@ def collect(refresh: bool = True) -> dict[str, Any]:
     return {
         "now": now,
         "backend": store.name,
+        "warning": warning,
         "interval": period,
         "poll_seconds": min(2.0, max(0.5, period)),
         "stale_seconds": stale_after,

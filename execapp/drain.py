@@ -70,7 +70,7 @@ def drain_worker(worker: WorkerLike, timeout: float, *, flush: bool = True,
         "events_in_flight": max(0, worker.events_in_flight),
         "tasks_queued": pool.stats()["queued"],
         # Pool threads still running past their deadline: their events already ended with
-        # `timeout`, so the drain does not wait for them (execapp.watchdog recycles such workers).
+        # `timeout`, so the drain does not wait for them (execapp.watchdog_service recycles such workers).
         "stuck_threads": int(pool.stats().get("stuck") or 0),
         "flush_errors": flush_errors,
     }

@@ -41,6 +41,7 @@ from .engine.profile import ExecClass
 from .engine.ratelog import RateLimitedLog
 from .history_query import detail, get, prune, search
 from .history_record import (
+    FLAT_LEN,
     H_CODE,
     H_MATCHER,
     H_MESSAGE,
@@ -49,7 +50,6 @@ from .history_record import (
     OUTCOME,
     Record,
     flat,
-    is_plain,
     to_json,
     view,
 )
@@ -73,17 +73,22 @@ PRUNE_SECONDS = 3600.0
 INCOMPLETE = "incomplete"
 
 _POOL = ExecClass.POOL
+_EXEC = {ExecClass.SYNC: "sync", ExecClass.POOL: "pool"}
+#: Reply data a flat record may hold (see execapp/history_record.py).
+_PLAIN = frozenset((str, int, float, bool, type(None)))
 
 #: An event in flight, built on the hot path as a list (cheapest to make and to append to):
-#: [conn, event, accepted wall time, accepted monotonic time, runs or None, outcomes or None].
-#: ``runs`` collects the run observer's (matcher, plugin, exec class, elapsed, code, end time);
-#: ``outcomes`` the replies and failures the connection delivered, with their delivery time.
+#: [conn, event, accepted wall time, accepted monotonic time, runs, outcomes]. ``runs`` holds the
+#: run observer's (matcher, plugin, exec class, elapsed, code, end time) and ``outcomes`` the
+#: replies and failures the connection delivered: each None, one item, or a list of several.
 _CONN, _EVENT, _TS, _T0, _RUNS, _OUTS = range(6)
 #: Events accepted and not yet completed: by (id(connection), event id) for the connection's
 #: outcomes (loop thread only), and by id(event) for runs observed on pool threads.
 _pending: dict[tuple[int, str], list[Any]] = {}
 _by_event: dict[int, list[Any]] = {}
-#: What the housekeeper takes: (pending list, completion) per finished event, or a refusal.
+#: What the housekeeper takes, per finished event: its record, already built when the event was
+#: the common kind (a flat tuple, see execapp/history_record.py), else (its list, its completion);
+#: or a refusal (None, conn, code, message, event id, time).
 _buffer: collections.deque = collections.deque()
 _dropped = itertools.count()
 #: The in-flight list of the event the current asyncio task is dispatching (set by
@@ -93,12 +98,16 @@ _recorder: "Recorder | None" = None
 
 
 # -- the hot path: what the connection and the engine call ------------------------------------------
+# Nothing the hot path keeps outlives its event but plain values: a list, an Event or a Reply held
+# until the housekeeper's next flush would be walked by every garbage collection meanwhile (that
+# cost more than the rest of the recording together), so a finished common event becomes its flat
+# record (a tuple of plain values, untracked by the collector) right here.
 
 def accepted(conn: Any, event: Any) -> None:
     """The connection accepted ``event`` (counted in flight) and is about to dispatch it (loop thread)."""
     if _recorder is None:
         return
-    pending = [conn, event, time.time(), time.monotonic(), None, None]
+    pending = [conn, event, time.time(), time.monotonic(), [], None]
     _current.set(pending)
     _pending[(id(conn), event.id)] = pending
     _by_event[id(event)] = pending
@@ -107,25 +116,52 @@ def accepted(conn: Any, event: Any) -> None:
 def delivered(conn: Any, outcome: Any) -> None:
     """One outcome of an accepted event (reply, failure or its completion) reached the connection
     (loop thread). The completion hands the event to the housekeeper."""
-    if _recorder is None:
+    rec = _recorder
+    if rec is None:
         return
     if outcome.__class__ is Completion:
         pending = _pending.pop((id(conn), outcome.event_id), None)
         if pending is None:
             return  # accepted before the recorder started
-        _by_event.pop(id(pending[_EVENT]), None)
-        if len(_buffer) < BUFFER_LIMIT:
-            _buffer.append((pending, outcome))
-        else:
+        event = pending[_EVENT]
+        del _by_event[id(event)]
+        if len(_buffer) >= BUFFER_LIMIT:
             next(_dropped)
+            return
+        runs, out = pending[_RUNS], pending[_OUTS]
+        if len(runs) == 1 and not outcome.errors and (out is None or (
+                out.__class__ is Reply and out.matcher == runs[0][0] and out.data.__class__ in _PLAIN)):
+            # The common event: one handler that replied once (or not at all), nothing failed.
+            name, plugin, exec_class, elapsed, _, t_end = runs[0]
+            start = t_end - elapsed - pending[_T0]
+            if out is None:
+                text = data = None
+                kept = True
+            else:
+                text, data = out.text, out.data
+                size = (len(text) if text is not None else 0) + (0 if data is None else len(str(data)))
+                kept = size <= rec.reply_bytes
+                if not kept:
+                    text = data = None
+            etext = event.text
+            _buffer.append(flat(
+                f"{rec.tag}-{next(rec.seq):x}", event.id, getattr(conn, "owner", "") or "", event.session, event.type,
+                etext if len(etext) <= rec.text_chars else etext[:rec.text_chars], event.size, rec.worker_id,
+                pending[_TS], outcome.elapsed, outcome.matched, outcome.replies, outcome.blocked_by, name, plugin,
+                _EXEC[exec_class], start if start > 0.0 else 0.0,
+                (start if start > 0.0 else 0.0) if exec_class is _POOL else None, elapsed, text, data, kept))
+        else:
+            _buffer.append((pending, outcome))
         return
     pending = _pending.get((id(conn), outcome.event_id))
     if pending is not None:
         outs = pending[_OUTS]
         if outs is None:
-            pending[_OUTS] = [outcome]
-        else:
+            pending[_OUTS] = outcome
+        elif outs.__class__ is list:
             outs.append(outcome)
+        else:
+            pending[_OUTS] = [outs, outcome]
 
 
 def refused(conn: Any, code: str, message: str, event_id: str | None) -> None:
@@ -143,7 +179,7 @@ def _observe(m: Any, exec_class: ExecClass, elapsed: float, code: str) -> None:
     # ran it, before the run's outcome completes its event. On the loop the task's context holds
     # the event's list; on a pool thread the engine's own frame names the event (found by type
     # among its arguments, as engine.running_handlers does): ~1 us on that pool thread, nothing
-    # on the loop. list.append is atomic: threads of one event may append at once.
+    # on the loop.
     if _recorder is None:
         return
     pending = _current.get()
@@ -154,12 +190,8 @@ def _observe(m: Any, exec_class: ExecClass, elapsed: float, code: str) -> None:
         pending = _by_event.get(id(run.event))
         if pending is None:
             return
-    item = (m.name, m.plugin, exec_class, elapsed, code, time.monotonic())
-    runs = pending[_RUNS]
-    if runs is None:
-        pending[_RUNS] = [item]
-    else:
-        runs.append(item)
+    # list.append is atomic: the loop and pool threads of one event may append at once.
+    pending[_RUNS].append((m.name, m.plugin, exec_class, elapsed, code, time.monotonic()))
 
 
 _RUNNER_PARAMS: dict[Any, tuple[str, ...]] = {}
@@ -198,7 +230,6 @@ def _caller_run() -> EventRun | None:
 
 # -- the recorder: a worker service on the housekeeping thread ---------------------------------------
 
-_EXEC = {ExecClass.SYNC: "sync", ExecClass.POOL: "pool"}
 
 
 class Recorder:
@@ -212,8 +243,9 @@ class Recorder:
         self.reply_bytes = int(conf.get("HISTORY_REPLY_BYTES"))
         self.failure_days = float(conf.get("HISTORY_FAILURE_DAYS"))
         self.store = store()
-        self._tag = secrets.token_hex(4)  # uids are unique across workers and restarts
-        self._seq = itertools.count(1)
+        #: uids are "<tag>-<sequence, hex>": unique across workers and restarts (the hot path makes them too).
+        self.tag = secrets.token_hex(4)
+        self.seq = itertools.count(1)
         self._lock = threading.Lock()  # tick() runs on the housekeeper; close() and flush() elsewhere
         #: Failed or refused handlers by (matcher, plugin, code), and refused events by code (before
         #: any matcher): totals since this recorder started. Read by the dashboard and /metrics.
@@ -266,6 +298,9 @@ class Recorder:
         trace, append, popleft = self._trace, records.append, _buffer.popleft
         for _ in range(len(_buffer)):
             item = popleft()
+            if len(item) == FLAT_LEN:  # the common event's record, built by the hot path
+                append(item)
+                continue
             pending = item[0]
             if pending is not None:
                 append(trace(pending, item[1]))
@@ -288,49 +323,26 @@ class Recorder:
     # -- building traces ------------------------------------------------------------------------
 
     def _uid(self) -> str:
-        return f"{self._tag}-{next(self._seq):x}"
+        return f"{self.tag}-{next(self.seq):x}"
 
     def _refusal(self, owner: str, code: str, message: str, event_id: str, ts: float) -> tuple:
         return (self._uid(), event_id, owner, None, "", "", 0, self.worker_id, ts, code, message, (code,), 0.0, 0, 0,
                 0, None, (), False)
 
     def _trace(self, p: list[Any], completion: Completion | None) -> tuple:
-        """The stored record of one event (a plain tuple in Record's field order): its handlers from
-        the run observer's items (what ran, where, how long) merged with its outcomes (replies,
-        failures, refusals that never ran)."""
-        event, t0 = p[_EVENT], p[_T0]
-        runs = p[_RUNS]
-        outs = p[_OUTS]
+        """The stored record (a plain tuple in Record's field order) of an event the hot path did
+        not make flat: several handlers, a failure, a refusal, or not completed (``completion``
+        None). Its handlers come from the run observer's items (what ran, where, how long) merged
+        with its outcomes (replies, failures, handlers refused before they ran)."""
+        event = p[_EVENT]
         owner = getattr(p[_CONN], "owner", "") or ""
         text = event.text
         if len(text) > self.text_chars:
             text = text[:self.text_chars]
         elif not text and event.data:
             text = _json(event.data)[:self.text_chars]
-        uid = f"{self._tag}-{next(self._seq):x}"
+        uid = f"{self.tag}-{next(self.seq):x}"
         ts = p[_TS]
-        if (completion is not None and runs is not None and len(runs) == 1 and not completion.errors
-                and (outs is None or (len(outs) == 1 and outs[0].__class__ is Reply
-                                      and outs[0].matcher == runs[0][0] and is_plain(outs[0].data)))):
-            # The common event: one handler that replied once (or not at all), no failure: a flat
-            # record, built without a dict or a nested tuple (this runs for every event).
-            name, plugin, exec_class, elapsed, code, t_end = runs[0]
-            start = t_end - elapsed - t0
-            if start < 0.0:
-                start = 0.0
-            if outs is None:
-                reply_text = reply_data = None
-                kept = False
-            else:
-                reply = outs[0]
-                reply_text, reply_data = reply.text, reply.data
-                kept = _size(reply_text, reply_data) <= self.reply_bytes
-                if not kept:
-                    reply_text = reply_data = None
-            return flat(uid, event.id, owner, event.session, event.type, text, event.size, self.worker_id, ts,
-                        completion.elapsed, completion.matched, completion.replies, completion.blocked_by, name,
-                        plugin, _EXEC[exec_class], start, start if exec_class is _POOL else None, elapsed,
-                        reply_text, reply_data, kept or outs is None)
         handlers, codes, truncated = self._handlers(p)
         if completion is None:
             outcome, duration, matched, replies, errors, blocked_by = INCOMPLETE, None, None, None, len(codes), None
@@ -352,14 +364,15 @@ class Recorder:
         """Every handler of an event (the general case: several, failed, refused, unattributed)."""
         t0 = p[_T0]
         found: dict[str, list[Any]] = {}
-        for name, plugin, exec_class, elapsed, code, t_end in p[_RUNS] or ():
+        for name, plugin, exec_class, elapsed, code, t_end in p[_RUNS]:
             start = max(0.0, t_end - elapsed - t0)
             found[name] = [name, plugin, _EXEC[exec_class], start, start if exec_class is _POOL else None, elapsed,
                            code, "", []]
         budget = self.reply_bytes
         truncated = False
         codes: list[str] = []
-        for outcome in p[_OUTS] or ():
+        outs = p[_OUTS]
+        for outcome in () if outs is None else outs if outs.__class__ is list else (outs,):
             h = found.get(outcome.matcher)
             if h is None:  # not observed (a refusal, or a run the observer could not attribute): no times
                 exec_class = outcome.exec_class

@@ -96,6 +96,12 @@ class EventTraceAdmin(admin.ModelAdmin):
         if not self.has_view_permission(request):
             return HttpResponse("you need the 'Can view event' permission", status=403)
         filters, raw, problems = filters_from(request)
+        store = history.store()
+        try:  # Redis down (a restart): the page still answers with the database's failures, and says so
+            store.count()
+        except Exception as exc:
+            problems.append(f"the recent store ({store.name}) cannot be read now ({type(exc).__name__}): only the "
+                            "failures the database keeps are shown; events that ended ok are back once it answers")
         rows = history.search(filters, limit=PAGE_SIZE + 1)
         more = len(rows) > PAGE_SIZE
         rows = rows[:PAGE_SIZE]
@@ -119,7 +125,7 @@ class EventTraceAdmin(admin.ModelAdmin):
             "problems": problems,
             "older_url": older,
             "newest_url": "?" + urlencode({k: v for k, v in raw.items() if v}) if request.GET.get("before") else None,
-            "store": history.store().name,
+            "store": store.name,
             "recorder": recorder.stats() if recorder is not None else None,
             **(extra_context or {}),
         }

@@ -128,6 +128,11 @@ class LayerWatch:
         self._wake.set()
         self._ensure_checker()
 
+    @property
+    def marked(self) -> bool:
+        """True once a check has set this watch's marker: from then on a layer that lost its data is seen."""
+        return self._marked
+
     async def wait_up(self) -> None:
         """Return once the layer works (at once when it does)."""
         await self._up.wait()

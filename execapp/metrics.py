@@ -74,6 +74,13 @@ PLUGIN_WAITING = Gauge("execapp_plugin_instances_waiting", "Plugin calls waiting
 HANDLER_FAILURES = Counter("execapp_handler_failures_total", "Handlers that failed or were refused, by matcher, "
                            "plugin and code (plugin_busy, overloaded, draining and quota_* are refusals; "
                            "handler_error, timeout... failures).", ["matcher", "plugin", "code"])
+# Refusals before any matching (the connection's in-flight cap, draining, resend_*): no matcher or
+# plugin to name, so by worker slot and code (execapp.codes.EVENT_REFUSAL_CODES, and draining).
+EVENT_REFUSALS = Counter("execapp_event_refusals_total", "Events refused before any handler was matched, by "
+                         "worker slot and code (rate_limited, draining, resend_*).", ["worker", "code"])
+SESSION_FRAMES_DROPPED = Counter("execapp_session_frames_dropped_total", "Frames of other session members dropped "
+                                 "for a member that fell behind (it then gets one `lagged` frame), by worker slot.",
+                                 ["worker"])
 HISTORY_TRACES = Counter("execapp_history_traces_total", "Event traces recorded (docs/observability.md).")
 HISTORY_DROPPED = Counter("execapp_history_dropped_total", "Trace items dropped because the recorder's buffer was "
                           "full (its housekeeper fell behind).")

@@ -16,7 +16,9 @@ from typing import Any
 
 from . import conf, extensions, history
 from . import metrics as m
+from .codes import REFUSAL_CODES
 from .metrics_multiprocess import COMPACT_SECONDS, compact, multiprocess_dir, register_exit_hook
+from .outbox import SessionFrameTotals
 from .seams import WorkerLike
 from .worker_slot import worker_slot
 
@@ -71,6 +73,9 @@ class MetricsUpdater:
         # The per-worker gauges' children, labelled with the worker's slot number (low cardinality).
         self.slot = worker_slot(worker)
         self._gauges = {g: g.labels(self.slot) for g in m.WORKER_GAUGES}
+        # The process's outbox totals count from here (another worker of this process had its own start).
+        self._dropped = m.SESSION_FRAMES_DROPPED.labels(self.slot)
+        self._deltas.prime(("outbox", "dropped"), SessionFrameTotals.dropped)
         for name, profile in dict(worker.engine.profiles).items():  # restored counts are not new
             for field, _ in _PROFILE_COUNTERS:
                 self._deltas.prime(("profile", field, name), getattr(profile, field))
@@ -127,6 +132,7 @@ class MetricsUpdater:
             self._deltas.inc(counter, ("engine", key), stats.get(key))
         # Refused handlers never reach the run observer: count them from the engine.
         self._deltas.inc(m.HANDLER_RUNS.labels("overloaded"), ("engine", "overloaded_runs"), stats.get("overloaded"))
+        self._deltas.inc(self._dropped, ("outbox", "dropped"), SessionFrameTotals.dropped)
 
     def _sync_profiles(self) -> None:
         for name, profile in dict(self.worker.engine.profiles).items():
@@ -151,6 +157,9 @@ class MetricsUpdater:
         for (matcher, plugin, code), count in list(recorder.handler_failures.items()):
             self._deltas.inc(m.HANDLER_FAILURES.labels(matcher, plugin, code), ("failures", matcher, plugin, code),
                              count)
+        for code, count in list(recorder.event_refusals.items()):
+            if code in REFUSAL_CODES:
+                self._deltas.inc(m.EVENT_REFUSALS.labels(self.slot, code), ("refusals", code), count)
         self._deltas.inc(m.HISTORY_TRACES, ("history", "recorded"), recorder.recorded)
         self._deltas.inc(m.HISTORY_DROPPED, ("history", "dropped"), recorder.dropped)
 

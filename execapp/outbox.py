@@ -47,6 +47,20 @@ class OutboxLimits:
 UNBOUNDED = OutboxLimits(0, 0)
 
 
+class SessionFrameTotals:
+    """Session frames every outbox of this process dropped, and ``lagged`` frames it queued, since
+    start: each outbox's own counts end with its connection, the dashboard and /metrics need the
+    process's (updated on the event loop only)."""
+
+    dropped = 0
+    lagged = 0
+
+    @classmethod
+    def read(cls) -> dict[str, int]:
+        """The totals now: {"dropped": ..., "lagged": ...}."""
+        return {"dropped": cls.dropped, "lagged": cls.lagged}
+
+
 def text_size(text: str) -> int:
     """The UTF-8 size of a frame's text (``isascii`` is O(1) on str: most frames cost one call)."""
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
@@ -105,6 +119,7 @@ class Outbox:
         if self.missed or self._over(size):
             self.missed[key] = self.missed.get(key, 0) + 1
             self.dropped_total += 1
+            SessionFrameTotals.dropped += 1
             return False
         self.push(item, None, size)
         return True
@@ -144,6 +159,7 @@ class Outbox:
         if self._lagged is None or not missed:
             return
         self.lagged_total += 1
+        SessionFrameTotals.lagged += 1
         item, size = self._lagged(missed)
         self.push(item, None, size)
 

@@ -12,12 +12,12 @@ import re
 from array import array
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
+from typing import Any, Callable
 
 from . import conf
 from .codes import ERROR_CODES  # noqa: F401  (the codes of an error frame; importable from here)
 from .engine import Event, ExecAppError, Failure, Reply
-from .engine.event import Outcome
+from .engine.event import Completion, Outcome
 
 MAX_ID_CHARS = 64
 MAX_SESSION_CHARS = 64
@@ -25,6 +25,7 @@ MAX_TYPE_CHARS = 64
 #: Session groups one connection may join; each costs a channel-layer membership.
 MAX_SESSIONS_PER_CONNECTION = 32
 FIELDS = ("id", "type", "session", "text", "data", "resend")
+_FIELD_SET = frozenset(FIELDS)
 # Channels group names allow ASCII letters, digits, '-', '_' and '.', under 100 characters:
 # prefix (16) + owner digest (16) + '.' + session (<= 64) = 97.
 _SESSION_RE = re.compile(r"[A-Za-z0-9_.\-]{1,%d}\Z" % MAX_SESSION_CHARS)
@@ -126,7 +127,15 @@ def parse_request(text: str | None, data: bytes | None, limits: Limits) -> tuple
         if depth > limits.max_depth:
             raise _too_deep(limits)
     try:
-        obj = _decode(text)
+        # The decoder's C scanner directly (decode() adds two whitespace regex matches and a
+        # frame); anything it does not take whole (whitespace around, an error) goes through
+        # decode(), which raises with the exact position.
+        try:
+            obj, end = _scan(text, 0)
+        except (StopIteration, ValueError):
+            end = -1
+        if end != chars:
+            obj = _decode(text)
     except RecursionError:  # a limit configured near the interpreter's own: still refused, not raised
         raise _too_deep(limits) from None
     except ValueError as exc:
@@ -147,7 +156,9 @@ def _no_constant(name: str) -> Any:
 
 
 # Strict JSON: NaN and Infinity would come back out in reply frames no browser can parse.
-_decode = json.JSONDecoder(parse_constant=_no_constant).decode
+_decoder = json.JSONDecoder(parse_constant=_no_constant)
+_decode = _decoder.decode
+_scan: Callable[[str, int], tuple[Any, int]] = _decoder.scan_once  # type: ignore[attr-defined]
 
 
 def _too_deep(limits: Limits) -> ProtocolError:
@@ -254,8 +265,8 @@ def _event_from(obj: dict[str, Any], size: int | None = None) -> tuple[Event, bo
     if eid is not None and (not isinstance(eid, str) or not eid or len(eid) > MAX_ID_CHARS):
         raise ProtocolError("bad_event", f"id must be a non-empty string of at most {MAX_ID_CHARS} characters, "
                                          f"got {_show(eid)}; or leave it out and the server assigns one")
-    unknown = [k for k in obj if k not in FIELDS]
-    if unknown:
+    if not _FIELD_SET.issuperset(obj):
+        unknown = [k for k in obj if k not in FIELDS]
         raise ProtocolError("bad_event", f"{_clip(unknown[0])}: unknown field; an event has only "
                                          f"{', '.join(FIELDS)}", eid)
     # A bare {"text": "/ping"} is a message: "type" defaults to "message" when left out.
@@ -336,9 +347,51 @@ def with_fields(frame: str, **fields: Any) -> str:
     return _encode({**json.loads(frame), **fields})
 
 
+# The two frames of nearly every event, written as text: the same bytes as ``_encode`` of the dict
+# below (key order, separators, strings quoted by the encoder's own C function, floats by repr),
+# without building the dict (checked against the general path in tests/execapp/test_protocol.py).
+_quote = json.encoder.encode_basestring
+_REPLY = '{"type":"reply","id":%s,"matcher":%s,"plugin":%s,"text":%s,"data":null,"exec":"%s","elapsed_ms":%r%s}'
+_DONE = '{"type":"done","id":%s,"matched":%d,"replies":%d,"errors":%d,"blocked_by":%s,"elapsed_ms":%r%s}'
+#: Finite elapsed milliseconds only (allow_nan=False refuses the others: the general path says how).
+_MAX_MS = 1e300
+
+
 def outcome_frame(outcome: Outcome, session: str | None = None, hint: str | None = None) -> str:
     """The frame for one engine outcome: ``reply``, ``error`` (a failed handler) or ``done``
     (with ``hint`` when it matched nothing and something can say why, e.g. a disabled plugin)."""
+    cls = outcome.__class__
+    if cls is Reply:  # the common reply: text (or none) and no data
+        o: Any = outcome
+        text, plugin, ms = o.text, o.plugin, round(o.elapsed * 1000, 3)
+        if o.data is None and (text is None or text.__class__ is str) and -_MAX_MS < ms < _MAX_MS:
+            frame_text = _REPLY % (_quote(o.event_id), _quote(o.matcher), "null" if plugin is None else _quote(plugin),
+                                   "null" if text is None else _quote(text), o.exec_class.value, ms,
+                                   "" if session is None else ',"session":' + _quote(session))
+            if text is None or text.isascii():
+                return frame_text
+            return _valid_utf8(frame_text)
+    elif cls is Completion and hint is None:
+        o = outcome
+        blocked, ms = o.blocked_by, round(o.elapsed * 1000, 3)
+        if -_MAX_MS < ms < _MAX_MS:
+            return _DONE % (_quote(o.event_id), o.matched, o.replies, len(o.errors),
+                            "null" if blocked is None else _quote(blocked), ms,
+                            "" if session is None else ',"session":' + _quote(session))
+    return _outcome_frame(outcome, session, hint)
+
+
+def _valid_utf8(text: str) -> str:
+    """``text`` as the socket can send it: a handler's lone surrogate becomes U+FFFD."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "replace").decode()
+    return text
+
+
+def _outcome_frame(outcome: Outcome, session: str | None, hint: str | None) -> str:
+    """``outcome_frame``'s general path: every field through the encoder."""
     if isinstance(outcome, Reply):
         frame: dict[str, Any] = {
             "type": "reply", "id": outcome.event_id, "matcher": outcome.matcher, "plugin": outcome.plugin,
@@ -361,9 +414,6 @@ def outcome_frame(outcome: Outcome, session: str | None = None, hint: str | None
     except (TypeError, ValueError):  # e.g. a circular structure, or NaN, in a handler's data
         frame["data"] = repr(frame.get("data"))[:1000]
         text = _encode(frame)
-    if not text.isascii():
-        try:
-            text.encode()
-        except UnicodeEncodeError:  # a handler's lone surrogate: the socket could not send the frame at all
-            text = text.encode("utf-8", "replace").decode()
+    if not text.isascii():  # a handler's lone surrogate: the socket could not send the frame at all
+        text = _valid_utf8(text)
     return text

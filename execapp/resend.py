@@ -339,12 +339,26 @@ def _durable_trace(owner: str, event_id: str, worker: str, elapsed: float) -> st
     trace = json.loads(body) if body else None
     # The newest trace of the pair, by this worker, of this run (its duration is the done's, to the
     # microsecond the trace keeps).
-    duration = trace.get("duration") if trace is not None else None
-    if (trace is None or trace.get("worker") != str(worker) or trace.get("outcome") not in ("ok", "error")
-            or not isinstance(duration, (int, float)) or abs(duration - elapsed) > 2e-6):
-        raise ResendError("resend_unavailable", "the history did not store this event's trace (its store failed or "
-                                                "its buffer was full; see the worker's log)")
-    return str(trace["uid"])
+    if trace is not None and _this_run(trace.get("worker"), trace.get("outcome"), trace.get("duration"), worker,
+                                       elapsed):
+        return str(trace["uid"])
+    # A copy sent meanwhile may have been refused (resend_in_progress, an id already in flight):
+    # its trace is then the pair's newest. Rare: look for this run among the pair's recent traces.
+    for found in history.search(history.Filters(id=event_id, owner=owner), limit=RUN_SEARCH_LIMIT):
+        if _this_run(found.worker, found.outcome, found.duration, worker, elapsed):
+            return found.uid
+    raise ResendError("resend_unavailable", "the history did not store this event's trace (its store failed or "
+                                            "its buffer was full; see the worker's log)")
+
+
+#: How many of a pair's newest traces the fallback above looks through for the run's own.
+RUN_SEARCH_LIMIT = 20
+
+
+def _this_run(trace_worker: Any, outcome: Any, duration: Any, worker: str, elapsed: float) -> bool:
+    """A trace is this run's: by this worker, completed, with the done's duration (to the microsecond)."""
+    return (trace_worker == str(worker) and outcome in ("ok", "error") and isinstance(duration, (int, float))
+            and abs(duration - elapsed) <= 2e-6)
 
 
 def _trace(uid: str, owner: str) -> dict[str, Any] | None:

@@ -36,6 +36,7 @@ from uvicorn.config import STARTUP_FAILURE
 
 from . import logjson, watchdog
 from .server import reuse_port_socket, run_worker_process
+from .watchdog_quarantine import append_quarantine
 
 log = logging.getLogger("execapp.serve")
 
@@ -226,7 +227,7 @@ class Supervisor:
             reason = (f"stalled the event loop of worker process {child.pid} for {stalled:.1f} s while running "
                       f"inline (EXECAPP['LOOP_STALL_SECONDS'] is {self.stall_limit:g})")
             assert self.watch_dir is not None
-            watchdog.append_quarantine(self.watch_dir, name, truncated, reason)
+            append_quarantine(self.watch_dir, name, truncated, reason)
             log.error("worker process [%s]: event loop stalled for %.1f s (limit %g s) running matcher %s inline: "
                       "quarantined on every worker (it runs in the pool only from now on); killing the worker "
                       "and starting another", child.pid, stalled, self.stall_limit, name + ("..." if truncated else ""))

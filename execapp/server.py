@@ -21,6 +21,7 @@ import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 
 from . import watchdog
+from .watchdog_worker import WorkerWatch
 
 if TYPE_CHECKING:  # types only: the supervisor (execapp.serve) imports this module and stays light
     from .seams import WorkerLike
@@ -63,7 +64,7 @@ class ExecServer(uvicorn.Server):
         self.grace = grace
         self.worker: WorkerLike | None = None
         self.drain_report: dict[str, Any] | None = None
-        self.watch = watchdog.WorkerWatch.from_env()
+        self.watch = WorkerWatch.from_env()
         self.refusing = False  # set at shutdown: DrainGate closes new WebSockets with 1012
         self.handed_over = False  # the listener closed at once: sibling workers serve its clients
         self._heartbeat: asyncio.Task[None] | None = None
@@ -157,7 +158,7 @@ def reuse_port_socket(config: uvicorn.Config, listen: bool = True) -> socket.soc
 def run_worker_process(config: uvicorn.Config, grace: float | None, reuse_port: bool, watch_dir: str, slot: int,
                        sockets: list[socket.socket]) -> None:
     """Body of one spawned worker process (picklable: the supervisor hands it to multiprocessing)."""
-    # The worker learns its watchdog slot from the environment (execapp.watchdog.WorkerWatch).
+    # The worker learns its watchdog slot from the environment (execapp.watchdog_worker.WorkerWatch).
     os.environ[watchdog.ENV_DIR] = watch_dir
     os.environ[watchdog.ENV_SLOT] = str(slot)
     # The supervisor sends SIGUSR1 before it kills a stalled worker: faulthandler writes every

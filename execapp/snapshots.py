@@ -20,10 +20,13 @@ from typing import Any, NamedTuple, Protocol, Sequence
 from . import conf, extensions, history
 from .codes import REFUSAL_CODES
 from .engine.engine import COUNTERS as ENGINE_COUNTERS
+from .engine.ratelog import RateLimitedLog
+from .outbox import SessionFrameTotals
 from .seams import EngineLike, WorkerLike
 from .worker_slot import worker_slot
 
 log = logging.getLogger("execapp.snapshots")
+_rare = RateLimitedLog(log, 60.0)
 
 
 class HistoryPoint(NamedTuple):
@@ -291,6 +294,9 @@ class SnapshotPublisher:
             "failures": failures,
             "event_refusals": event_refusals,
             "refused": refused,
+            # This process's outboxes: frames of other session members dropped for a member that
+            # fell behind (it got one `lagged` frame each time it caught up).
+            "session_frames": SessionFrameTotals.read(),
         }
         point = None
         if advance:
@@ -359,10 +365,25 @@ def snapshot_publisher(worker: WorkerLike) -> SnapshotPublisher:
     return publisher
 
 
+def local_snapshots() -> list[tuple[dict[str, Any], list[HistoryPoint]]]:
+    """This process's workers' snapshots built now, without chart history: what the dashboard
+    shows while its backend (Redis) cannot be read."""
+    out: list[tuple[dict[str, Any], list[HistoryPoint]]] = []
+    for publisher in list(_publishers):
+        try:
+            with publisher._lock:
+                snap, _ = publisher.snapshot(advance=False)
+        except Exception as exc:  # a worker stopping meanwhile: the others are still shown
+            _rare.warning(("local", type(exc).__name__), "snapshot of a local worker failed: %r", exc)
+            continue
+        out.append((snap, []))
+    return out
+
+
 def refresh_local() -> None:
     """Re-publish this process's workers' snapshots now, so the dashboard reads exact numbers."""
     for publisher in list(_publishers):
         try:
             publisher.publish(advance=False)
-        except Exception as exc:
-            log.warning("snapshot refresh failed: %s", exc)
+        except Exception as exc:  # Redis down: the dashboard polls every 2 s, one line a minute is enough
+            _rare.warning(("refresh", type(exc).__name__), "snapshot refresh failed: %r", exc)

@@ -1,10 +1,12 @@
-"""The watchdog's shared memory: per-worker heartbeat and inline slots, and the quarantine list.
+"""The watchdog's shared memory: the slots file, one heartbeat and inline-mark slot per worker.
 
 The ``execapp.serve`` supervisor creates one small file of slots (``slots``) and an append-only
-list of quarantined matchers (``quarantine.jsonl``) in one directory, and tells each worker
-process its directory and slot number through the environment (``EXECAPP_WATCHDOG_DIR``,
-``EXECAPP_WATCHDOG_SLOT``). Both sides ``mmap`` the slots file, so what a worker wrote is still
-there after the worker is SIGKILLed: the supervisor reads it from outside.
+list of quarantined matchers (``quarantine.jsonl``, execapp.watchdog_quarantine) in one
+directory, and tells each worker process its directory and slot number through the environment
+(``EXECAPP_WATCHDOG_DIR``, ``EXECAPP_WATCHDOG_SLOT``; the worker's end: execapp.watchdog_worker).
+Both sides ``mmap`` the slots file, so what a worker wrote is still there after the worker is
+SIGKILLed: the supervisor reads it from outside. What a worker does with the quarantine list
+and its stuck threads is execapp.watchdog_service.
 
 One slot (``SLOT_SIZE`` bytes) per worker process:
 
@@ -26,26 +28,16 @@ Nothing here imports Django: the supervisor and the worker both use it (docs/ope
 """
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
 import mmap
 import os
 import struct
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # types only: the supervisor (execapp.serve) imports this module and stays light
-    from .seams import EngineLike, WorkerLike
-
-log = logging.getLogger("execapp.watchdog")
+from typing import Any
 
 ENV_DIR = "EXECAPP_WATCHDOG_DIR"
 ENV_SLOT = "EXECAPP_WATCHDOG_SLOT"
 SLOTS_FILE = "slots"
-QUARANTINE_FILE = "quarantine.jsonl"
 
 MAGIC = b"EXWD0001"
 HEADER_SIZE = 64
@@ -151,10 +143,27 @@ class SlotFile:
         return [s.describe() for s in (self.slot(i) for i in range(self.count)) if s.pid or s.state]
 
 
+class _SlotInt:
+    """One 8-byte integer field of a slot (pid, state, stuck), read and written in the mmap."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+    def __get__(self, slot: "Slot", owner: type | None = None) -> int:
+        return int(_INT.unpack_from(slot.mm, slot.offset + self.offset)[0])
+
+    def __set__(self, slot: "Slot", value: int) -> None:
+        _INT.pack_into(slot.mm, slot.offset + self.offset, value)
+
+
 class Slot:
     """One worker's view of its slot (or the supervisor's view of it)."""
 
     __slots__ = ("mm", "offset", "index")
+
+    pid = _SlotInt(_OFF_PID)
+    state = _SlotInt(_OFF_STATE)  # STATE_*
+    stuck = _SlotInt(_OFF_STUCK)  # pool threads stuck past their deadline now
 
     def __init__(self, mm: mmap.mmap, offset: int, index: int) -> None:
         self.mm = mm
@@ -177,7 +186,7 @@ class Slot:
     def clear(self, pid: int = 0) -> None:
         """Zero the slot (the supervisor, before a new process uses it) and record ``pid``."""
         self.mm[self.offset:self.offset + SLOT_SIZE] = b"\0" * SLOT_SIZE
-        _INT.pack_into(self.mm, self.offset + _OFF_PID, pid)
+        self.pid = pid
 
     def beat(self, now: float) -> None:
         """Write one heartbeat (the worker's loop)."""
@@ -188,36 +197,6 @@ class Slot:
         """The last heartbeat (``time.monotonic()``), 0.0 before the first."""
         return float(_BEAT.unpack_from(self.mm, self.offset + _OFF_BEAT)[0])
 
-    def _get(self, offset: int) -> int:
-        return int(_INT.unpack_from(self.mm, self.offset + offset)[0])
-
-    def _set(self, offset: int, value: int) -> None:
-        _INT.pack_into(self.mm, self.offset + offset, value)
-
-    @property
-    def pid(self) -> int:
-        return self._get(_OFF_PID)
-
-    @pid.setter
-    def pid(self, value: int) -> None:
-        self._set(_OFF_PID, value)
-
-    @property
-    def state(self) -> int:
-        return self._get(_OFF_STATE)
-
-    @state.setter
-    def state(self, value: int) -> None:
-        self._set(_OFF_STATE, value)
-
-    @property
-    def stuck(self) -> int:
-        return self._get(_OFF_STUCK)
-
-    @stuck.setter
-    def stuck(self, value: int) -> None:
-        self._set(_OFF_STUCK, value)
-
     def describe(self) -> dict[str, Any]:
         """The slot as data: index, pid, state name, heartbeat age (s), inline mark, stuck threads."""
         name, cut = self.mark()
@@ -225,201 +204,3 @@ class Slot:
         return {"slot": self.index, "pid": self.pid, "state": STATE_NAMES.get(self.state, str(self.state)),
                 "heartbeat_age": round(time.monotonic() - beat, 3) if beat else None, "inline": name,
                 "inline_truncated": cut, "stuck": self.stuck}
-
-
-# -- the quarantine list ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class QuarantineEntry:
-    """One matcher the supervisor caught stalling a worker's loop."""
-
-    matcher: str
-    truncated: bool  # the inline mark holds 64 bytes of the name: match matchers by this prefix
-    reason: str
-
-    def matches(self, name: str) -> bool:
-        """Whether the matcher called ``name`` is this entry's."""
-        if not self.truncated:
-            return name == self.matcher
-        return name.encode("utf-8")[:MARK_SIZE].decode("utf-8", "ignore") == self.matcher
-
-
-def append_quarantine(directory: str | os.PathLike[str], matcher: str, truncated: bool, reason: str) -> None:
-    """Add one entry to the directory's quarantine list (the supervisor; one line, one write)."""
-    line = json.dumps({"matcher": matcher, "truncated": truncated, "reason": reason, "at": time.time()}) + "\n"
-    # O_APPEND and a single write: readers never see half a line from this writer.
-    fd = os.open(Path(directory) / QUARANTINE_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode("utf-8"))
-    finally:
-        os.close(fd)
-
-
-def read_quarantine(directory: str | os.PathLike[str]) -> list[QuarantineEntry]:
-    """Every entry of the directory's quarantine list, oldest first ([] when there is none)."""
-    try:
-        text = (Path(directory) / QUARANTINE_FILE).read_text("utf-8")
-    except FileNotFoundError:
-        return []
-    entries = []
-    # Only whole lines: a line being appended right now is read at the next tick.
-    for line in text.split("\n")[:-1]:
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-            entries.append(QuarantineEntry(str(item["matcher"]), bool(item.get("truncated")),
-                                           str(item.get("reason", ""))))
-        except (ValueError, KeyError, TypeError):
-            log.warning("skipping a malformed line of %s: %r", Path(directory) / QUARANTINE_FILE, line[:200])
-    return entries
-
-
-# -- the worker's side ------------------------------------------------------------------------------
-
-_process_watch: "tuple[tuple[str, str, int], WorkerWatch] | None" = None
-
-
-class WorkerWatch:
-    """A worker process's end of the watchdog: its slot, the heartbeat and the quarantine list."""
-
-    def __init__(self, directory: str | os.PathLike[str], index: int) -> None:
-        self.directory = Path(directory)
-        self.slots = SlotFile.open(self.directory / SLOTS_FILE)
-        self.slot = self.slots.slot(index)
-        self.slot.pid = os.getpid()
-
-    @classmethod
-    def from_env(cls) -> "WorkerWatch | None":
-        """The watch the supervisor set up for this process (one per process), or None without a
-        supervisor (bare uvicorn or daphne: no watchdog)."""
-        global _process_watch
-        directory, index = os.environ.get(ENV_DIR), os.environ.get(ENV_SLOT)
-        if not directory or index is None:
-            return None
-        key = (directory, index, os.getpid())
-        if _process_watch is not None and _process_watch[0] == key:
-            return _process_watch[1]
-        try:
-            watch = cls(directory, int(index))
-        except (WatchdogError, ValueError) as exc:
-            log.error("watchdog disabled in this worker: %s", exc)
-            return None
-        _process_watch = (key, watch)
-        return watch
-
-    @property
-    def supervisor_stopping(self) -> bool:
-        """True while the supervisor stops every worker (not a recycle of this one)."""
-        return bool(self.slots.flags & FLAG_STOPPING)
-
-    def start_heartbeat(self) -> "asyncio.Task[None]":
-        """Start the heartbeat on the running loop (``execapp.serve``, before the worker is built)."""
-        self.slot.beat(time.monotonic())
-        return asyncio.get_running_loop().create_task(self.heartbeat(), name="execapp-heartbeat")
-
-    async def heartbeat(self) -> None:
-        """The loop task writing the heartbeat until cancelled; a stalled loop stops writing it."""
-        beat, monotonic, sleep = self.slot.beat, time.monotonic, asyncio.sleep
-        while True:
-            beat(monotonic())
-            await sleep(HEARTBEAT_SECONDS)
-
-    def quarantine_list(self) -> list[QuarantineEntry]:
-        """The supervisor's quarantine list as it is now."""
-        return read_quarantine(self.directory)
-
-
-class WatchdogService:
-    """Worker service (SERVICE_FACTORIES): applies the quarantine list and watches stuck pool threads.
-
-    Ticked on the housekeeping thread, so a new worker applies the list in its first round of
-    ticks, before ``execapp.serve`` lets it listen; a running worker applies a new entry within
-    ``interval``. Past ``EXECAPP['STUCK_THREADS_LIMIT']`` stuck pool threads it asks the
-    supervisor for a replacement (slot state ``recycle``); the supervisor starts one, waits until
-    it listens, then SIGTERMs this worker, which drains.
-    """
-
-    interval = 0.5
-
-    def __init__(self, worker: WorkerLike, stuck_limit: int) -> None:
-        self.worker = worker
-        self.watch: WorkerWatch | None = getattr(worker, "watch", None)
-        self.stuck_limit = stuck_limit
-        self._list_size = -1
-        self._entries: list[QuarantineEntry] = []
-        self._applied: set[str] = set()
-
-    def tick(self) -> None:
-        """Apply new quarantine entries; publish the stuck-thread count; ask for a recycle past the limit."""
-        if self.watch is not None:
-            self._apply_quarantine()
-        self._check_stuck()
-
-    def _apply_quarantine(self) -> None:
-        assert self.watch is not None
-        try:
-            size = (self.watch.directory / QUARANTINE_FILE).stat().st_size
-        except FileNotFoundError:
-            size = 0
-        if size != self._list_size:  # appended to: read it again (it stays small)
-            self._list_size = size
-            self._entries = self.watch.quarantine_list()
-        if not self._entries:
-            return
-        engine = self.worker.engine
-        # Exact names are pinned even before their matcher is registered here (the profile is
-        # kept by name); a name cut at 64 bytes pins every matcher it is a prefix of.
-        names = {e.matcher for e in self._entries if not e.truncated}
-        if any(e.truncated for e in self._entries):
-            names |= set(engine.profiles) | {m.name for m in engine.matchers}
-        for name in names:
-            if name in self._applied and _is_quarantined(engine, name):
-                continue
-            entry = next((e for e in self._entries if e.matches(name)), None)
-            if entry is None:
-                continue
-            engine.quarantine(name, entry.reason)
-            if name not in self._applied:
-                self._applied.add(name)
-                log.warning("worker %s: matcher %s quarantined (pinned to the pool): %s", self.worker.id, name,
-                            entry.reason)
-
-    def _check_stuck(self) -> None:
-        pool = self.worker.pool.stats()
-        stuck = int(pool.get("stuck") or 0)
-        watch = self.watch
-        if watch is not None:
-            watch.slot.stuck = stuck
-        if stuck < self.stuck_limit or self.worker.recycling:
-            return
-        if watch is not None and watch.slot.state != STATE_READY:
-            return  # starting or already draining: nothing to hand over to
-        from .engine.engine import running_handlers
-
-        self.worker.recycling = True
-        running = ", ".join(running_handlers()) or "-"
-        if watch is None:
-            log.error("worker %s: %d pool threads are stuck past their deadline (EXECAPP['STUCK_THREADS_LIMIT'] "
-                      "is %d; still running: %s) and no execapp.serve supervisor can replace this worker: "
-                      "restart it", self.worker.id, stuck, self.stuck_limit, running)
-            return
-        log.error("worker %s: %d pool threads are stuck past their deadline (EXECAPP['STUCK_THREADS_LIMIT'] is %d; "
-                  "still running: %s): asking the supervisor to recycle this worker", self.worker.id, stuck,
-                  self.stuck_limit, running)
-        watch.slot.state = STATE_RECYCLE
-
-    def close(self) -> None:
-        pass
-
-
-def _is_quarantined(engine: EngineLike, name: str) -> bool:
-    profile = engine.profiles.get(name)
-    return profile is not None and bool(getattr(profile, "quarantined", None))
-
-
-def watchdog_service(worker: WorkerLike) -> WatchdogService:
-    """Service factory (SERVICE_FACTORIES): the worker's side of the supervisor's watchdog."""
-    from . import conf
-
-    return WatchdogService(worker, int(conf.get("STUCK_THREADS_LIMIT")))

@@ -14,7 +14,7 @@ from typing import Any
 from . import conf, extensions
 from .engine import Engine, ExecPool, ExecProfile
 from .seams import Service, ServiceFactory
-from .watchdog import WorkerWatch
+from .watchdog_worker import WorkerWatch
 
 log = logging.getLogger("execapp.worker")
 
@@ -43,7 +43,7 @@ SERVICE_FACTORIES: list[str] = [
     # The supervisor's watchdog: applies its quarantine list (after the extensions, so a new
     # worker's first round of ticks pins the offenders among the matchers they installed
     # before it listens) and watches stuck pool threads.
-    "execapp.watchdog.watchdog_service",
+    "execapp.watchdog_service.watchdog_service",
 ]
 
 

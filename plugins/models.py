@@ -1,6 +1,7 @@
 """The plugin registry: plugins, their bindings, their key-value data and the registry version."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -19,9 +20,29 @@ NAME_VALIDATOR = RegexValidator(r"^[a-z0-9][a-z0-9_-]{0,62}$",
                                 "Use 1-63 lowercase letters, digits, '_' or '-', starting with a letter or digit.")
 
 
-#: The Plugin fields that are host quotas (plugins.spec.Quotas), in the order the admin shows them.
-QUOTA_FIELDS = ["quota_kv_keys", "quota_kv_bytes", "quota_kv_writes", "quota_log_lines", "quota_log_bytes",
-                "quota_http_requests", "quota_http_bytes"]
+#: The label, field class and help text of each host quota's Plugin field ``quota_<name>``. The
+#: names, their order and the defaults are plugins.spec.Quotas' own: a new quota is one Quotas
+#: field, one entry here (importing this module fails without it) and a migration.
+QUOTA_TEXTS: dict[str, tuple[str, type[models.Field], str]] = {
+    "kv_keys": ("KV keys", models.PositiveIntegerField,
+                "Keys the plugin may keep in its KV namespace (a kv_set of a new key past it fails: quota_kv)."),
+    "kv_bytes": ("KV bytes", models.PositiveBigIntegerField,
+                 "UTF-8 bytes of keys plus values the plugin may keep in its KV namespace (quota_kv)."),
+    "kv_writes": ("KV writes per call", models.PositiveIntegerField,
+                  "kv_set calls one handler call may make; one more ends the call (quota_kv_writes)."),
+    "log_lines": ("log lines per call", models.PositiveIntegerField,
+                  "Log lines one handler call may write; later lines are dropped and counted in one summary line."),
+    "log_bytes": ("log bytes per call", models.PositiveIntegerField,
+                  "UTF-8 bytes of log lines one handler call may write; later lines are dropped."),
+    "http_requests": ("HTTP requests per call", models.PositiveIntegerField,
+                      "http_get requests (redirects included) one handler call may make (quota_http)."),
+    "http_bytes": ("HTTP bytes per call", models.PositiveIntegerField,
+                   "Response body bytes one handler call may receive over all its http_get calls (quota_http)."),
+}
+#: The names of plugins.spec.Quotas, in its order (the admin's too).
+QUOTA_NAMES = [f.name for f in dataclasses.fields(specs.Quotas)]
+#: The Plugin fields that are host quotas.
+QUOTA_FIELDS = [f"quota_{name}" for name in QUOTA_NAMES]
 
 
 class Plugin(models.Model):
@@ -61,28 +82,7 @@ class Plugin(models.Model):
                                 blank=True, default="")
     pool_size = models.PositiveIntegerField(default=specs.DEFAULT_POOL_SIZE, validators=[MinValueValidator(1)])
     shard_count = models.PositiveIntegerField(default=specs.DEFAULT_SHARD_COUNT, validators=[MinValueValidator(1)])
-    # Host quotas (plugins.spec.Quotas; docs/plugins.md "Limits and quotas"). 0 allows none.
-    quota_kv_keys = models.PositiveIntegerField(
-        "KV keys", default=specs.DEFAULT_QUOTAS.kv_keys,
-        help_text="Keys the plugin may keep in its KV namespace (a kv_set of a new key past it fails: quota_kv).")
-    quota_kv_bytes = models.PositiveBigIntegerField(
-        "KV bytes", default=specs.DEFAULT_QUOTAS.kv_bytes,
-        help_text="UTF-8 bytes of keys plus values the plugin may keep in its KV namespace (quota_kv).")
-    quota_kv_writes = models.PositiveIntegerField(
-        "KV writes per call", default=specs.DEFAULT_QUOTAS.kv_writes,
-        help_text="kv_set calls one handler call may make; one more ends the call (quota_kv_writes).")
-    quota_log_lines = models.PositiveIntegerField(
-        "log lines per call", default=specs.DEFAULT_QUOTAS.log_lines,
-        help_text="Log lines one handler call may write; later lines are dropped and counted in one summary line.")
-    quota_log_bytes = models.PositiveIntegerField(
-        "log bytes per call", default=specs.DEFAULT_QUOTAS.log_bytes,
-        help_text="UTF-8 bytes of log lines one handler call may write; later lines are dropped.")
-    quota_http_requests = models.PositiveIntegerField(
-        "HTTP requests per call", default=specs.DEFAULT_QUOTAS.http_requests,
-        help_text="http_get requests (redirects included) one handler call may make (quota_http).")
-    quota_http_bytes = models.PositiveIntegerField(
-        "HTTP bytes per call", default=specs.DEFAULT_QUOTAS.http_bytes,
-        help_text="Response body bytes one handler call may receive over all its http_get calls (quota_http).")
+    # Host quotas: the fields quota_<name> of QUOTA_TEXTS, added below the class. 0 allows none.
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     # What `loadplugins` last wrote (plugins.bundled.fingerprint): a plugin whose state differs
@@ -131,10 +131,7 @@ class Plugin(models.Model):
 
     def quotas(self) -> specs.Quotas:
         """The plugin's host quotas as the runtimes read them."""
-        return specs.Quotas(kv_keys=self.quota_kv_keys, kv_bytes=self.quota_kv_bytes,
-                            kv_writes=self.quota_kv_writes, log_lines=self.quota_log_lines,
-                            log_bytes=self.quota_log_bytes, http_requests=self.quota_http_requests,
-                            http_bytes=self.quota_http_bytes)
+        return specs.Quotas(**{name: getattr(self, f"quota_{name}") for name in QUOTA_NAMES})
 
     def allowlist(self) -> list[str]:
         return [h.strip() for h in self.http_allowlist.replace(",", "\n").splitlines() if h.strip()]
@@ -182,6 +179,17 @@ class Plugin(models.Model):
         (for a caller that validated the new bindings itself, like the admin's formset)."""
         self.validate_code(handlers=None if check_bindings else [])
         super().save(*args, **kwargs)
+
+
+def _add_quota_fields() -> None:
+    """Give Plugin one field per host quota (QUOTA_TEXTS), defaulting to plugins.spec.DEFAULT_QUOTAS."""
+    for name in QUOTA_NAMES:
+        label, field_class, help_text = QUOTA_TEXTS[name]
+        field = field_class(label, default=getattr(specs.DEFAULT_QUOTAS, name), help_text=help_text)
+        Plugin.add_to_class(f"quota_{name}", field)
+
+
+_add_quota_fields()
 
 
 class Binding(models.Model):

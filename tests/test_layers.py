@@ -31,8 +31,8 @@ PACKAGES = ("config", "execapp", "plugins")
 #: Modules of plugins/ that must import without Django: the spec, the errors, every runtime
 #: module and the registry, the strategies and the loaded plugin (registered runtimes added below).
 DJANGO_FREE = ["plugins.spec", "plugins.errors", "plugins.runtimes", "plugins.runtimes.registry",
-               "plugins.runtimes.base", "plugins.runtimes.host", "plugins.runtimes.kvstore",
-               "plugins.strategies", "plugins.loaded"]
+               "plugins.runtimes.base", "plugins.runtimes.host", "plugins.runtimes.deadline_net",
+               "plugins.runtimes.kvstore", "plugins.strategies", "plugins.loaded"]
 #: The one place in plugins/ where a project import may sit in a function: Django imports
 #: apps.py before models can load, so ready() imports the modules that define or use them.
 FUNCTION_IMPORTS_ALLOWED = {"plugins.apps"}
@@ -215,6 +215,16 @@ def test_the_engine_imports_alone() -> None:
     assert _django(names) == []
     assert _execapp_outside_engine(names) == []
     assert [n for n in names if n.split(".")[0] == "plugins"] == []
+
+
+def test_the_supervisor_imports_no_django_and_no_engine() -> None:
+    # execapp.serve watches its workers from outside: the slots file and the quarantine list are
+    # all it needs of the watchdog (the worker's side and its service stay in the workers).
+    names = imported_alone("execapp.serve")
+    assert {"execapp.watchdog", "execapp.watchdog_quarantine"} <= set(names)
+    assert "execapp.watchdog_service" not in names
+    assert _django(names) == []
+    assert [n for n in names if n.startswith("execapp.engine")] == []
 
 
 def _runtime_modules() -> list[str]:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Coroutine, Iterable, Mapping, NamedTuple
 
 from .backpressure import SlotWaiters
 from .errors import BadEvent, ConfigError, ExecAppError, HandlerError, HandlerTimeout, Overloaded, PoolClosed
-from .event import Completion, Context, Event, EventRun, Failure, OutcomeCallback
+from .event import Completion, Context, Event, EventRun, Failure, OutcomeCallback, new_run
 from .matcher import MARK_SIZE, Handler, Matcher, MatcherKind, Routes
 from .pool import MAX_WORKERS, QUEUE_SIZE, ExecPool, Watch, count_value
 from .profile import ExecClass, ExecProfile
@@ -76,7 +76,8 @@ class Engine:
     full (the asyncio path must never block its loop):
 
     - ``wait``: the dispatch waits in line, first come first served, woken as the pool frees
-      room (no polling), for up to ``overflow_wait`` seconds; the loop keeps serving everyone
+      room (no polling; a safety re-check every ``overflow_recheck`` seconds), for up to
+      ``overflow_wait`` seconds; the loop keeps serving everyone
       else meanwhile (backpressure on that client only). Past the wait the handler is refused
       with code ``overloaded``. Once anyone waits, later pooled handlers queue behind them.
     - ``reject``: refuse the handler at once with code ``overloaded``.
@@ -111,6 +112,7 @@ class Engine:
         overflow: str = OVERFLOW_POLICIES[0],
         overflow_wait: float = OVERFLOW_WAIT,
         inline_timeout: float | None = INLINE_TIMEOUT,
+        overflow_recheck: float = 0.02,
     ) -> None:
         if overflow not in OVERFLOW_POLICIES:
             raise ConfigError(f"overflow={overflow!r}; use one of {', '.join(OVERFLOW_POLICIES)}")
@@ -145,7 +147,7 @@ class Engine:
         self._n_events = self._tally["events"]
         self._n_inline = self._tally["inline"]
         self._n_pooled = self._tally["pooled"]
-        self._waiters = SlotWaiters()  # dispatches awaiting a pool slot (asyncio path, policy "wait")
+        self._waiters = SlotWaiters(overflow_recheck)  # dispatches awaiting a pool slot (asyncio path, policy "wait")
         if self.pool is not None:
             # Freed room in the pool wakes the oldest waiter; the listener holds the waiters, not
             # the engine, so a shared pool keeps nothing big alive.
@@ -268,14 +270,14 @@ class Engine:
 
     def process_event(self, event: Event | Mapping[str, Any], on_outcome: OutcomeCallback | None = None) -> EventRun:
         """Dispatch adaptively; a full pool falls back inline. Wait on or await the returned run."""
-        run = EventRun(event if type(event) is Event else _as_event(event), on_outcome)
+        run = new_run(event if type(event) is Event else _as_event(event), on_outcome)
         self._dispatch(run, self.pool_enabled, False)
         return run
 
     def process_event_sync(self, event: Event | Mapping[str, Any],
                            on_outcome: OutcomeCallback | None = None) -> Completion:
         """Run every matched handler inline, in order, and return the completion (deterministic)."""
-        run = EventRun(event if type(event) is Event else _as_event(event), on_outcome)
+        run = new_run(event if type(event) is Event else _as_event(event), on_outcome)
         self._dispatch(run, False, False)
         return run.completion  # type: ignore[return-value]
 
@@ -285,7 +287,7 @@ class Engine:
         full pool applies the overflow policy instead of blocking the loop. Returns once every
         handler is running or done; await the run for completion (``run.completion`` is already
         set when every handler ran inline). Awaits nothing unless a handler waits for a slot."""
-        run = EventRun(event if type(event) is Event else _as_event(event), on_outcome)
+        run = new_run(event if type(event) is Event else _as_event(event), on_outcome)
         parked = self._dispatch(run, self.pool_enabled, True)
         if parked is not None:
             await self._finish_parked(run, parked)
@@ -298,7 +300,7 @@ class Engine:
         over (inline handlers done, pooled ones running): nothing was allocated for the loop. It
         is a coroutine when a pooled handler waits for a slot (policy ``wait``); the caller must
         await it (it returns the run), or the event never completes."""
-        run = EventRun(event if type(event) is Event else _as_event(event), on_outcome)
+        run = new_run(event if type(event) is Event else _as_event(event), on_outcome)
         parked = self._dispatch(run, self.pool_enabled, True)
         return run, (None if parked is None else self._finish_parked(run, parked))
 
@@ -368,11 +370,10 @@ class Engine:
             else:
                 plan = routes.message
                 if text[:1] == "/":
-                    head, _, rest = text[1:].partition(" ")
-                    if head:
-                        commands = routes.commands.get(head)
-                        if commands is not None:
-                            plan, cmd_args = commands, rest.strip()
+                    head, _, rest = text.partition(" ")
+                    commands = routes.heads.get(head)
+                    if commands is not None:
+                        plan, cmd_args = commands, rest.strip()
         size = event.size
         done = False
         try:
@@ -435,12 +436,12 @@ class Engine:
                         run.release()
                         self._count("fallbacks")  # 3. pool full: run inline, drop nothing
                     # Not proven fast, inline only by necessity: the handler's own deadline.
-                    self._run_inline(run, m, args, m.timeout)
+                    self._run_inline(run, m, args, m.timeout, size)
                 elif allow_pool:
                     # 4. proven fast: inline, with the inline budget (a privilege)
-                    self._run_inline(run, m, args, self.inline_timeout)
+                    self._run_inline(run, m, args, self.inline_timeout, size)
                 else:
-                    self._run_inline(run, m, args, m.timeout)  # no pool to move to (sync, or disabled)
+                    self._run_inline(run, m, args, m.timeout, size)  # no pool to move to (sync, or disabled)
                 next(self._n_inline)
                 if blocking:
                     run.blocked_by = m.name
@@ -507,12 +508,14 @@ class Engine:
             if in_time:
                 run.release()
 
-    def _run_inline(self, run: EventRun, m: Matcher, args: str, budget: float | None) -> None:
+    def _run_inline(self, run: EventRun, m: Matcher, args: str, budget: float | None, size: int) -> None:
         """Run one handler on the calling thread (the event loop, on the asyncio path), record its
         duration in its profile and emit its outcome: the hot path of every inline event.
 
         ``budget``: seconds from the start to ``ctx.deadline`` (None: no deadline); a run that
-        times out or outlasts it promotes its matcher at once. The handler is named in the
+        times out or outlasts it promotes its matcher at once. ``size``: the event's, as the
+        dispatch read it (an Event's fields sit in its instance dict, which CPython 3.11 reads
+        through the generic attribute lookup: read once). The handler is named in the
         watchdog's slot while it runs. (``running_handlers`` finds it by this frame's ``m``.)
         """
         slot = self._slot
@@ -527,6 +530,8 @@ class Engine:
                 slot[:] = mark
                 self._slot_mark = mark
         started = _clock()
+        if run._started is None:  # the run's clock is its handlers' (EventRun): no read of its own
+            run._started = started
         # Context(run.event, args, m, _SYNC, deadline) without the __init__ frame (~0.06 us of ~1 us
         # per event): the same slots, set here.
         ctx = _new_context(Context)
@@ -536,15 +541,18 @@ class Engine:
         ctx.exec_class = _SYNC
         ctx._replies = None
         ctx.deadline = None if budget is None else started + budget
+        handler = m.handler  # m.handler(ctx) would look "handler" up as a method first, then in m
         try:
-            result = m.handler(ctx)
+            result = handler(ctx)
         except BaseException as exc:  # a handler error is reported, never propagated (SystemExit too)
-            elapsed = _clock() - started
+            run._ended = ended = _clock()
+            elapsed = ended - started
             if slot is not None:
                 slot[0] = 0
             self._failed(run, m, exc, _SYNC, elapsed, budget is not None and elapsed > budget)
             return
-        elapsed = _clock() - started
+        run._ended = ended = _clock()
+        elapsed = ended - started
         if slot is not None:
             slot[0] = 0
         if budget is not None and elapsed > budget:
@@ -552,7 +560,7 @@ class Engine:
             # pool at once; its result still counts: it ran to the end.
             m.profile.record(elapsed, overrun=True)
         else:
-            m.profile.record(elapsed, run.event.size)
+            m.profile.record(elapsed, size)
         if result is not None or ctx._replies is not None:
             self._emit_replies(run, m, ctx, result, elapsed)
         if self._observers:  # the loop is written out here: a method call per run shows inline
@@ -670,6 +678,11 @@ class Engine:
         return {key: count_value(c) for key, c in self._tally.items()}
 
     # -- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        """How many dispatches wait in line for a pool slot now (asyncio path, policy "wait")."""
+        return len(self._waiters)
 
     def stats(self) -> dict[str, Any]:
         """Engine counters plus the pool's stats (None without a pool)."""

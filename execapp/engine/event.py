@@ -220,31 +220,42 @@ class EventRun:
     that has to block; ``errors`` starts as an empty tuple (a list from the first failure on)
     and the done-callback list is made by the first ``add_done_callback`` that has to wait.
     An event that completes on the dispatching thread with no ``on_outcome`` to tell keeps
-    only its end time: its Completion is made when ``completion`` is first read.
+    its counts: its Completion is made when ``completion`` is first read.
+
+    The run's clock is its handlers' (each clock read costs ~0.1 us on this path): it starts
+    when the first handler starts (the engine's inline run sets ``_started`` to its own start
+    time; a first pooled submission reads the clock in ``hold``) and an all-inline run
+    ends when its last handler ended (``_ended``, set by the engine); a run that pooled
+    anything ends at its last release. A run in which no handler ran took 0 s.
     """
 
     __slots__ = ("event", "_on_outcome", "_lock", "_pending", "_started", "_ended", "matched", "replies",
                  "errors", "blocked_by", "_completion", "_done", "_callbacks")
 
-    def __init__(self, event: Event, on_outcome: OutcomeCallback | None) -> None:
-        self.event = event
-        self._on_outcome = on_outcome
-        self._lock: threading.Lock | None = None
-        self._pending = 1  # the dispatcher's own hold, released when dispatch ends
-        self._started = monotonic()
-        self._ended: float | None = None  # set instead of _completion when nobody listens (see above)
-        self.matched = 0
-        self.replies = 0
-        self.errors: list[Failure] | tuple[()] = ()
-        self.blocked_by: str | None = None
-        self._completion: Completion | None = None
-        self._done: threading.Event | None = None
-        self._callbacks: list[Callable[[Completion], None]] | None = None
+    event: Event
+    _on_outcome: OutcomeCallback | None
+    _lock: threading.Lock | None
+    _pending: int  # the dispatcher's own hold (1 at first), released when dispatch ends; 0: done
+    _started: float | None  # the first handler's start (see above)
+    _ended: float  # the last inline handler's end (see above)
+    matched: int
+    replies: int
+    errors: list[Failure] | tuple[()]
+    blocked_by: str | None
+    _completion: Completion | None
+    _done: threading.Event | None
+    _callbacks: list[Callable[[Completion], None]] | None
+
+    def __new__(cls, event: Event, on_outcome: OutcomeCallback | None) -> EventRun:
+        """The run of ``event``; ``on_outcome`` is told each Reply, Failure and the Completion."""
+        return new_run(event, on_outcome)
 
     def hold(self) -> None:
         """One more handler of this event is outstanding (called before a pool submission)."""
         if self._lock is None:  # still on the dispatching thread alone: go multi-threaded now
             self._lock = threading.Lock()
+            if self._started is None:
+                self._started = monotonic()
         with self._lock:
             self._pending += 1
 
@@ -253,24 +264,21 @@ class EventRun:
         lock = self._lock
         if lock is None:  # nothing was ever pooled: no other thread can see this run
             self._pending -= 1
-            if self._pending:
-                return
-            # No other thread could have added a callback or be waiting.
-            if self._on_outcome is None:
-                self._ended = monotonic()  # the Completion is made when first read
-                return
-            self._completion = completion = Completion(self.event.id, self.matched, self.replies,
-                                                       tuple(self.errors), self.blocked_by,
-                                                       monotonic() - self._started)
-            self._deliver(completion)
+            # No other thread could have added a callback or be waiting; with nobody listening
+            # the Completion is made when first read.
+            if not self._pending and self._on_outcome is not None:
+                self._deliver(self.completion)  # type: ignore[arg-type]
             return
         with lock:
-            self._pending -= 1
-            if self._pending:
+            pending = self._pending - 1
+            if pending:
+                self._pending = pending
                 return
             self._completion = completion = Completion(self.event.id, self.matched, self.replies,
                                                        tuple(self.errors), self.blocked_by,
-                                                       monotonic() - self._started)
+                                                       monotonic() - self._started)  # type: ignore[operator]
+            # Only now: ``done`` (read without the lock) must not be true before ``completion`` is set.
+            self._pending = 0
             callbacks, self._callbacks = self._callbacks, None
             done = self._done
         if self._on_outcome is not None:
@@ -287,16 +295,17 @@ class EventRun:
     def completion(self) -> Completion | None:
         """The event's one terminal record, or None while a handler is outstanding."""
         completion = self._completion
-        if completion is None and self._ended is not None:  # completed with nobody listening
+        if completion is None and not self._pending:  # completed inline: made when first read
+            started = self._started
             completion = self._completion = Completion(self.event.id, self.matched, self.replies,
                                                        tuple(self.errors), self.blocked_by,
-                                                       self._ended - self._started)
+                                                       0.0 if started is None else self._ended - started)
         return completion
 
     @property
     def done(self) -> bool:
         """True once every handler has finished (``completion`` is then set)."""
-        return self._completion is not None or self._ended is not None
+        return not self._pending
 
     def reply(self, matcher: str, plugin: str | None, text: str | None, data: Any, exec_class: ExecClass,
               elapsed: float) -> None:
@@ -387,3 +396,27 @@ class EventRun:
 
     def __await__(self) -> Generator[Any, None, Completion]:
         return self.wait_async().__await__()
+
+
+_new = object.__new__
+
+
+def new_run(event: Event, on_outcome: OutcomeCallback | None) -> EventRun:
+    """``EventRun(event, on_outcome)``, as the engine's entry points make one per event: a class
+    call runs its ``__init__``/``__new__`` in a C-level interpreter frame of its own (CPython
+    3.11), a function called from Python code runs in its caller's (~0.05 us less)."""
+    run = _new(EventRun)
+    run.event = event
+    run._on_outcome = on_outcome
+    run._lock = None
+    run._pending = 1
+    run._started = None
+    run._ended = 0.0
+    run.matched = 0
+    run.replies = 0
+    run.errors = ()
+    run.blocked_by = None
+    run._completion = None
+    run._done = None
+    run._callbacks = None
+    return run

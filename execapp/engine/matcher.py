@@ -112,7 +112,7 @@ class Routes:
     stays as small as the registrations, whatever names and types clients send.
     """
 
-    __slots__ = ("matchers", "message", "commands", "types")
+    __slots__ = ("matchers", "message", "commands", "heads", "types")
 
     def __init__(self, matchers: tuple[Matcher, ...] = ()) -> None:
         self.matchers = matchers
@@ -124,6 +124,9 @@ class Routes:
         self.commands: dict[str, tuple[Matcher, ...]] = {
             name: tuple(m for m in matchers if (m.kind is _COMMAND and m.pattern == name) or m in any_message)
             for name in {m.pattern for m in matchers if m.kind is _COMMAND}}
+        #: The same keyed by the message's first word, ``/name``: a command sent without arguments
+        #: is looked up by the event's text itself (no slice; a str caches its hash).
+        self.heads: dict[str, tuple[Matcher, ...]] = {f"/{name}": plan for name, plan in self.commands.items()}
         #: Candidates of an event of another type, by registered type.
         self.types: dict[str, tuple[Matcher, ...]] = {
             etype: tuple(m for m in matchers if m.kind is _EVENT and m.pattern == etype)
@@ -134,9 +137,8 @@ class Routes:
         if etype != "message":
             return self.types.get(etype, ()), ""
         if text[:1] == "/":  # parse_command, inlined: this runs for every message
-            head, _, rest = text[1:].partition(" ")
-            if head:
-                plan = self.commands.get(head)
-                if plan is not None:
-                    return plan, rest.strip()
+            head, _, rest = text.partition(" ")
+            plan = self.heads.get(head)
+            if plan is not None:
+                return plan, rest.strip()
         return self.message, ""

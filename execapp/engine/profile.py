@@ -163,7 +163,9 @@ class ExecProfile:
         """Recompute ``inline_limit`` after ``_class`` or ``inline_max_size`` changed (under the lock)."""
         self.inline_limit = self.inline_max_size if self._class is _SYNC else -1
 
-    def record(self, elapsed: float, size: int = 0, *, error: str | None = None, timeout: bool = False,
+    # No keyword-only parameters: CPython 3.11 does not specialise a call of a function that has
+    # any, and every inline run calls this (an unspecialised call is a C-level eval frame).
+    def record(self, elapsed: float, size: int = 0, error: str | None = None, timeout: bool = False,
                overrun: bool = False) -> None:
         """Add one run's duration (seconds) and apply the promotion/demotion rules.
 

@@ -31,7 +31,8 @@ class Compiled(Protocol):
     spec: PluginSpec
     #: Handler names the plugin defines (checked against its bindings at save).
     handlers: frozenset[str]
-    #: True when an instance must stay on the thread that made it (QuickJS).
+    #: True when an instance must stay on the thread that made it (no built-in runtime today;
+    #: tests/plugins use a toy one).
     thread_bound: bool
 
     def new_instance(self) -> Instance: ...

@@ -20,16 +20,13 @@ from __future__ import annotations
 import http.client
 import logging
 import socket
-import ssl
-import threading
 import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import GuestQuota, GuestTimeout, HostDenied
 from ..spec import PluginSpec
-from . import kvstore
+from . import deadline_net, kvstore
 from .kvstore import MAX_KEY_CHARS, MAX_VALUE_CHARS
 
 # The logger names predate the move into runtimes/: they are what operators configure.
@@ -232,9 +229,9 @@ class Host:
         port = parsed.port or (443 if https else 80)
         conn = http.client.HTTPConnection(host, port)
         try:
-            sock = conn.sock = _connect(host, port, deadline)
+            sock = conn.sock = deadline_net.connect(host, port, deadline)
             if https:
-                conn.sock = _tls(sock, host, deadline)
+                conn.sock = deadline_net.tls(sock, host, deadline)
             # The socket is connected and deadline-bound: http.client only writes and reads it.
             path = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
             conn.request("GET", path, headers={"User-Agent": "execapp-plugin", "Accept-Encoding": "identity",
@@ -287,116 +284,6 @@ def host_allowed(hostname: str, allowlist: tuple[str, ...]) -> bool:
         if hostname == entry:
             return True
     return False
-
-
-# -- a transfer bounded by a deadline ----------------------------------------------------------------
-#
-# A socket timeout bounds one read, not a transfer: a server that trickles one byte per 100 ms
-# never trips it. These sockets re-arm their timeout to what is left of the deadline before
-# every read and write (http.client reads through sock.makefile, i.e. recv_into), and fail at
-# once when nothing is left, so headers and body together end by the deadline.
-
-class _DeadlineIO:
-    """Mixin: every send/receive first gets only what is left of ``self.deadline``."""
-
-    __slots__ = ()
-    deadline: float
-
-    def _arm(self) -> None:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the plugin's deadline passed during the transfer")
-        self.settimeout(left)  # type: ignore[attr-defined]
-
-    def recv(self, *args: Any) -> bytes:
-        self._arm()
-        return super().recv(*args)  # type: ignore[misc]
-
-    def recv_into(self, *args: Any) -> int:
-        self._arm()
-        return super().recv_into(*args)  # type: ignore[misc]
-
-    def send(self, *args: Any) -> int:
-        self._arm()
-        return super().send(*args)  # type: ignore[misc]
-
-    def sendall(self, *args: Any) -> None:
-        self._arm()
-        return super().sendall(*args)  # type: ignore[misc]
-
-
-class _DeadlineSocket(_DeadlineIO, socket.socket):
-    __slots__ = ("deadline",)
-
-
-class _DeadlineSSLSocket(_DeadlineIO, ssl.SSLSocket):
-    pass
-
-
-_resolver: ThreadPoolExecutor | None = None
-_resolver_lock = threading.Lock()
-
-
-def _resolve(host: str, port: int, deadline: float) -> list:
-    """getaddrinfo bounded by the deadline: a literal address at once, a name on a resolver thread
-    (getaddrinfo cannot be interrupted; a lookup that outlives the deadline keeps its thread
-    until the system resolver gives up, and at most 4 such threads exist)."""
-    global _resolver
-    try:
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
-    except socket.gaierror:
-        pass
-    if _resolver is None:
-        with _resolver_lock:
-            if _resolver is None:
-                _resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="plugins-dns")
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("no time left to look up the host")
-    return _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM).result(timeout=left)
-
-
-def _connect(host: str, port: int, deadline: float) -> socket.socket:
-    """A TCP connection to ``host``, made and then used within ``deadline``."""
-    error: OSError | None = None
-    for family, kind, proto, _, address in _resolve(host, port, deadline):
-        sock = _DeadlineSocket(family, kind, proto)
-        sock.deadline = deadline
-        try:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("no time left to connect")
-            sock.settimeout(left)
-            sock.connect(address)
-            return sock
-        except TimeoutError:
-            sock.close()
-            raise
-        except OSError as exc:
-            sock.close()
-            error = exc
-    raise error or OSError(f"no address for {host!r}")
-
-
-_tls_context: ssl.SSLContext | None = None
-
-
-def _tls(sock: socket.socket, host: str, deadline: float) -> socket.socket:
-    """``sock`` wrapped in TLS (verified, with SNI), the handshake within the deadline."""
-    global _tls_context
-    if _tls_context is None:
-        context = ssl.create_default_context()
-        context.sslsocket_class = _DeadlineSSLSocket
-        _tls_context = context
-    tls = _tls_context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
-    try:
-        tls.deadline = deadline  # type: ignore[attr-defined]
-        tls._arm()  # type: ignore[attr-defined]
-        tls.do_handshake()  # the ssl module bounds a whole handshake by the socket's timeout
-    except BaseException:
-        tls.close()
-        raise
-    return tls
 
 
 def _kv(call: str) -> kvstore.KVStore:

@@ -7,8 +7,14 @@ The original ``quickjs`` 1.19.4 binding segfaults on common guest out-of-memory 
 (upstream QuickJS OOM bugs); QuickJS-NG, a drop-in with the same Python API, survives them.
 
 Rules this module keeps:
-- a Context stays on the thread that made it (strategies give JS per-thread instances and
-  dedicated shard threads);
+- a Context runs one call at a time, on whichever thread holds it (a pooled free-list pop, a
+  shard's lock, a per_request Context of its own); a second entry at once is refused. QuickJS
+  keeps no thread-local state: what ties a runtime to a thread is its stack top, which the
+  binding moves to the calling thread at every entry into JS (``prepare_call_js`` calls
+  ``JS_UpdateStackTop``, quickjs-ng 0.17.0.2 module.c; our one C-API entry, the prelude, does
+  too), and its saved thread state, set and restored within one entry. So a Context may move
+  between threads between calls (pooled and sharded calls run on the caller's thread; the
+  shard thread hop cost 30-70 us a call);
 - QuickJS refuses to call into Python while a time limit is set, so guests never call Python:
   the host API is asynchronous in JS (``await kv_get(k)``); calls queue requests that the
   host runs between steps, then resolves the promises and runs the pending jobs;
@@ -16,7 +22,13 @@ Rules this module keeps:
   inside JS by the js_deadline watchdog (the binding's own limit counts process CPU time and
   fired early under load; it stays only as a backstop that cannot fire first), after every
   pending job, before every host call and between steps;
-- values cross only as JSON strings;
+- values cross as JSON strings, or as strings themselves (the event's fields, a string reply the
+  binding can carry), never as objects;
+- no guest value leaves an entry point: the binding would turn it into text with guest code
+  (toString, getters) after removing the interrupt handler, with the GIL held; what QuickJS
+  itself throws past any catch (interrupted, out of memory) is an InternalError, whose
+  prototype is frozen first. The plugin's top level (the binding's own eval) runs with the
+  interrupt handler held across the binding's exits (js_deadline.hold) instead;
 - a Context that hit its memory limit, timed out or failed in the host is discarded (QuickJS
   has crashed on a Context reused after an out-of-memory error).
 """
@@ -35,8 +47,6 @@ from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTim
 from . import js_deadline
 from .base import FreshInstanceIsolation, scan_json, to_json, to_reply
 from .host import Host
-
-get_ident = threading.get_ident
 
 if not quickjs._quickjs.__file__.endswith(".abi3.so"):
     # The old `quickjs` 1.19.4 binding (its .so wins over quickjs-ng's when both are installed)
@@ -61,14 +71,38 @@ _PRELUDE = r"""
   const stringify = JSON.stringify, parse = JSON.parse, assign = Object.assign;
   // dirty: a host request or log line was queued since the last reset (one check per call
   // instead of reading queue.length and the Map's size getter).
-  let queue = [], seq = 0, waiting = new Map(), done = null, loading = true, dirty = false;
+  let queue = [], seq = 0, waiting = new Map(), done = null, loading = true, dirty = false, value = null;
+  // Nothing a guest throws may leave an entry point: the binding turns an escaping exception
+  // into text (toString, name, message, stack getters: guest code) after it has removed the
+  // interrupt handler, so a looping toString froze the process with the GIL held. Guest values
+  // are turned into text here, inside JS, under the deadline; errstr itself never throws.
   const errstr = (e) => {
-    if (e instanceof Error) {
-      const at = String(e.stack || "").split("\n").map(s => s.trim()).filter(Boolean)[0];
-      return e.name + ": " + e.message + (at ? " (" + at + ")" : "");
+    try {
+      if (e instanceof Error) {
+        const at = String(e.stack || "").split("\n").map(s => s.trim()).filter(Boolean)[0];
+        return e.name + ": " + e.message + (at ? " (" + at + ")" : "");
+      }
+      return String(e);
+    } catch (_) {
+      return "an error value that cannot be turned into text";
     }
-    return String(e);
   };
+  // What does leave JS uncaught is QuickJS's own InternalError (interrupted, out of memory):
+  // its text comes from InternalError.prototype, frozen here before any guest code runs with
+  // own copies of everything the binding reads (a new property's attributes default to false).
+  const ip = InternalError.prototype;
+  Object.defineProperties(ip, {toString: {value: Error.prototype.toString}, stack: {value: ""},
+                               [Symbol.toPrimitive]: {value: undefined}});
+  Object.freeze(ip);
+  // Jobs QuickJS runs outside any entry of ours would throw straight to the binding: a
+  // microtask's callback is wrapped (its error fails the call); FinalizationRegistry, whose
+  // callbacks run whenever the GC decides and whose original constructor any instance leads
+  // back to, is not offered.
+  const microtask = queueMicrotask;
+  g.queueMicrotask = (f) => microtask(typeof f !== "function" ? f : () => {
+    try { f(); } catch (e) { done = {s: "err", e: errstr(e)}; }
+  });
+  delete g.FinalizationRegistry;
   const request = (op, args) => {
     if (loading)
       throw new Error(op + ": the host API is not available while the plugin's top level runs; call it from a handler");
@@ -79,8 +113,8 @@ _PRELUDE = r"""
       dirty = true;
     });
   };
-  const define = (name, value) =>
-    Object.defineProperty(g, name, {value, writable: false, enumerable: false, configurable: false});
+  // Read-only, not enumerable, not configurable: a new property's attributes default to false.
+  const define = (name, value) => Object.defineProperty(g, name, {value});
   define("log", (msg) => { if (loading) request("log", []); queue.push([0, "log", [String(msg)]]); dirty = true; });
   define("kv_get", (key) => request("kv_get", [key]));
   define("kv_set", (key, value) => request("kv_set", [key, value]));
@@ -88,40 +122,62 @@ _PRELUDE = r"""
   define("http_get", (url) => request("http_get", [url]));
   const step = () => {
     const q = queue; queue = [];
-    return stringify(done ? assign({q}, done) : {s: "wait", q});
+    try {
+      return stringify(done ? assign({q}, done) : {s: "wait", q});
+    } catch (e) {  // a value's toJSON threw (the reply's, or a host call argument's)
+      return stringify({s: "err", e: errstr(e), q: []});
+    }
   };
   // One call: `event` is the event's JSON, or (fields) an object whose `data` is its JSON.
+  // What it returns, for the common case of a plain value and no host call queued: a string
+  // reply itself (the binding converts it in C; JSON-encoding it here and scanning it in
+  // Python cost ~0.5 us), null for null or undefined, or 1 when the value's JSON is to be read
+  // with __execapp_value (other values, and strings the binding cannot carry: a NUL would cut
+  // it short, a lone surrogate fails its UTF-8 conversion). Anything else leaves the outcome
+  // in `done` and returns 0: the host reads the state with __execapp_step.
   const run = (name, event, fields) => {
-    // Reset only what a previous call left (this runs on every call).
-    loading = false; done = null;
-    if (dirty) { queue = []; waiting.clear(); dirty = false; }
-    const f = g[name];
-    if (typeof f !== "function") return stringify({s: "err", e: "no handler function '" + name + "'", q: []});
-    let r;
+    // All of it in the try: the handler lookup, the reset, the reply checks can all reach
+    // guest code (a getter on globalThis, a replaced Map or String method).
     try {
+      // Reset only what a previous call left (this runs on every call).
+      loading = false; done = null; value = null;
+      if (dirty) { queue = []; waiting.clear(); dirty = false; }
+      const f = g[name];
+      if (typeof f !== "function") { done = {s: "err", e: "no handler function '" + name + "'"}; return 0; }
       if (fields) event.data = parse(event.data); else event = parse(event);
-      r = f(event);
-    } catch (e) { done = {s: "err", e: errstr(e)}; return step(); }
-    if (r !== null && typeof r === "object" && typeof r.then === "function") {
-      r.then(v => { done = {s: "ok", v: v === undefined ? null : v}; }, e => { done = {s: "err", e: errstr(e)}; });
-      return step();
-    }
-    // The common case, a plain value and no host call queued: "o" + the value's JSON (a
-    // value JSON cannot represent, like a function, is null).
-    if (!dirty) return "o" + (stringify(r === undefined ? null : r) ?? "null");
-    done = {s: "ok", v: r === undefined ? null : r};
-    return step();
+      const r = f(event);
+      if (r !== null && typeof r === "object" && typeof r.then === "function") {
+        // A job's error (set first) wins, as it did when it failed the call from outside.
+        r.then(v => { done ??= {s: "ok", v: v === undefined ? null : v}; },
+               e => { done ??= {s: "err", e: errstr(e)}; });
+        return 0;
+      }
+      if (dirty) { done = {s: "ok", v: r === undefined ? null : r}; return 0; }
+      // (A guest that replaces these two methods can only spoil its own reply: a string cut at
+      // a NUL, or a reply the host refuses as a protocol error.)
+      if (typeof r === "string" && r.isWellFormed() && !r.includes("\0")) return r;
+      if (r === undefined || r === null) return null;
+      value = r;
+      return 1;
+    } catch (e) { done = {s: "err", e: errstr(e)}; return 0; }
   };
+  // The JSON of the plain value the last call returned 1 for (a value JSON cannot represent,
+  // like a function, is null); 0 (the error in `done`) if its toJSON threw.
+  define("__execapp_value", () => {
+    try { return stringify(value) ?? "null"; } catch (e) { done = {s: "err", e: errstr(e)}; return 0; }
+  });
   define("__execapp_run", (name, event) => run(name, event, false));
   // The engine's event with its strings as arguments: only `data` crosses as JSON.
   define("__execapp_call", (name, id, type, text, data, session, args) =>
     run(name, {id, type, text, data, session, args}, true));
   define("__execapp_resume", (results) => {
-    for (const [id, ok, v] of parse(results)) {
-      const w = waiting.get(id);
-      waiting.delete(id);
-      if (w) { if (ok) w[0](v); else w[1](new Error(v)); }
-    }
+    try {  // array iteration, Map methods and Error can all be the guest's by now
+      for (const [id, ok, v] of parse(results)) {
+        const w = waiting.get(id);
+        waiting.delete(id);
+        if (w) { if (ok) w[0](v); else w[1](new Error(v)); }
+      }
+    } catch (e) { done = {s: "err", e: errstr(e)}; }
     return step();
   });
   define("__execapp_step", step);
@@ -162,6 +218,7 @@ class _PreludeBytecode:
 
     # quickjs.h (QuickJS-NG 0.10, the binding's): JSValue is {union u; int64_t tag} on 64-bit.
     _TAG_EXCEPTION = 6
+    _TAG_UNDEFINED = 3
     _TAG_FUNCTION_BYTECODE = -2
     _COMPILE_ONLY = 1 << 5  # JS_EVAL_FLAG_COMPILE_ONLY
     # JS_WRITE_OBJ_BYTECODE | JS_WRITE_OBJ_STRIP_SOURCE | JS_WRITE_OBJ_STRIP_DEBUG: 2.2 KB, not 7.8.
@@ -193,7 +250,8 @@ class _PreludeBytecode:
         if fn.tag != self._TAG_EXCEPTION:
             result = api.JS_EvalFunction(jsctx, fn)  # takes fn over
             if result.tag != self._TAG_EXCEPTION:
-                api.JS_FreeValue(jsctx, result)
+                if result.tag != self._TAG_UNDEFINED:  # the prelude's value: freeing undefined is a no-op
+                    api.JS_FreeValue(jsctx, result)
                 return
         raise quickjs.JSException(self._take_exception(jsctx))
 
@@ -261,17 +319,21 @@ class _PreludeBytecode:
             raise RuntimeError("JS_WriteObject failed")
         code = ctypes.string_at(buf, size.value)
         api.js_free(jsctx, buf)
+        # Bytes 1-4 hold a checksum JS_ReadObject recomputes over the whole buffer on every read
+        # (~1 us here); UINT32_MAX is QuickJS's own "do not check". These bytes never leave the
+        # process, and the probe below runs them.
+        code = code[:1] + b"\xff\xff\xff\xff" + code[5:]
         # Run it in a Context set up as a real one, and check the prelude is all there and works.
         probe = quickjs.Context()
         probe.set_memory_limit(16 << 20)
         probe.set_max_stack_size(STACK_BYTES)
         self._run(probe, code)
-        probe.eval("function probe(e) { return e.x + 1; }")
+        probe.eval("function probe(e) { return String(e.x + 1); }")
         kinds = probe.eval("[typeof __execapp_run, typeof __execapp_call, typeof __execapp_resume, "
-                           "typeof __execapp_step, typeof kv_get, typeof log].join()")
-        if kinds != ",".join(["function"] * 6):
+                           "typeof __execapp_step, typeof __execapp_value, typeof kv_get, typeof log].join()")
+        if kinds != ",".join(["function"] * 7):
             raise RuntimeError(f"the prelude loaded from bytecode defines {kinds!r}")
-        if probe.get("__execapp_run")("probe", '{"x": 41}') != "o42":
+        if probe.get("__execapp_run")("probe", '{"x": 41}') != "42":
             raise RuntimeError("a handler called through the prelude loaded from bytecode gave a wrong answer")
         return code
 
@@ -282,26 +344,34 @@ _IDLE = js_deadline.IDLE
 
 
 class JsInstance:
-    """One QuickJS Context with the prelude and the plugin loaded; used only on its own thread.
+    """One QuickJS Context with the prelude and the plugin loaded; one call at a time, on any thread.
 
     The plugin's top level runs here, under the plugin's budget (or ``deadline``, if earlier).
     """
 
     def __init__(self, compiled: "JsCompiled", list_functions: bool = False, deadline: float | None = None) -> None:
         spec = self.spec = compiled.spec
-        self.thread = threading.get_ident()
+        # Held for the length of a call: two threads inside one QuickJS runtime at once would
+        # corrupt it (the binding releases the GIL while JS runs). Two C calls per call.
+        entry = threading.Lock()
+        self._enter, self._leave = entry.acquire, entry.release
         ctx = self.ctx = quickjs.Context()
         ctx.set_memory_limit(spec.memory_bytes)
         ctx.set_max_stack_size(STACK_BYTES)
         started = time.monotonic()
         deadline = started + spec.timeout if deadline is None else min(deadline, started + spec.timeout)
         slot = self._slot = js_deadline.register(ctx, self) if GUARDED else None
+        held = None
         if slot is None:
             ctx.set_time_limit(max(deadline - started, 0.0))
         else:
             # Set once: a CPU-time limit that cannot be reached before the wall-clock budget ends.
-            ctx.set_time_limit(js_deadline.cpu_backstop(spec.timeout))
+            backstop = js_deadline.cpu_backstop(spec.timeout)
+            ctx.set_time_limit(backstop)
             slot.deadline = deadline
+            # The top level's own throw reaches the binding, which turns it into text with guest
+            # code: keep the interrupt handler installed meanwhile (js_deadline.hold).
+            held = js_deadline.hold(ctx, backstop)
         try:
             _prelude.load(ctx)
             before = None
@@ -313,23 +383,30 @@ class JsInstance:
                 raise GuestTimeout(_timeout_message(spec, "in its top level"))
             self.functions = frozenset(json.loads(ctx.get("__execapp_functions")(before))) if before else frozenset()
         except quickjs.JSException as exc:
+            if held is not None:
+                js_deadline.release(held)
             self.close()
+            if time.monotonic() >= deadline:  # e.g. the thrown value's text ran into the limit
+                raise GuestTimeout(_timeout_message(spec, "in its top level")) from None
             raise _js_error(exc, spec, "in its top level") from None
         except BaseException:
+            if held is not None:
+                js_deadline.release(held)
             self.close()
             raise
         finally:
             if slot is not None:
                 slot.end()
+        if held is not None:
+            js_deadline.release(held)
         # The entry points, each fetched once (a per_request Context usually needs only the first).
         self._call = ctx.get("__execapp_call")
         self._run: Any = None  # __execapp_run: an event of another shape, as one JSON string
         self._resume: Any = None  # __execapp_resume and __execapp_step: host calls and promises
         self._step: Any = None
+        self._value: Any = None  # __execapp_value: a reply other than a string or null
 
     def call(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
-        if get_ident() != self.thread:
-            raise GuestError("a QuickJS context was used off the thread that made it", poison=True)
         payload = None
         if event.__class__ is dict and len(event) == 6:
             # The engine's event (Event.to_dict() + args): its strings cross as arguments, which
@@ -348,8 +425,13 @@ class JsInstance:
                     payload = to_json(event)
         else:
             payload = to_json(event)
+        if not self._enter(False):
+            # A strategy bug, refused before it can crash the process. Not poison: discarding
+            # the Context would free it under the call that holds it.
+            raise GuestError("a QuickJS context was entered by a second call while one was running in it")
         started = time.monotonic()
         if started >= deadline:
+            self._leave()
             raise GuestTimeout()
         slot = self._slot
         if slot is None:  # unguarded: the binding's CPU-time limit, per step
@@ -362,10 +444,16 @@ class JsInstance:
             else:
                 run = self._run or self._entry("_run", "__execapp_run")
                 out = run(handler, payload)
-            if out[0] == "o":  # a plain value and no host call: the hot path
-                value = scan_json(out, 1)[0]
-                return value if value.__class__ is str else to_reply(value)
-            return self._steps(out, deadline)
+            if out.__class__ is str:  # a string reply, no host call: the hot path
+                return out
+            if out is None:
+                return None
+            if out == 1:  # another plain value: its JSON (else its toJSON threw: the state says so)
+                out = (self._value or self._entry("_value", "__execapp_value"))()
+                if out.__class__ is str:
+                    value = scan_json(out, 0)[0]
+                    return value if value.__class__ is str else to_reply(value)
+            return self._steps((self._step or self._entry("_step", "__execapp_step"))(), deadline)
         except quickjs.JSException as exc:
             raise _js_error(exc, self.spec) from None
         except quickjs.StackOverflow as exc:
@@ -377,6 +465,7 @@ class JsInstance:
                 slot.deadline = _IDLE
                 if slot.flipping:
                     slot.end()
+            self._leave()
 
     def _steps(self, out: str, deadline: float) -> Any:
         """The general case: host calls, promises and errors, one JSON state per step."""
@@ -455,7 +544,7 @@ class JsInstance:
         slot, self._slot = self._slot, None
         if slot is not None:
             js_deadline.unregister(slot)
-        self._call = self._run = self._resume = self._step = None
+        self._call = self._run = self._resume = self._step = self._value = None
         self.ctx = None
 
 
@@ -486,7 +575,9 @@ def _js_error(exc: Exception, spec: Any, where: str = "") -> GuestError:
 class JsCompiled(FreshInstanceIsolation):
     """A JS plugin version: source checked by loading it once into a sandboxed Context."""
 
-    thread_bound = True
+    # A Context may change threads between calls (module docstring): pooled JS shares a free
+    # list and sharded JS runs on the caller's thread, as Lua and WASM do.
+    thread_bound = False
 
     def __init__(self, spec: Any) -> None:
         if not isinstance(spec.code, str):

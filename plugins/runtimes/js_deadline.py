@@ -124,9 +124,16 @@ class Slot:
 _slots: dict[int, Slot] = {}
 _keys = itertools.count()
 _state_lock = threading.Lock()
-_watchdog_pid = 0
+_watchdog_pid = 0  # the process that started the watchdog (a forked child has none)
+_watchdog_running = False  # in this process: cleared in a forked child, cheaper than os.getpid() per Context
 _available: bool | None = None
 _hurry_polls = False  # the JSContext poll counter checked: the watchdog zeroes it
+# hold(): the binding's interrupt handler (a static C function, found while installed) and the
+# C API to install it; 0 when not found or not checked (hold() then does nothing).
+_binding_handler = 0
+_set_handler: Any = None
+#: (time.monotonic(), time.process_time()) at the watchdog's last pass: hold()'s CPU clock.
+_cpu_reading = (0.0, 0.0)
 
 
 def available() -> bool:
@@ -143,7 +150,7 @@ def register(ctx: Any, owner: object) -> Slot | None:
     """A Slot for ``ctx`` (dropped with ``owner``), or None when wall-clock deadlines are unavailable."""
     if not available():
         return None
-    if _watchdog_pid != os.getpid():  # first use, or a forked child (threads do not survive fork)
+    if not _watchdog_running:  # first use, or a forked child (threads do not survive fork)
         _start_watchdog()
     slot = Slot(ctx)
     key = slot._key
@@ -163,7 +170,50 @@ def unregister(slot: Slot) -> None:
     _slots.pop(slot._key, None)
 
 
+class _Tail(ctypes.Structure):
+    """RuntimeData from its ``runtime`` field on (module.c; offsets checked by _layout_problem)."""
+
+    _fields_ = [("runtime", ctypes.c_void_p), ("context", ctypes.c_void_p), ("has_time_limit", ctypes.c_int),
+                ("time_limit", ctypes.c_long), ("thread_state", ctypes.c_void_p), ("start", ctypes.c_long),
+                ("limit", ctypes.c_long)]
+
+
+def hold(ctx: Any, cpu_limit: float) -> _Tail | None:
+    """Keep ``ctx``'s interrupt handler installed across the binding's exits until release(); None if
+    that is unavailable. ``ctx`` has had ``set_time_limit(cpu_limit)``.
+
+    Why: when an exception escapes ``ctx.eval``, the binding turns it into text (the thrown
+    value's toString and the like: guest code) after removing the handler, so a guest's top
+    level that throws ``{toString() { for (;;) {} }}`` ran forever with the GIL held, freezing
+    the process. The binding installs and removes the handler only while ``has_time_limit`` is
+    set: here it is installed once by hand (the binding's own handler, CPU limit from now) and
+    the flag cleared, so the conversion runs under the handler. The watchdog cannot run then
+    (the GIL is held): the CPU limit ends such a loop, ``cpu_limit`` of process CPU later.
+    Used for a Context's top level; calls catch guest values inside JS (js.py's prelude).
+    """
+    if not _binding_handler:
+        return None
+    tail = _Tail.from_address(id(ctx) + _RUNTIME)
+    # "Now" in CPU time: the watchdog's reading (a syscall is ~0.8 us), the limit stretched by
+    # the most CPU the process can have used since, so that it is never reached early.
+    read_at, cpu = _cpu_reading
+    now = time.monotonic()
+    if now - read_at > 0.1:  # no recent pass (first use, a forked child)
+        read_at, cpu = now, time.process_time()
+    tail.start = int(cpu * _CLOCKS_PER_SEC)
+    tail.limit = int((cpu_limit + (now - read_at) * CPUS) * _CLOCKS_PER_SEC)
+    _set_handler(tail.runtime, _binding_handler, id(ctx) + _START)
+    tail.has_time_limit = 0
+    return tail
+
+
+def release(tail: _Tail) -> None:
+    """End hold(): the binding installs and removes the handler at each entry again."""
+    tail.has_time_limit = 1
+
+
 def _watch() -> None:
+    global _cpu_reading
     # One pass every TICK while some call runs, IDLE_TICK otherwise. list() of the dict's values
     # is one C call under the GIL: slots registered meanwhile wait for the next pass.
     sleep, now = time.sleep, time.monotonic
@@ -172,6 +222,7 @@ def _watch() -> None:
         sleep(tick)
         try:
             t = now()
+            _cpu_reading = (t, time.process_time())
             tick = IDLE_TICK
             for slot in list(_slots.values()):
                 deadline = slot.deadline
@@ -185,11 +236,20 @@ def _watch() -> None:
 
 
 def _start_watchdog() -> None:
-    global _watchdog_pid
+    global _watchdog_pid, _watchdog_running
     with _state_lock:
         if _watchdog_pid != os.getpid():
             threading.Thread(target=_watch, name="js-deadline", daemon=True).start()
             _watchdog_pid = os.getpid()
+        _watchdog_running = True
+
+
+def _after_fork_in_child() -> None:
+    global _watchdog_running
+    _watchdog_running = False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _self_check() -> bool:
@@ -214,7 +274,89 @@ def _self_check() -> bool:
                     "quickjs-ng==0.17.0.2", problem)
     else:
         _hurry_polls = True
+    try:
+        problem = _hold_problem()
+    except Exception as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem:
+        _forget_handler()
+        log.warning("JS plugins: the interrupt handler cannot be held across the binding's exits (%s): a plugin "
+                    "whose top level throws a value with a looping toString hangs the process. Fix: pip install "
+                    "quickjs-ng==0.17.0.2", problem)
     return True
+
+
+def _forget_handler() -> None:
+    global _binding_handler
+    _binding_handler = 0
+
+
+def _hold_problem() -> str:
+    """'' if hold() works: the binding's handler is found while a loop runs, and once held it stops
+    a guest value's looping toString while the binding turns the escaping value into text."""
+    global _binding_handler, _set_handler
+    import _quickjs
+
+    fields = {name: getattr(_Tail, name).offset + _RUNTIME for name in ("has_time_limit", "start", "limit")}
+    if fields != {"has_time_limit": _HAS_LIMIT, "start": _START, "limit": _LIMIT}:
+        return f"the RuntimeData view is laid out wrong ({fields})"
+
+    api = ctypes.PyDLL(_quickjs.__file__)  # GIL kept: microsecond calls
+    cmd = api.js_std_cmd  # QuickJS-NG's test hook: 5 = the runtime's interrupt handler, 6 = its opaque
+    cmd.restype, cmd.argtypes = ctypes.c_size_t, [ctypes.c_int, ctypes.c_void_p]
+    setter = api.JS_SetInterruptHandler
+    setter.restype, setter.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    ctx = quickjs.Context()
+    rt = ctypes.c_void_p.from_address(id(ctx) + _RUNTIME).value
+    found: list[int] = []
+    # The binding installs its handler only while JS runs: read it from another thread then.
+    stop = threading.Event()
+    limit = _words(ctx)[0]
+
+    def watch() -> None:
+        while not stop.wait(0.001):
+            if not found and cmd(5, rt) and cmd(6, rt) == id(ctx) + _START:
+                found.append(cmd(5, rt))
+            if found:
+                limit.value = _FIRE
+
+    watcher = threading.Thread(target=watch, name="js-deadline-check", daemon=True)
+    ctx.set_time_limit(5.0)  # the CPU backstop of this probe
+    watcher.start()
+    try:
+        ctx.eval("for (;;) {}")
+    except quickjs.JSException:
+        pass
+    finally:
+        stop.set()
+        watcher.join()
+    if not found or cmd(5, rt) != 0:
+        return "the binding's interrupt handler was not seen while JS ran"
+    _binding_handler, _set_handler = found[0], setter
+    # Held, a guest value escaping eval is turned into text under the handler: its looping
+    # toString ends by the CPU limit (the GIL is held, no watchdog runs), not never.
+    probe = quickjs.Context()
+    probe.set_time_limit(5.0)
+    held = hold(probe, 0.05)
+    assert held is not None
+    probe_rt = ctypes.c_void_p.from_address(id(probe) + _RUNTIME).value
+    if cmd(5, probe_rt) != _binding_handler or cmd(6, probe_rt) != id(probe) + _START:
+        return "the held handler is not installed"
+    started = time.monotonic()
+    try:
+        probe.eval("throw {toString() { for (;;) {} }};")
+        return "the probe's throw did not raise"
+    except quickjs.JSException:
+        pass
+    if time.monotonic() - started > 3.0:
+        return "a held handler did not stop a looping toString in time"
+    if cmd(5, probe_rt) != _binding_handler:
+        return "the binding removed a held handler"
+    release(held)
+    probe.set_time_limit(5.0)
+    if probe.eval("1 + 1") != 2 or cmd(5, probe_rt) != 0:
+        return "a released Context does not run normally"
+    return ""
 
 
 def _words(ctx: Any) -> tuple[ctypes.c_long, ctypes.c_int]:

@@ -178,8 +178,8 @@ def compile_plugin(spec: PluginSpec) -> Compiled:
 # Plugins). Lua: a fresh environment per call on a per-thread runtime costs ~3.8 us against
 # ~2.3 us pooled (a fresh runtime + sandbox per call would be ~130 us), so full isolation is the
 # default. WASM: a fresh Store+Instance per call is ~72 us against ~17 us pooled, so pooled.
-# JS: a new QuickJS Context per call is ~170 us against ~4 us reused, so pooled (per-thread
-# Contexts, QuickJS being thread-bound).
+# JS: a new QuickJS Context per call is ~140 us against ~4 us reused, so pooled (a shared free
+# list of Contexts, each running one call at a time on whichever thread calls).
 register(Runtime("lua", "Lua 5.4", "per_request", "plugins.runtimes.lua:LuaCompiled", source_extensions=(".lua",)))
 register(Runtime("wasm", "WebAssembly", "pooled", "plugins.runtimes.wasm:WasmCompiled", binary=True,
                  source_extensions=(".wat",), binary_extensions=(".wasm",), binary_magic=b"\0asm",

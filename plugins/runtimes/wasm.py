@@ -26,11 +26,12 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import functools
 import json
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import wasmtime
 from wasmtime import _ffi as ffi
@@ -79,6 +80,9 @@ def _ensure_ticker() -> None:
 
 # -- host imports ---------------------------------------------------------------------------------
 
+_R = TypeVar("_R")
+
+
 class _HostTrap(Exception):
     """A host call failed; the guest traps with this message."""
 
@@ -126,50 +130,45 @@ def _write(caller: wasmtime.Caller, data: bytes, out: int, cap: int) -> int:
     return len(data)
 
 
+def _host_import(fn: Callable[..., _R]) -> Callable[..., _R]:
+    """A host function the guest imports: a failure of the host API traps the guest with its message."""
+
+    @functools.wraps(fn)
+    def host_import(*args: Any) -> _R:
+        try:
+            return fn(*args)
+        except _HostTrap:
+            raise
+        except Exception as exc:
+            raise _fail(exc) from None
+
+    return host_import
+
+
+@_host_import
 def _h_log(caller: wasmtime.Caller, ptr: int, length: int) -> None:
-    try:
-        _host().log(_read(caller, ptr, length))
-    except _HostTrap:
-        raise
-    except Exception as exc:
-        raise _fail(exc) from None
+    _host().log(_read(caller, ptr, length))
 
 
+@_host_import
 def _h_kv_get(caller: wasmtime.Caller, kptr: int, klen: int, out: int, cap: int) -> int:
-    try:
-        value = _host().kv_get(_read(caller, kptr, klen))
-        return -1 if value is None else _write(caller, value.encode(), out, cap)
-    except _HostTrap:
-        raise
-    except Exception as exc:
-        raise _fail(exc) from None
+    value = _host().kv_get(_read(caller, kptr, klen))
+    return -1 if value is None else _write(caller, value.encode(), out, cap)
 
 
+@_host_import
 def _h_kv_set(caller: wasmtime.Caller, kptr: int, klen: int, vptr: int, vlen: int) -> None:
-    try:
-        _host().kv_set(_read(caller, kptr, klen), _read(caller, vptr, vlen))
-    except _HostTrap:
-        raise
-    except Exception as exc:
-        raise _fail(exc) from None
+    _host().kv_set(_read(caller, kptr, klen), _read(caller, vptr, vlen))
 
 
+@_host_import
 def _h_sleep(ms: int) -> None:
-    try:
-        _host().sleep(ms)
-    except _HostTrap:
-        raise
-    except Exception as exc:
-        raise _fail(exc) from None
+    _host().sleep(ms)
 
 
+@_host_import
 def _h_http_get(caller: wasmtime.Caller, uptr: int, ulen: int, out: int, cap: int) -> int:
-    try:
-        return _write(caller, _host().http_get(_read(caller, uptr, ulen)).encode(), out, cap)
-    except _HostTrap:
-        raise
-    except Exception as exc:
-        raise _fail(exc) from None
+    return _write(caller, _host().http_get(_read(caller, uptr, ulen)).encode(), out, cap)
 
 
 def _make_linker() -> wasmtime.Linker:

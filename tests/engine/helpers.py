@@ -28,7 +28,7 @@ def demote(m: Matcher) -> Matcher:
 
 def parked(engine: Engine) -> int:
     """How many dispatches wait in line for a pool slot (policy "wait"), read where they queue."""
-    return len(engine._waiters)
+    return engine.waiting
 
 
 class Outcomes:

@@ -175,8 +175,7 @@ async def test_policy_wait_serves_waiters_first_come_first_served_woken_by_finis
     move the line: if that hand-off were lost, the waiters would never run.
     """
     pool = ExecPool(1, 0, idle_seconds=5.0)
-    engine = Engine(pool=pool, overflow="wait", overflow_wait=LIVENESS * 3)
-    engine._waiters._recheck = 3600.0  # white-box: no periodic re-check
+    engine = Engine(pool=pool, overflow="wait", overflow_wait=LIVENESS * 3, overflow_recheck=3600.0)
     gate = threading.Event()
     order: list[str] = []
     promote(add_cmd(engine, lambda ctx: gate.wait(LIVENESS) and None, name="gate", pattern="gate"))
@@ -210,8 +209,7 @@ async def test_policy_wait_does_not_poll_the_pool(full_pool):
         return real_try_submit(fn, **kwargs)
 
     pool.try_submit = counting_try_submit  # type: ignore[method-assign]
-    engine = Engine(pool=pool, overflow="wait", overflow_wait=LIVENESS)
-    engine._waiters._recheck = 3600.0  # white-box: no periodic re-check
+    engine = Engine(pool=pool, overflow="wait", overflow_wait=LIVENESS, overflow_recheck=3600.0)
     promote(engine.on_command("slow", lambda ctx: None))
     waiting = [asyncio.create_task(engine.process_event_async(Event(text="/slow"))) for _ in range(200)]
     assert await wait_until_async(lambda: parked(engine) == 200)

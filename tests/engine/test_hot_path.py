@@ -9,13 +9,14 @@ inline run although only one byte is written while the same matcher keeps runnin
 from __future__ import annotations
 
 import asyncio
+import inspect
 import mmap
 import multiprocessing
 import threading
 
 import pytest
 
-from execapp.engine import Engine, Event, ExecClass, ExecPool, ExecProfile, ProfileState
+from execapp.engine import Engine, Event, EventRun, ExecClass, ExecPool, ExecProfile, ProfileState
 from execapp.engine.engine import running_handlers
 from execapp.engine.event import Context
 from execapp.engine.matcher import make_mark
@@ -215,6 +216,70 @@ def test_a_run_completed_with_nobody_listening_builds_its_completion_when_read(e
     assert (completion.event_id, completion.matched, completion.replies) == ("e1", 1, 1)
     assert 0 <= completion.elapsed < LIVENESS
     assert run.wait(0) is completion
+
+
+def test_an_inline_run_reads_the_clock_twice_per_handler_and_never_for_itself(engine, monkeypatch):
+    # The run's clock is its handlers' (EventRun): the first start and the last end; each read
+    # costs ~0.1 us on this path. One read each side of every handler, none for the run.
+    import execapp.engine.engine as engine_module
+    import execapp.engine.event as event_module
+
+    reads: list[float] = []
+
+    def clock() -> float:
+        reads.append(real())
+        return reads[-1]
+
+    real = engine_module._clock
+    monkeypatch.setattr(engine_module, "_clock", clock)
+    monkeypatch.setattr(event_module, "monotonic", clock)
+    demote(add_cmd(engine, lambda ctx: "one", name="one", priority=1))
+    demote(add_cmd(engine, lambda ctx: "two", name="two"))
+    out = Outcomes()
+    completion = engine.process_event_sync(Event(text="/cmd"), out)
+    assert len(reads) == 4, "two handlers, two reads each"
+    assert completion.elapsed == reads[3] - reads[0], "first handler's start to last handler's end"
+    assert [r.elapsed for r in out.replies] == [reads[1] - reads[0], reads[3] - reads[2]]
+    reads.clear()
+    nobody = engine.process_event_sync(Event(text="no handler"))
+    assert reads == [] and nobody.elapsed == 0.0 and nobody.matched == 0, "no handler ran: 0 s, no read"
+
+
+def test_a_pooled_run_is_timed_from_its_first_handler_to_its_last_release(engine):
+    gate = Gate()
+    promote(add_cmd(engine, lambda ctx: gate.event.wait(LIVENESS) and "pooled", name="pooled"))
+    run = engine.process_event(Event(text="/cmd"))
+    assert not run.done and run.completion is None
+    started = run._started
+    assert started is not None, "the first pooled submission starts the run's clock"
+    gate.open()
+    completion = run.wait(LIVENESS)
+    assert completion is not None and run.done and completion.replies == 1
+    assert completion.elapsed > 0
+
+
+def test_done_and_completion_agree_for_runs_made_directly():
+    run = EventRun(Event(id="e9"), None)
+    assert not run.done and run.completion is None
+    run.release()
+    assert run.done and run.completion.event_id == "e9" and run.completion.elapsed == 0.0
+
+
+def test_commands_are_found_by_the_first_word_of_the_text(engine):
+    seen: list[str] = []
+    demote(engine.on_command("ping", lambda ctx: seen.append(f"ping:{ctx.args}")))
+    demote(engine.on_command("p", lambda ctx: seen.append(f"p:{ctx.args}")))
+    for text in ("/ping", "/ping  a b ", "/p", "/pin", "//ping", "/", "ping", "/ping\tx", "/p ing"):
+        engine.process_event_sync(Event(text=text))
+    assert seen == ["ping:", "ping:a b", "p:", "p:ing"]
+    assert engine._routes.heads == {f"/{name}": plan for name, plan in engine._routes.commands.items()}
+
+
+def test_profile_record_takes_no_keyword_only_parameters():
+    # Every inline run calls ExecProfile.record: CPython 3.11 specialises (runs in the caller's
+    # interpreter frame) only calls of functions without keyword-only parameters.
+    kinds = {p.kind for p in inspect.signature(ExecProfile.record).parameters.values()}
+    assert inspect.Parameter.KEYWORD_ONLY not in kinds
 
 
 def _child_ids(conn) -> None:

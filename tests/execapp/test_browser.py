@@ -150,7 +150,10 @@ def test_dashboard_shows_load_moving_in_headless_chromium(sqlite_env: dict[str, 
             page.wait_for_function("Number(document.getElementById('dash').dataset.updates || 0) >= 1")
             assert page.text_content("#card-submitted").strip() == "0"
             assert page.text_content("#backend").strip() == "local"
-            # A dashboard starts no worker: the first WebSocket client does (below).
+            # A dashboard starts no worker (bare uvicorn, no execapp.serve): none is shown until
+            # the first WebSocket client starts this process's worker (below).
+            assert page.locator("#workers-table tbody tr[data-worker]").count() == 0
+            assert page.text_content("#worker-count").strip() == "0 live"
 
             shot = tmp_path / "dashboard.png"
             told: list[str] = []

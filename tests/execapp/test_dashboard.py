@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import types
 from typing import Any, Iterator
 
 import pytest
@@ -19,12 +20,20 @@ PAGE = "/admin/execapp/dashboard/"
 DATA = "/admin/execapp/dashboard/data/"
 
 
+def forget_local_snapshots() -> None:
+    """Empty this process's snapshot store (the backend without REDIS_URL), through its own API."""
+    store = snapshots.backend()
+    assert isinstance(store, snapshots.LocalBackend), "REDIS_URL must be empty here"
+    for snap, _ in store.load():
+        store.drop(snap["worker"])
+
+
 @pytest.fixture
 def publisher_only(settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     settings.EXECAPP = {"POOL_MAX_WORKERS": 4, "POOL_QUEUE_SIZE": 4, "POOL_IDLE_SECONDS": 0.5}
     settings.REDIS_URL = ""
     monkeypatch.setattr(worker_module, "SERVICE_FACTORIES", ["execapp.snapshots.snapshot_publisher"])
-    snapshots._local._workers.clear()
+    forget_local_snapshots()
 
 
 @pytest.fixture
@@ -34,7 +43,7 @@ def process_worker(publisher_only: None, install_worker: Any) -> Iterator[worker
     worker.start()
     yield worker
     worker.stop(timeout=5)
-    snapshots._local._workers.clear()
+    forget_local_snapshots()
 
 
 @pytest.fixture
@@ -120,14 +129,14 @@ def test_stale_workers_are_marked_then_dropped(settings: Any, publisher_only: No
     base = {"pool": {"capacity": 8, "queue_capacity": 8, "in_flight": 8, "queued": 0, "submitted": 5},
             "counts": {"events": 5}, "plugin_pools": [], "events_per_second": 0.0,
             "matchers": [{"matcher": "m", "exec_class": "pool", "state": "learning", "runs": 5}]}
-    snapshots._local.publish({**base, "worker": "fresh", "ts": now}, [now, 8, 1, 0, 8, 0.0, None, None, 5, 0, 0, 0])
-    snapshots._local.publish({**base, "worker": "silent", "ts": now - 20}, None)
-    snapshots._local.publish({**base, "worker": "gone", "ts": now - 100}, None)
+    snapshots.backend().publish({**base, "worker": "fresh", "ts": now}, [now, 8, 1, 0, 8, 0.0, None, None, 5, 0, 0, 0])
+    snapshots.backend().publish({**base, "worker": "silent", "ts": now - 20}, None)
+    snapshots.backend().publish({**base, "worker": "gone", "ts": now - 100}, None)
     data = dashboard_data.collect(refresh=False)
     state = {w["worker"]: w["stale"] for w in data["workers"]}
     assert state == {"fresh": False, "silent": True}
     assert data["total"]["workers"] == 1 and data["total"]["in_flight"] == 8  # stale ones leave the total
-    assert "gone" not in {snap["worker"] for snap, _ in snapshots._local.load()}  # dropped from the store
+    assert "gone" not in {snap["worker"] for snap, _ in snapshots.backend().load()}  # dropped from the store
     again = dashboard_data.collect(refresh=False)  # collecting twice reads the same snapshots
     assert [m["runs"] for m in again["matchers"]] == [m["runs"] for m in data["matchers"]] == [5]
 
@@ -226,22 +235,25 @@ def test_cards_charts_and_tables_come_from_one_snapshot(staff_client: Any, proce
     assert total["in_flight"] == w["pool"]["in_flight"] and total["queued"] == w["pool"]["queued"]
 
 
-def test_events_per_second_keeps_a_burst_for_the_rate_window(process_worker: worker_module.Worker) -> None:
+def test_events_per_second_keeps_a_burst_for_the_rate_window(process_worker: worker_module.Worker,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Bursty load: 60 events at once, then seconds of handlers running and no new events. The rate
     is over RATE_WINDOW_SECONDS, so the seconds after the burst still show it (not 0)."""
+    # The publisher's clock from now on, moved by the test (the worker's first point is behind it).
+    clock = [time.time()]
+    monkeypatch.setattr(snapshots, "time", types.SimpleNamespace(time=lambda: clock[0]))
     engine = process_worker.engine
     engine.add(engine.make_matcher("command", "x", _ok, plugin="demo"))
     publisher = next(s for s in process_worker.services if isinstance(s, snapshots.SnapshotPublisher))
     publisher.publish(advance=True)
     for _ in range(60):
         assert engine.process_event(Event(text="/x")).wait(LIVENESS) is not None
-    time.sleep(0.3)
+    clock[0] += 0.3
     publisher.publish(advance=True)
-    time.sleep(0.6)  # quiet: no event since the burst
+    clock[0] += 0.6  # quiet: no event since the burst
     snap = publisher.publish(advance=True)
     window = snapshots.RATE_WINDOW_SECONDS
-    assert snap["events_per_second"] > 60 / window  # 60 events over the ~1 s the window holds so far
-    assert snap["events_per_second"] <= 60 / 0.3
+    assert 60 / window < snap["events_per_second"] <= 60 / 0.9  # the window holds the burst: not 0
 
 
 @pytest.mark.django_db(transaction=True)
@@ -268,7 +280,7 @@ async def test_refusals_are_counted_per_matcher_plugin_and_worker(settings: Any,
                                                              "execapp.snapshots.snapshot_publisher"])
     previous = extensions.add_stats_provider("plugin_pools", lambda: [{"plugin": "demo", "runtime": "lua",
                                                                        "strategy": "pooled", "capacity": 2}])
-    snapshots._local._workers.clear()
+    forget_local_snapshots()
     reset_local()
     worker = install_worker(worker_module.Worker("refusing"))
     long_message = "plugin 'demo' is at its max_concurrency of 2 calls; " + "x" * 300
@@ -300,7 +312,7 @@ async def test_refusals_are_counted_per_matcher_plugin_and_worker(settings: Any,
             extensions.add_stats_provider("plugin_pools", previous)
         else:
             extensions.remove_stats_provider("plugin_pools")
-        snapshots._local._workers.clear()
+        forget_local_snapshots()
         reset_local()
     rows = {m["matcher"]: m for m in data["matchers"]}
     assert rows["demo.busy"]["refused"] == 3 and rows["demo.busy"]["failures"] == {"plugin_busy": 3}
@@ -313,3 +325,105 @@ async def test_refusals_are_counted_per_matcher_plugin_and_worker(settings: Any,
     assert pool["plugin"] == "demo" and pool["refused"] == 3
     after = metrics.HANDLER_FAILURES.labels("demo.busy", "demo", "plugin_busy")._value.get()
     assert after - before == 3  # /metrics: execapp_handler_failures_total{code="plugin_busy"}
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_resend_refusals_and_dropped_session_frames_are_counted_per_worker(
+        settings: Any, install_worker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refusals that come before any matching (a resend that is neither run nor replayed) and the
+    session frames a bounded outbox dropped for a member that fell behind show on the worker's row,
+    in the total, in /metrics (by worker slot) and, for the resend, as a trace in the history."""
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+
+    from execapp import history, metrics, metrics_updater, resend
+    from execapp.history_store import reset_local
+    from execapp.outbox import Outbox, OutboxLimits, SessionFrameTotals
+
+    from .ws_fixtures import Client
+
+    settings.EXECAPP = {"POOL_IDLE_SECONDS": 0.5}
+    settings.REDIS_URL = ""
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    monkeypatch.setattr(worker_module, "SERVICE_FACTORIES", ["execapp.history.recorder",
+                                                             "execapp.metrics_updater.metrics_updater",
+                                                             "execapp.snapshots.snapshot_publisher"])
+
+    def expired(owner: str, event_id: str, worker: str) -> Any:
+        raise resend.ResendError("resend_expired", f"event {event_id!r} completed but its record is gone")
+
+    monkeypatch.setattr(resend, "claim", expired)
+    forget_local_snapshots()
+    reset_local()
+    worker = install_worker(worker_module.Worker("refusing-early"))
+    await sync_to_async(worker.start, thread_sensitive=False)()
+    try:
+        updater = next(s for s in worker.services if isinstance(s, metrics_updater.MetricsUpdater))
+        dropped_metric = metrics.SESSION_FRAMES_DROPPED.labels(updater.slot)
+        refusal_metric = metrics.EVENT_REFUSALS.labels(updater.slot, "resend_expired")
+        before = (dropped_metric._value.get(), refusal_metric._value.get(), SessionFrameTotals.dropped,
+                  SessionFrameTotals.lagged)
+        async with Client() as c:
+            await c.send({"type": "message", "id": "again", "text": "/x", "resend": True})
+            frame = await c.recv()
+        assert (frame["type"], frame["code"], frame["id"]) == ("error", "resend_expired", "again")
+        # A member that does not read: past 2 queued frames its session frames are dropped.
+        gate = asyncio.Event()
+        written: list[Any] = []
+
+        async def write(item: Any) -> None:
+            await gate.wait()
+            written.append(item)
+
+        box = Outbox(write, "test-member", limits=OutboxLimits(2, 0), lagged=lambda missed: (("lagged", missed), 0))
+        queued = [box.offer(f"f{i}", "room", 1) for i in range(5)]
+        gate.set()
+        await wait_for_async(lambda: len(written) == 3)
+        box.close()
+        assert queued == [True, True, False, False, False] and written[-1] == ("lagged", {"room": 3})
+        await sync_to_async(history.current().flush, thread_sensitive=False)()  # type: ignore[union-attr]
+        data = await sync_to_async(dashboard_data.collect, thread_sensitive=False)(True)
+        await sync_to_async(metrics_updater.refresh_local, thread_sensitive=False)()  # what a scrape does first
+        trace = await sync_to_async(history.get, thread_sensitive=False)("token:test", "again")
+    finally:
+        await sync_to_async(worker.stop, thread_sensitive=False)(5)
+        forget_local_snapshots()
+        reset_local()
+    [w] = data["workers"]
+    assert w["refusals"] == {"resend_expired": 1} and w["refused"] == 1
+    assert data["total"]["refusals"] == {"resend_expired": 1} and data["total"]["refused"] == 1
+    assert (SessionFrameTotals.dropped - before[2], SessionFrameTotals.lagged - before[3]) == (3, 1)
+    assert w["session_frames"]["dropped"] - before[2] == 3
+    assert data["total"]["session_frames_dropped"] == w["session_frames"]["dropped"]
+    assert dropped_metric._value.get() - before[0] == 3  # execapp_session_frames_dropped_total{worker}
+    assert refusal_metric._value.get() - before[1] == 1  # execapp_event_refusals_total{worker,code}
+    assert trace is not None and trace["outcome"] == "resend_expired" and "record is gone" in trace["message"]
+
+
+async def wait_for_async(predicate: Any, timeout: float = LIVENESS) -> None:
+    """Poll ``predicate()`` on the loop until it is true (a guard, never a timing assertion)."""
+    from tests.conftest import wait_until_async
+
+    assert await wait_until_async(predicate, timeout, interval=0.005), "condition not reached in time"
+
+
+def test_the_data_answers_with_what_it_has_while_redis_is_down(staff_client: Any, settings: Any,
+                                                               process_worker: worker_module.Worker) -> None:
+    """Redis unreachable (a restart): the data endpoint still answers 200 with this process's own
+    workers, built now, and says what is missing; the page shows it instead of looking live."""
+    engine = process_worker.engine
+    engine.add(engine.make_matcher("command", "x", _ok, plugin="demo"))
+    assert engine.process_event(Event(text="/x")).wait(LIVENESS) is not None
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1: connection refused
+    response = staff_client.get(DATA)
+    assert response.status_code == 200
+    data = response.json()
+    assert data["backend"] == "redis" and "cannot be read" in data["warning"], data["warning"]
+    [w] = data["workers"]
+    assert w["worker"] == process_worker.id and w["counts"]["events"] == 1 and not w["stale"]
+    assert data["total"]["events"] == 1 and [m["plugin"] for m in data["matchers"]] == ["demo"]
+    settings.REDIS_URL = ""
+    assert staff_client.get(DATA).json()["warning"] == ""
+    page = staff_client.get(PAGE).content.decode()
+    assert "d.warning ?" in page  # the page's status line shows the warning

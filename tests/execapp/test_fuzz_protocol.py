@@ -33,6 +33,8 @@ from execapp.engine import Engine, ExecPool
 from execapp.protocol import Limits
 from tests.conftest import AsgiServer, ServerProcess, manage, wait_until_async
 
+from .ws_fixtures import Admission
+
 EXAMPLES = int(os.environ.get("EXECAPP_FUZZ_EXAMPLES", "120"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -152,20 +154,6 @@ frames = st.one_of(
 # -- the in-process run ---------------------------------------------------------------------------
 
 
-class _Admission:
-    """Worker.begin_event/end_event, counted."""
-
-    def __init__(self) -> None:
-        self.begun = self.ended = 0
-
-    def begin_event(self) -> bool:
-        self.begun += 1
-        return True
-
-    def end_event(self) -> None:
-        self.ended += 1
-
-
 def _engine() -> Engine:
     engine = Engine(pool=ExecPool(4, 64, 0.5))
     engine.add(engine.make_matcher("command", "ping", lambda ctx: "pong", name="ping"))
@@ -202,7 +190,7 @@ async def _run(batch: list[Frame]) -> None:
     async def send(text: str) -> None:
         sent.append(text)
 
-    admission = _Admission()
+    admission = Admission()
     conn = Connection(engine, admission, LIMITS, send)
     accepted: list[bool] = []
     try:

@@ -307,7 +307,53 @@ async def test_search_merges_the_recent_store_and_the_database(recorded: Any) ->
     assert (await sync_to_async(history.detail, thread_sensitive=False)(failed[1].uid))["id"] == "fail-old"
 
 
+@pytest.mark.django_db
+def test_a_resend_finds_its_runs_trace_behind_a_newer_refusal_of_its_id(settings: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy of a resend event refused while it ran (resend_in_progress) is the pair's newest
+    trace when the run's record is made durable: the run's own trace is still the one found."""
+    from types import SimpleNamespace
+
+    from execapp import resend
+
+    settings.REDIS_URL = ""
+    settings.EXECAPP = {}
+    history_store.reset_local()
+    monkeypatch.setattr(history, "current", lambda: SimpleNamespace(flush=lambda: 0))
+    run = _record(1, id="r", worker="w1", duration=0.25)
+    refusal = _record(2, id="r", worker="w2", outcome="resend_in_progress", message="still running", handlers=(),
+                      codes=("resend_in_progress",), duration=0.0, matched=0, replies=0)
+    try:
+        history_store.store().add([run, refusal])
+        assert json.loads(history_store.store().get("tenant:a", "r") or "")["uid"] == "u2"  # the refusal is newest
+        assert resend._durable_trace("tenant:a", "r", "w1", 0.25) == "u1"
+        with pytest.raises(resend.ResendError) as refused:
+            resend._durable_trace("tenant:a", "r", "w1", 0.5)  # no trace of a run that long
+        assert refused.value.code == "resend_unavailable"
+    finally:
+        history_store.reset_local()
+
+
 # -- retention: prune ---------------------------------------------------------------------------------
+
+@pytest.mark.redis
+def test_by_default_the_last_100000_events_and_7_days_of_failures_are_kept(redis_url: str, settings: Any) -> None:
+    """The defaults a new user gets: both recent stores keep 100,000 traces (the Redis one of every
+    worker, the local one of this process: tests above check the bound itself with smaller values)
+    and the database keeps failures 7 days (the prune test checks what that deletes)."""
+    from execapp import conf
+
+    settings.EXECAPP = {}
+    assert conf.get("HISTORY_MAX_EVENTS") >= 100_000 and conf.get("HISTORY_FAILURE_DAYS") >= 7
+    settings.REDIS_URL = ""
+    history_store.reset_local()
+    local = history_store.store()
+    assert isinstance(local, LocalStore) and local.max_events == 100_000
+    settings.REDIS_URL = redis_url
+    shared = history_store.store()
+    assert isinstance(shared, RedisStore) and shared.max_events == 100_000
+    history_store.reset_local()
+
 
 @pytest.mark.django_db
 def test_prune_deletes_failures_past_the_retention(settings: Any) -> None:

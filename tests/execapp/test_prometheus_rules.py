@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from execapp import metrics  # noqa: F401  (registers the app's metrics)
+from execapp.codes import ERROR_CODES, EVENT_REFUSAL_CODES, HANDLER_REFUSAL_CODES, REFUSAL_CODES
 from tests.conftest import ROOT
 
 PROM = ROOT / "docs" / "prometheus"
@@ -42,7 +43,15 @@ def test_promtool_unit_tests_fire_every_alert() -> None:
     alerts = set(re.findall(r"^\s+- alert: (\w+)", RULES.read_text(), re.M))
     tested = set(re.findall(r"alertname: (\w+)", (PROM / "execapp.rules.test.yml").read_text()))
     assert alerts == tested == {"ExecappPoolSaturated", "ExecappStuckHandlers", "ExecappRefusingHandlers",
-                                "ExecappEventErrorRatio", "ExecappDrainStuck"}
+                                "ExecappRefusingEvents", "ExecappEventErrorRatio", "ExecappDrainStuck"}
+
+
+def test_the_refusal_rule_names_exactly_the_handler_refusal_codes() -> None:
+    """The rule's code regex and execapp.codes agree: a refusal code added there must be added here."""
+    [regex] = re.findall(r'execapp_handler_failures_total\{code=~"([^"]+)"\}', RULES.read_text())
+    matched = {code for code in ERROR_CODES if re.fullmatch(regex, code)}
+    assert matched == HANDLER_REFUSAL_CODES
+    assert EVENT_REFUSAL_CODES | HANDLER_REFUSAL_CODES == REFUSAL_CODES
 
 
 def _exported() -> dict[str, set[str]]:
@@ -87,3 +96,5 @@ def test_the_rules_and_the_dashboard_name_only_what_execapp_exports() -> None:
                   "execapp_worker_draining"):
         assert exported[gauge] == {"worker"}, gauge
     assert exported["execapp_handler_failures_total"] == {"matcher", "plugin", "code"}
+    assert exported["execapp_event_refusals_total"] == {"worker", "code"}
+    assert exported["execapp_session_frames_dropped_total"] == {"worker"}

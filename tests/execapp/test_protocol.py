@@ -26,6 +26,8 @@ from execapp.protocol import (
 )
 from tests.conftest import wait_until_async
 
+from .ws_fixtures import Admission
+
 LIMITS = Limits(max_frame_bytes=1024, max_in_flight=3)
 
 
@@ -58,6 +60,20 @@ def test_other_event_types_carry_data() -> None:
 def test_invalid_json_is_bad_json() -> None:
     err = refused('{"type": "message", "text": "/ping"')
     assert (err.code, err.event_id) == ("bad_json", None)
+
+
+@pytest.mark.parametrize("frame, ok", [
+    (' {"text": "/ping"}\n', True),  # whitespace around the object: still one JSON value
+    ('{"text": "/ping"} x', False),
+    ('{"text": "/ping"}{}', False),
+    ('{"text": "/ping"} 1', False),
+])
+def test_a_frame_is_exactly_one_json_value(frame: str, ok: bool) -> None:
+    if ok:
+        assert parse_frame(frame, None, LIMITS).text == "/ping"
+    else:
+        err = refused(frame)
+        assert err.code == "bad_json" and "Extra data" in err.message
 
 
 @pytest.mark.parametrize("frame, field, event_id", [
@@ -197,7 +213,7 @@ def test_the_event_size_is_the_frames_length_in_characters() -> None:
 
 
 async def test_a_failure_inside_the_server_is_an_internal_error_frame_logged_once(caplog: Any) -> None:
-    class Broken(_Admission):
+    class Broken(Admission):
         def begin_event(self) -> bool:
             raise RuntimeError("admission is broken")
 
@@ -217,7 +233,7 @@ async def test_a_failure_inside_the_server_is_an_internal_error_frame_logged_onc
     assert not conn.in_flight
     logged = [r for r in caplog.records if "failed inside the server" in r.getMessage()]
     assert len(logged) == 1 and logged[0].exc_info is not None
-    conn.worker = _Admission()  # the connection is still usable
+    conn.worker = Admission()  # the connection is still usable
     await conn.receive(json.dumps({"id": "ok", "type": "message", "text": "/ping"}))
     await _settle(conn, sent, 1)
     assert [f["type"] for f in sent[5:]] == ["reply", "done"]
@@ -249,6 +265,26 @@ def test_outcome_frames_have_the_documented_fields() -> None:
                                                             "message": "nope"}
 
 
+@pytest.mark.parametrize("outcome", [
+    Reply("e1", "ping.ping", "ping", "pong", None, ExecClass.SYNC, 1.234567e-5),
+    Reply('e"1\\', "m", None, None, None, ExecClass.POOL, 0.5),
+    Reply("é-\u2028", "m", "p", "héllo \n\t\"\u0000", None, ExecClass.SYNC, 12.0),
+    Reply("e", "m", "p", "lone \ud800 surrogate", None, ExecClass.SYNC, 1e-9),
+    Reply("e", "m", "p", "t", {"a": [1, 2.5]}, ExecClass.SYNC, 0.0),
+    Completion("e1", 1, 1, (), None, 2e-5),
+    Completion("e1", 0, 0, (), "command:guard", 1e17),
+    Completion("e2", 3, 2, (Failure("e2", "m", None, "c", "msg", None, 0.0),), None, 123.456789),
+])
+@pytest.mark.parametrize("session", [None, "room-1"])
+def test_reply_and_done_frames_are_the_bytes_of_the_general_encoder(outcome: Any, session: str | None) -> None:
+    # outcome_frame writes the common reply and done as text; the general path encodes a dict.
+    from execapp.protocol import _outcome_frame
+
+    assert outcome_frame(outcome, session) == _outcome_frame(outcome, session, None)
+    frame = json.loads(outcome_frame(outcome, session))
+    assert frame["id"] == outcome.event_id and frame.get("session") == session
+
+
 def test_data_that_is_not_json_is_sent_as_text_not_dropped() -> None:
     circular: dict = {}
     circular["self"] = circular
@@ -259,30 +295,13 @@ def test_data_that_is_not_json_is_sent_as_text_not_dropped() -> None:
 
 # -- one connection -------------------------------------------------------------------------------
 
-class _Admission:
-    """The worker's admission counter (Worker.begin_event/end_event), counted for assertions."""
-
-    def __init__(self) -> None:
-        self.draining = False
-        self.begun = self.ended = 0
-
-    def begin_event(self) -> bool:
-        if self.draining:
-            return False
-        self.begun += 1
-        return True
-
-    def end_event(self) -> None:
-        self.ended += 1
-
-
 async def _connection(engine: Engine, limits: Limits = LIMITS) -> tuple[Connection, list[dict]]:
     sent: list[dict] = []
 
     async def send(text: str) -> None:
         sent.append(json.loads(text))
 
-    return Connection(engine, _Admission(), limits, send), sent
+    return Connection(engine, Admission(), limits, send), sent
 
 
 async def _settle(conn: Connection, sent: list[dict], dones: int) -> None:
@@ -323,6 +342,24 @@ async def test_pooled_replies_always_precede_their_done_even_when_the_loop_compl
     assert conn.worker.begun == conn.worker.ended == 300
     conn.close()
     engine.pool.drain(5)  # type: ignore[union-attr]
+
+
+async def test_an_inline_event_s_frames_are_queued_before_its_receive_returns() -> None:
+    # Outcomes produced on the loop go to the outbox at once (no call_soon hop per outcome).
+    engine = Engine(pool_enabled=False)
+    engine.add(engine.make_matcher("command", "ping", lambda ctx: "pong", name="ping"))
+    gate = asyncio.Event()
+
+    async def send(text: str) -> None:  # nothing is written until the gate opens
+        await gate.wait()
+
+    conn = Connection(engine, Admission(), LIMITS, send)
+    await conn.receive(json.dumps({"id": "a", "type": "message", "text": "/ping"}))
+    assert conn.outbox.frames == 2 and not conn.in_flight  # reply and done, no loop turn taken
+    gate.set()
+    assert await wait_until_async(lambda: conn.outbox.frames == 0)
+    assert conn.worker.begun == conn.worker.ended == 1
+    conn.close()
 
 
 async def test_events_of_a_client_that_left_still_end_once_each_for_the_drain_count() -> None:
@@ -407,7 +444,7 @@ async def test_sessions_per_connection_are_bounded() -> None:
     async def send(text: str) -> None:
         sent.append(json.loads(text))
 
-    conn = Connection(engine, _Admission(), Limits(1024, 1000), send, publish=publish, join=join, owner="tenant:t")
+    conn = Connection(engine, Admission(), Limits(1024, 1000), send, publish=publish, join=join, owner="tenant:t")
     for i in range(MAX_SESSIONS_PER_CONNECTION + 1):
         await conn.receive(json.dumps({"id": f"e{i}", "type": "message", "text": "/ping", "session": f"s{i}"}))
         await conn.receive(json.dumps({"id": f"f{i}", "type": "message", "text": "/ping", "session": f"s{i}"}))

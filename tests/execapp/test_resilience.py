@@ -27,6 +27,8 @@ from execapp.outbox import Outbox, OutboxLimits
 from execapp.protocol import Limits, ProtocolError, parse_request
 from tests.conftest import free_port, wait_until, wait_until_async
 
+from .ws_fixtures import Admission
+
 WAIT = 10.0
 
 
@@ -148,7 +150,7 @@ async def test_a_client_that_does_not_read_its_replies_stops_being_read_until_it
         await gate.wait()
         sent.append(json.loads(text))
 
-    conn = Connection(engine, _Admission(), Limits(4096, 1000), send,
+    conn = Connection(engine, Admission(), Limits(4096, 1000), send,
                       outbox_limits=OutboxLimits(max_frames=10, max_bytes=1_000_000))
     received = 0
     blocked: asyncio.Task | None = None
@@ -186,7 +188,7 @@ async def test_a_channel_layer_slower_than_the_sender_holds_the_sender_back_and_
     async def join(group: str) -> None:
         pass
 
-    conn = Connection(engine, _Admission(), Limits(4096, 1000), send, publish=publish, join=join, owner="tenant:t",
+    conn = Connection(engine, Admission(), Limits(4096, 1000), send, publish=publish, join=join, owner="tenant:t",
                       outbox_limits=OutboxLimits(max_frames=10, max_bytes=1_000_000))
     blocked = None
     for i in range(20):
@@ -201,22 +203,6 @@ async def test_a_channel_layer_slower_than_the_sender_holds_the_sender_back_and_
     assert await wait_until_async(lambda: len(published) == 12)  # 6 events x (reply + done): none dropped
     assert conn.group_outbox is not None and conn.group_outbox.dropped_total == 0
     conn.close()
-
-
-class _Admission:
-    """The worker's admission counter (begin_event/end_event), with an id like a Worker's."""
-
-    id = "test-worker"
-
-    def __init__(self) -> None:
-        self.begun = self.ended = 0
-
-    def begin_event(self) -> bool:
-        self.begun += 1
-        return True
-
-    def end_event(self) -> None:
-        self.ended += 1
 
 
 # -- safe resend -----------------------------------------------------------------------------------
@@ -416,7 +402,7 @@ async def test_a_layer_watch_puts_memberships_back_after_redis_restarts_or_loses
             return False
 
     assert await delivered()
-    assert await wait_until_async(lambda: watch._marked, WAIT)  # the first check set its marker
+    assert await wait_until_async(lambda: watch.marked, WAIT)  # the first check set its marker
 
     # 1. A restart: connections fail (the watch sees it), then Redis is back empty.
     redis_server.kill()

@@ -177,16 +177,17 @@ async def test_a_member_that_stops_reading_leaves_memory_flat_and_is_told_what_i
     sock.connect(("127.0.0.1", deployment.port))
     async with connect(url, sock=sock, max_queue=2) as member, connect(url, max_queue=None) as publisher:
         pid = await worker_pid(member, "member")
-        seen = {"frames": 0}
+        seen = {"frames": 0, "done": 0}
 
         async def drain_publisher() -> None:  # the publisher reads everything: only the member stalls
-            async for _ in publisher:
+            async for raw in publisher:
                 seen["frames"] += 1
+                seen["done"] += json.loads(raw)["type"] == "done"
 
         reader = asyncio.create_task(drain_publisher())
         for i in range(5):  # warm up both workers' paths (allocations that are not growth)
             await publisher.send(json.dumps({"id": f"warm-{i}", "text": big, "session": "flood"}))
-        await asyncio.sleep(1.0)
+        assert await wait_until_async(lambda: seen["done"] >= 5, WAIT), "the warm-up events did not complete"
         baseline = rss_mb(pid)
         peak = baseline
         sent = 0
@@ -345,7 +346,7 @@ async def test_after_a_worker_is_killed_resent_ids_run_nothing_twice_whose_done_
                 item = sent[n][f"c{n}-{k}"] = Sent(f"c{n}-{k}", text)
                 await ws.send(json.dumps({"id": item.eid, "text": text, "resend": True}))
                 k += 1
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.02)  # the load's pace
             await asyncio.wait({receiver}, timeout=1.0)  # the last answers (or the 1006)
         except ConnectionClosed:
             pass
@@ -357,7 +358,9 @@ async def test_after_a_worker_is_killed_resent_ids_run_nothing_twice_whose_done_
         homes[n] = await worker_pid(sockets[n], f"home-{n}")
     victim = max(set(homes.values()), key=lambda pid: list(homes.values()).count(pid))
     loads = [asyncio.create_task(load(n)) for n in range(clients)]
-    await asyncio.sleep(1.5)  # load runs (a pace): events complete and others are in flight
+    # The load runs until the victim's clients have answers (and, at this pace, events in flight).
+    assert await wait_until_async(lambda: sum(i.done for n in homes if homes[n] == victim
+                                              for i in sent[n].values()) >= 20, WAIT)
     os.kill(victim, signal.SIGKILL)
     assert await wait_until_async(lambda: all(sockets[n].close_code is not None
                                               for n in homes if homes[n] == victim), WAIT)
@@ -420,7 +423,7 @@ async def reconnect(deployment: Deployment) -> ClientConnection:
         except OSError:
             if time.monotonic() > deadline:
                 raise
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # the retry's pace (bounded by the deadline above)
 
 
 async def events_per_worker(deployment: Deployment) -> dict[str, int]:

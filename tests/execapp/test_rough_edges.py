@@ -19,7 +19,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from execapp import conf
-from tests.conftest import ROOT, ServerProcess, wait_until
+from tests.conftest import ROOT, ServerProcess, manage, wait_until
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -41,6 +41,78 @@ def test_docs_run_manage_py_and_the_server_with_the_virtualenvs_python() -> None
                     unknown.append(f"{doc.name}:{n}: manage.py {name}")
     assert bare == [], "use .venv/bin/python:\n" + "\n".join(bare)
     assert unknown == [], "\n".join(unknown)
+
+
+def test_every_option_a_documented_command_shows_is_one_it_takes() -> None:
+    """Each `--option` a document shows after `manage.py <command>` or `-m execapp.serve` is one that
+    command's parser accepts (a renamed option would fail as written)."""
+    from django.core.management import get_commands, load_command_class
+
+    from execapp.serve import build_parser
+
+    apps = get_commands()
+    wrong, seen = [], 0
+    for doc in DOCS:
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            for name, args in re.findall(r"manage\.py ([a-z_]+)([^`|;&#)]*)", line):
+                if name not in apps:
+                    continue  # unknown names: the test above
+                options = {o for a in load_command_class(apps[name], name).create_parser("manage.py", name)._actions
+                           for o in a.option_strings}
+                for option in re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", args):
+                    seen += 1
+                    if option not in options:
+                        wrong.append(f"{doc.name}:{n}: manage.py {name} {option}")
+            for args in re.findall(r"-m execapp\.serve([^`|;&#)]*)", line):
+                options = {o for a in build_parser()._actions for o in a.option_strings}
+                for option in re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", args):
+                    seen += 1
+                    if option not in options:
+                        wrong.append(f"{doc.name}:{n}: -m execapp.serve {option}")
+    assert seen >= 10 and wrong == [], "\n".join(wrong)
+
+
+#: Documented commands safe to run against a fresh SQLite database (the others need a server,
+#: Redis, or a terminal: their names and options are checked above).
+RUNNABLE = {"migrate", "loadplugins", "create_token", "runplugin", "prune_history", "check"}
+
+
+def test_the_documented_commands_run_as_written_on_a_fresh_database(sqlite_env: dict[str, str]) -> None:
+    """Each `.venv/bin/python manage.py ...` line of a shell block in the docs whose command is in
+    RUNNABLE (and has no <placeholder>) runs as written and exits 0; a `# -> x` comment is what it
+    prints. Each document starts from the database `make run` leaves: migrated, the bundled plugins
+    loaded."""
+    import shlex
+
+    loaded = manage("loadplugins", env=sqlite_env)  # what `make run` did first (README, "Set-up")
+    assert loaded.returncode == 0, loaded.stderr
+    database = Path(sqlite_env["DATABASE_URL"].removeprefix("sqlite:///"))
+    fresh = database.with_name("fresh.sqlite3")
+    shutil.copyfile(database, fresh)
+    ran: list[str] = []
+    for doc in DOCS:
+        shutil.copyfile(fresh, database)  # each document starts from the fresh clone
+        in_block = False
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                in_block = line.strip() in ("```sh", "```bash", "```console")
+                continue
+            if not in_block or "<" in line.split("#")[0]:
+                continue
+            expected = line.split("# ->", 1)[1].strip() if "# ->" in line else None
+            for part in line.strip().split("&&"):
+                if not part.strip().startswith(".venv/bin/python manage.py ") or part.rstrip().endswith("\\"):
+                    continue
+                words = shlex.split(part, comments=True)
+                if words[:2] != [".venv/bin/python", "manage.py"] or len(words) < 3 or words[2] not in RUNNABLE:
+                    continue
+                result = manage(*words[2:], env=sqlite_env)
+                where = f"{doc.name}:{n}: {part.strip()}"
+                assert result.returncode == 0, f"{where}\n{result.stdout}\n{result.stderr}"
+                if expected is not None:
+                    assert expected in result.stdout, f"{where}: prints {result.stdout!r}, the doc says {expected!r}"
+                ran.append(where)
+    assert len({r.split(": ", 1)[1].split()[2] for r in ran}) >= 4, ran  # several distinct commands ran
 
 
 def test_every_make_target_the_docs_name_exists() -> None:

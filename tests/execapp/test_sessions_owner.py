@@ -23,7 +23,7 @@ from execapp.protocol import GROUP_PREFIX, MAX_SESSION_CHARS, Limits, group_name
 from execapp.routing import websocket_application
 from tests.conftest import wait_until_async
 
-from .ws_fixtures import Client, authed, channel_layer, ws_worker  # noqa: F401
+from .ws_fixtures import Admission, Client, authed, channel_layer, ws_worker  # noqa: F401
 
 TIMEOUT = 5.0
 
@@ -59,14 +59,6 @@ def test_a_connection_with_session_groups_needs_an_owner() -> None:
 
 # -- connection.Connection over a real in-memory channel layer ------------------------------------
 
-class _Admission:
-    def begin_event(self) -> bool:
-        return True
-
-    def end_event(self) -> None:
-        pass
-
-
 class LayerClient:
     """A Connection wired to a channel layer the way the consumer wires it, collecting every frame."""
 
@@ -74,7 +66,7 @@ class LayerClient:
         self.layer, self.frames = layer, []
         self.channel: str | None = None
         self.reader: asyncio.Task | None = None
-        self.conn = Connection(engine, _Admission(), Limits(), self._send, publish=self._publish, join=self._join,
+        self.conn = Connection(engine, Admission(), Limits(), self._send, publish=self._publish, join=self._join,
                                owner=owner)
 
     async def _send(self, text: str) -> None:

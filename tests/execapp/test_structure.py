@@ -111,7 +111,7 @@ def test_registered_services_run_between_execapp_s_own_and_the_watchdog() -> Non
     try:
         names = [name for name, _ in worker_module.service_factories()]
         assert names.index("execapp.snapshots.snapshot_publisher") < names.index("test.probe")
-        assert names.index("test.probe") < names.index("execapp.watchdog.watchdog_service")
+        assert names.index("test.probe") < names.index("execapp.watchdog_service.watchdog_service")
         assert "test.removed" not in names and "test.later" not in names
     finally:
         extensions.remove_service("test.probe")

@@ -25,6 +25,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from execapp import watchdog
+from execapp.watchdog_quarantine import append_quarantine, read_quarantine
+from execapp.watchdog_service import WatchdogService
+from execapp.watchdog_worker import WorkerWatch
 from tests.conftest import ServerProcess, manage, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -211,7 +214,7 @@ async def test_one_worker_is_supervised_and_a_stalled_loop_is_replaced(start: An
     dead = [s for s in server.slots() if s["pid"] == old]
     assert len(dead) == 1 and dead[0]["inline"] == "command:stall", server.slots()
     assert dead[0]["heartbeat_age"] > STALL_LIMIT
-    entries = watchdog.read_quarantine(server.watch_dir)
+    entries = read_quarantine(server.watch_dir)
     assert [e.matcher for e in entries] == ["command:stall"] and f"worker process {old}" in entries[0].reason
     log = server.log()
     assert f"worker process [{old}]: event loop stalled" in log and "running matcher command:stall inline" in log
@@ -250,7 +253,7 @@ async def test_two_workers_keep_the_offender_off_every_loop(start: Any) -> None:
         assert await always_pooled(c, "replacement") == pid_c
     finally:
         await c.close()
-    assert [e.matcher for e in watchdog.read_quarantine(server.watch_dir)] == ["command:stall"]
+    assert [e.matcher for e in read_quarantine(server.watch_dir)] == ["command:stall"]
     log = server.log()
     assert f"worker process [{pid_a}]: event loop stalled" in log
     assert log.count("matcher command:stall quarantined (pinned to the pool)") >= 2, log
@@ -324,12 +327,12 @@ def test_the_inline_mark_is_read_from_another_mapping_and_a_cut_name_quarantines
     assert seen == [("command:peek", False)]  # named while it runs (another mapping of the file reads it)
     assert slots.slot(1).mark() == ("", False)  # and cleared after
     # A name longer than the 64-byte mark is recorded cut, and pins every matcher it starts.
-    watchdog.append_quarantine(tmp_path, long_name.encode()[:watchdog.MARK_SIZE].decode(), True, "test")
+    append_quarantine(tmp_path, long_name.encode()[:watchdog.MARK_SIZE].decode(), True, "test")
     monkeypatch.setenv(watchdog.ENV_DIR, str(tmp_path))
     monkeypatch.setenv(watchdog.ENV_SLOT, "0")
     worker = types.SimpleNamespace(id="w", recycling=False, engine=engine, pool=pool,
-                                   watch=watchdog.WorkerWatch.from_env())
-    watchdog.WatchdogService(worker, 8).tick()
+                                   watch=WorkerWatch.from_env())
+    WatchdogService(worker, 8).tick()
     assert engine.profiles[long_name].quarantined == "test"
     assert engine.profiles["command:peek"].quarantined is None
     assert slots.slot(0).pid == os.getpid() and slots.slot(0).stuck == 0

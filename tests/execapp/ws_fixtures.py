@@ -104,3 +104,23 @@ def demote(worker: worker_module.Worker, matcher: str) -> None:
 async def aiter_frames(client: Client, n: int) -> AsyncIterator[dict]:
     for _ in range(n):
         yield await client.recv()
+
+
+class Admission:
+    """A Worker's admission (begin_event/end_event) for a Connection built without a Worker: it
+    counts what it admitted and ended, refuses while ``draining``, and has an ``id`` like a Worker."""
+
+    id = "test-worker"
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.begun = self.ended = 0
+
+    def begin_event(self) -> bool:
+        if self.draining:
+            return False
+        self.begun += 1
+        return True
+
+    def end_event(self) -> None:
+        self.ended += 1

@@ -78,3 +78,30 @@ def test_a_memory_cap_too_small_for_the_prelude_is_refused_at_save():
     with pytest.raises(PluginInvalid) as info:
         validate(PluginSpec(name="tiny", runtime="js", code=SHOW, memory_bytes=64 << 10))
     assert "memory" in str(info.value)
+
+
+REPLIES = r"""
+function reply(e) {
+  const values = {nul: "a\u0000b", lone: "a\ud800b", pair: "ok \u2713 \ud83d\ude00", empty: "", int: 3, float: 2.5,
+                  nan: NaN, inf: -Infinity, yes: true, no: false, nothing: null, undef: undefined,
+                  obj: {a: 1, b: [null, "x"]}, arr: [1, "two"], fn: function () {}};
+  return values[e.args];
+}
+"""
+
+
+@pytest.mark.parametrize("args, expected", [
+    ("nul", "a\x00b"), ("lone", "a\ud800b"), ("pair", "ok \u2713 \U0001F600"), ("empty", ""), ("int", "3"),
+    ("float", "2.5"), ("nan", None), ("inf", None), ("yes", "true"), ("no", "false"), ("nothing", None),
+    ("undef", None), ("obj", {"a": 1, "b": [None, "x"]}), ("arr", [1, "two"]), ("fn", None),
+])
+def test_every_kind_of_reply_arrives_as_its_json_would(args: str, expected):
+    # Strings come back as themselves (not through JSON) unless the binding cannot carry them
+    # (a NUL would cut the string short, a lone surrogate fails its conversion): then as JSON.
+    plugin = LoadedPlugin(PluginSpec(name="t-replies", runtime="js", code=REPLIES, strategy="pooled", timeout=1.0))
+    try:
+        for event in (engine_event(args=args), Shaped(engine_event(args=args))):
+            reply = plugin.call("reply", event)
+            assert reply == expected and type(reply) is type(expected)
+    finally:
+        plugin.close()

@@ -191,8 +191,11 @@ def test_busy_neighbour_threads_do_not_shorten_a_budget(worker: Worker, strategy
             reply = worker.run(lambda: plugin.call("legit", event("800")), 1.0)  # 0.8 s of the 1 s budget
             legit_took, legit_cpu = time.monotonic() - started, time.process_time() - cpu0
             took = timed_timeout(worker, plugin, "busy_loop")
-        assert reply.startswith("done")
-        assert 0.8 <= legit_took < 1.0
+        # "done" is the rule: the guest's 0.8 s ran to its end inside the 1 s budget while the
+        # neighbours burned CPU. No upper bound on the wall time: under load, getting the GIL
+        # back after the guest returned can take longer than the budget's remaining 0.2 s.
+        assert reply.startswith("done"), reply
+        assert legit_took >= 0.8
         assert 1.0 <= took <= 2 * 1.0 + 0.5
         # Shown with -s: above 1 s of process CPU, a CPU-time limit would have stopped "legit".
         print(f"\n{strategy}: legit took {legit_took:.3f} s wall, {legit_cpu:.2f} s process CPU; loop {took:.3f} s")

@@ -1,0 +1,119 @@
+"""A TCP (and TLS) connection whose whole transfer ends by a deadline: the transport of ``http_get``.
+
+A socket timeout bounds one read, not a transfer: a server that trickles one byte per 100 ms
+never trips it. These sockets re-arm their timeout to what is left of the deadline before
+every read and write (http.client reads through sock.makefile, i.e. recv_into), and fail at
+once when nothing is left, so name lookup, connect, TLS handshake, headers and body together
+end by the deadline (plugins.runtimes.host). No Django, no plugin state.
+"""
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+
+class _DeadlineIO:
+    """Mixin: every send/receive first gets only what is left of ``self.deadline``."""
+
+    __slots__ = ()
+    deadline: float
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the plugin's deadline passed during the transfer")
+        self.settimeout(left)  # type: ignore[attr-defined]
+
+    def recv(self, *args: Any) -> bytes:
+        self._arm()
+        return super().recv(*args)  # type: ignore[misc]
+
+    def recv_into(self, *args: Any) -> int:
+        self._arm()
+        return super().recv_into(*args)  # type: ignore[misc]
+
+    def send(self, *args: Any) -> int:
+        self._arm()
+        return super().send(*args)  # type: ignore[misc]
+
+    def sendall(self, *args: Any) -> None:
+        self._arm()
+        return super().sendall(*args)  # type: ignore[misc]
+
+
+class _DeadlineSocket(_DeadlineIO, socket.socket):
+    __slots__ = ("deadline",)
+
+
+class _DeadlineSSLSocket(_DeadlineIO, ssl.SSLSocket):
+    pass
+
+
+_resolver: ThreadPoolExecutor | None = None
+_resolver_lock = threading.Lock()
+
+
+def _resolve(host: str, port: int, deadline: float) -> list:
+    """getaddrinfo bounded by the deadline: a literal address at once, a name on a resolver thread
+    (getaddrinfo cannot be interrupted; a lookup that outlives the deadline keeps its thread
+    until the system resolver gives up, and at most 4 such threads exist)."""
+    global _resolver
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass
+    if _resolver is None:
+        with _resolver_lock:
+            if _resolver is None:
+                _resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="plugins-dns")
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("no time left to look up the host")
+    return _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM).result(timeout=left)
+
+
+def connect(host: str, port: int, deadline: float) -> socket.socket:
+    """A TCP connection to ``host``, made and then used within ``deadline``."""
+    error: OSError | None = None
+    for family, kind, proto, _, address in _resolve(host, port, deadline):
+        sock = _DeadlineSocket(family, kind, proto)
+        sock.deadline = deadline
+        try:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no time left to connect")
+            sock.settimeout(left)
+            sock.connect(address)
+            return sock
+        except TimeoutError:
+            sock.close()
+            raise
+        except OSError as exc:
+            sock.close()
+            error = exc
+    raise error or OSError(f"no address for {host!r}")
+
+
+_tls_context: ssl.SSLContext | None = None
+
+
+def tls(sock: socket.socket, host: str, deadline: float) -> socket.socket:
+    """``sock`` wrapped in TLS (verified, with SNI), the handshake within the deadline."""
+    global _tls_context
+    if _tls_context is None:
+        context = ssl.create_default_context()
+        context.sslsocket_class = _DeadlineSSLSocket
+        _tls_context = context
+    tls = _tls_context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+    try:
+        tls.deadline = deadline  # type: ignore[attr-defined]
+        tls._arm()  # type: ignore[attr-defined]
+        tls.do_handshake()  # the ssl module bounds a whole handshake by the socket's timeout
+    except BaseException:
+        tls.close()
+        raise
+    return tls
