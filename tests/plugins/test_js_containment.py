@@ -195,7 +195,7 @@ def test_busy_neighbour_threads_do_not_shorten_a_budget(worker: Worker, strategy
         # neighbours burned CPU. No upper bound on the wall time: under load, getting the GIL
         # back after the guest returned can take longer than the budget's remaining 0.2 s.
         assert reply.startswith("done"), reply
-        assert legit_took >= 0.8
+        assert legit_took >= 0.79  # the guest's 0.8 s is counted in Date.now()'s whole milliseconds
         assert 1.0 <= took <= 2 * 1.0 + 0.5
         # Shown with -s: above 1 s of process CPU, a CPU-time limit would have stopped "legit".
         print(f"\n{strategy}: legit took {legit_took:.3f} s wall, {legit_cpu:.2f} s process CPU; loop {took:.3f} s")
