@@ -6,13 +6,14 @@ plugin, exec class, start, queue wait, duration, outcome code and message, repli
 ``HISTORY_REPLY_BYTES``), the worker, the times and the outcome. See docs/observability.md.
 
 Recording is batched: the connection calls ``accepted``, ``delivered`` and ``refused`` on the
-event loop and the engine calls this module's run observer after every handler run; each only
-appends a tuple to one bounded buffer (a deque: ``append``/``popleft`` are atomic, so the loop
-and the pool threads need no lock). The ``Recorder`` (a worker service on the housekeeping
-thread) turns those tuples into traces every ``HISTORY_FLUSH_SECONDS``, adds them to the recent
-store (``execapp.history_store``), writes the failures to the database (``EventTrace``, kept
-``HISTORY_FAILURE_DAYS``) and counts failures by matcher, plugin and code for the dashboard and
-/metrics. Without a running Recorder the hooks return at once.
+event loop and the engine calls this module's run observer after every handler run; they keep
+each event in flight as one list and its done appends one tuple to one bounded buffer (a deque:
+``append``/``popleft`` are atomic, so the loop and the pool threads need no lock). The
+``Recorder`` (a worker service on the housekeeping thread) turns those tuples into traces every
+``HISTORY_FLUSH_SECONDS``, adds them to the recent store (``execapp.history_store``), writes the
+failures to the database (``EventTrace``, kept ``HISTORY_FAILURE_DAYS``) and counts failures by
+matcher, plugin and code for the dashboard and /metrics. Without a running Recorder the hooks
+return at once.
 
 Readers: ``get(owner, event_id)`` (the newest trace of that pair: a resend can be answered from
 its recorded replies and outcome), ``search(filters)`` and ``detail(uid)`` (the admin's Events page).
@@ -41,7 +42,6 @@ from .engine.profile import ExecClass
 from .engine.ratelog import RateLimitedLog
 from .history_query import detail, get, prune, search
 from .history_record import (
-    FLAT_LEN,
     H_CODE,
     H_MATCHER,
     H_MESSAGE,
@@ -49,7 +49,6 @@ from .history_record import (
     H_START,
     OUTCOME,
     Record,
-    flat,
     to_json,
     view,
 )
@@ -76,85 +75,80 @@ _POOL = ExecClass.POOL
 _EXEC = {ExecClass.SYNC: "sync", ExecClass.POOL: "pool"}
 #: Reply data a flat record may hold (see execapp/history_record.py).
 _PLAIN = frozenset((str, int, float, bool, type(None)))
+_mono = time.monotonic
 
 #: An event in flight, built on the hot path as a list (cheapest to make and to append to):
-#: [conn, event, accepted wall time, accepted monotonic time, runs, outcomes]. ``runs`` holds the
-#: run observer's (matcher, plugin, exec class, elapsed, code, end time) and ``outcomes`` the
-#: replies and failures the connection delivered: each None, one item, or a list of several.
-_CONN, _EVENT, _TS, _T0, _RUNS, _OUTS = range(6)
-#: Events accepted and not yet completed: by (id(connection), event id) for the connection's
-#: outcomes (loop thread only), and by id(event) for runs observed on pool threads.
-_pending: dict[tuple[int, str], list[Any]] = {}
-_by_event: dict[int, list[Any]] = {}
-#: What the housekeeper takes, per finished event: its record, already built when the event was
-#: the common kind (a flat tuple, see execapp/history_record.py), else (its list, its completion);
-#: or a refusal (None, conn, code, message, event id, time).
+#: [conn, event, accepted monotonic time, outcomes, run, run...]. ``outcomes`` holds the replies
+#: and failures the connection delivered (None, one item, or a list of several); each run the
+#: observer saw is appended after it as (matcher, plugin, exec class, elapsed, code, end time).
+_CONN, _EVENT, _T0, _OUTS = range(4)
+_RUN0 = 4
+#: Events accepted and not yet completed, by event id (a str key: no tuple to build per lookup);
+#: an id another connection already has in flight goes under (id(connection), event id). Written
+#: on the loop thread only; the pool threads' observer and the housekeeper only read it.
+_pending: dict[Any, list[Any]] = {}
+#: What the housekeeper takes, per finished event: the common kind's plain values (a tuple of
+#: ``_COMMON_LEN``, made into its flat record by ``Recorder._take_all``), else
+#: (its list, its completion or None); or a refusal (None, conn, code, message, event id, time).
 _buffer: collections.deque = collections.deque()
+_COMMON_LEN = 19
 _dropped = itertools.count()
 #: The in-flight list of the event the current asyncio task is dispatching (set by
 #: ``accepted``): an inline run's observer call happens inside that dispatch, in that task's context.
 _current: contextvars.ContextVar[Any] = contextvars.ContextVar("execapp_history_event", default=None)
 _recorder: "Recorder | None" = None
+#: Wall-clock time minus monotonic time: the hot path reads the monotonic clock alone and the
+#: housekeeper turns it into wall time with this (set at start, refreshed at every flush).
+_wall_offset = 0.0
 
 
 # -- the hot path: what the connection and the engine call ------------------------------------------
 # Nothing the hot path keeps outlives its event but plain values: a list, an Event or a Reply held
 # until the housekeeper's next flush would be walked by every garbage collection meanwhile (that
-# cost more than the rest of the recording together), so a finished common event becomes its flat
-# record (a tuple of plain values, untracked by the collector) right here.
+# cost more than the rest of the recording together), so a finished common event leaves only a
+# tuple of plain values (untracked by the collector) right here; the housekeeper makes its record.
+# Each hook does the least it can: one clock read at acceptance and one per run, one dict entry
+# per event, no object but the in-flight list and the run tuples.
 
 def accepted(conn: Any, event: Any) -> None:
     """The connection accepted ``event`` (counted in flight) and is about to dispatch it (loop thread)."""
     if _recorder is None:
         return
-    pending = [conn, event, time.time(), time.monotonic(), [], None]
+    pending = [conn, event, _mono(), None]
     _current.set(pending)
-    _pending[(id(conn), event.id)] = pending
-    _by_event[id(event)] = pending
+    eid = event.id
+    other = _pending.setdefault(eid, pending)
+    if other is not pending:  # rare: this id is in flight already
+        if other[_CONN] is conn:  # its earlier event never completed (the connection went away mid-event)
+            _pending[eid] = pending
+            if len(_buffer) < BUFFER_LIMIT:
+                _buffer.append((other, None))  # recorded incomplete
+        else:  # another connection's: ids are the clients' own
+            _pending[(id(conn), eid)] = pending
+
+
+def _find(conn: Any, eid: str) -> tuple[Any, list[Any] | None]:
+    """The in-flight list of ``conn``'s event ``eid`` and its key in ``_pending`` (loop thread)."""
+    pending = _pending.get(eid)
+    if pending is not None and pending[_CONN] is conn:
+        return eid, pending
+    key = (id(conn), eid)
+    return key, _pending.get(key)
 
 
 def delivered(conn: Any, outcome: Any) -> None:
     """One outcome of an accepted event (reply, failure or its completion) reached the connection
     (loop thread). The completion hands the event to the housekeeper."""
-    rec = _recorder
-    if rec is None:
+    if _recorder is None:
         return
-    if outcome.__class__ is Completion:
-        pending = _pending.pop((id(conn), outcome.event_id), None)
+    eid = outcome.event_id
+    pending = _pending.get(eid)
+    key: Any = eid
+    if pending is None or pending[_CONN] is not conn:
+        key, pending = _find(conn, eid)
         if pending is None:
             return  # accepted before the recorder started
-        event = pending[_EVENT]
-        del _by_event[id(event)]
-        if len(_buffer) >= BUFFER_LIMIT:
-            next(_dropped)
-            return
-        runs, out = pending[_RUNS], pending[_OUTS]
-        if len(runs) == 1 and not outcome.errors and (out is None or (
-                out.__class__ is Reply and out.matcher == runs[0][0] and out.data.__class__ in _PLAIN)):
-            # The common event: one handler that replied once (or not at all), nothing failed.
-            name, plugin, exec_class, elapsed, _, t_end = runs[0]
-            start = t_end - elapsed - pending[_T0]
-            if out is None:
-                text = data = None
-                kept = True
-            else:
-                text, data = out.text, out.data
-                size = (len(text) if text is not None else 0) + (0 if data is None else len(str(data)))
-                kept = size <= rec.reply_bytes
-                if not kept:
-                    text = data = None
-            etext = event.text
-            _buffer.append(flat(
-                f"{rec.tag}-{next(rec.seq):x}", event.id, getattr(conn, "owner", "") or "", event.session, event.type,
-                etext if len(etext) <= rec.text_chars else etext[:rec.text_chars], event.size, rec.worker_id,
-                pending[_TS], outcome.elapsed, outcome.matched, outcome.replies, outcome.blocked_by, name, plugin,
-                _EXEC[exec_class], start if start > 0.0 else 0.0,
-                (start if start > 0.0 else 0.0) if exec_class is _POOL else None, elapsed, text, data, kept))
-        else:
-            _buffer.append((pending, outcome))
-        return
-    pending = _pending.get((id(conn), outcome.event_id))
-    if pending is not None:
+    if outcome.__class__ is not Completion:
         outs = pending[_OUTS]
         if outs is None:
             pending[_OUTS] = outcome
@@ -162,6 +156,36 @@ def delivered(conn: Any, outcome: Any) -> None:
             outs.append(outcome)
         else:
             pending[_OUTS] = [outs, outcome]
+        return
+    del _pending[key]
+    if len(_buffer) >= BUFFER_LIMIT:
+        next(_dropped)
+        return
+    out = pending[_OUTS]
+    if len(pending) == 5 and not outcome.errors and (out is None or (
+            out.__class__ is Reply and out.data.__class__ in _PLAIN and out.matcher == pending[_RUN0][0])):
+        # The common event: one handler that replied once (or not at all), nothing failed. Only
+        # plain values are kept (the exec class as "pooled or not"); the housekeeper builds its record.
+        event = pending[_EVENT]
+        name, plugin, exec_class, elapsed, _, t_end = pending[_RUN0]
+        try:
+            owner = conn.owner  # a Connection's is a str ("" for none)
+        except AttributeError:
+            owner = ""
+        if out is None:
+            _buffer.append((owner, eid, event.session, event.type, event.text, event.size, pending[_T0],
+                            outcome.elapsed, outcome.matched, outcome.replies, outcome.blocked_by, name, plugin,
+                            exec_class is _POOL, elapsed, t_end, False, None, None))
+        else:
+            _buffer.append((owner, eid, event.session, event.type, event.text, event.size, pending[_T0],
+                            outcome.elapsed, outcome.matched, outcome.replies, outcome.blocked_by, name, plugin,
+                            exec_class is _POOL, elapsed, t_end, True, out.text, out.data))
+        # The task's ContextVar holds this list until its connection's next event (a network round
+        # trip away, across many collections): emptied, it no longer keeps the event, its reply
+        # and the connection alive into the older generations the full collections walk.
+        pending.clear()
+    else:
+        _buffer.append((pending, outcome))
 
 
 def refused(conn: Any, code: str, message: str, event_id: str | None) -> None:
@@ -184,14 +208,27 @@ def _observe(m: Any, exec_class: ExecClass, elapsed: float, code: str) -> None:
         return
     pending = _current.get()
     if pending is None:
-        run = _caller_run()
-        if run is None:
-            return
-        pending = _by_event.get(id(run.event))
+        pending = _pooled_event()
         if pending is None:
             return
     # list.append is atomic: the loop and pool threads of one event may append at once.
-    pending[_RUNS].append((m.name, m.plugin, exec_class, elapsed, code, time.monotonic()))
+    pending.append((m.name, m.plugin, exec_class, elapsed, code, _mono()))
+
+
+def _pooled_event() -> list[Any] | None:
+    """The in-flight list of the event whose handler the calling pool thread just ran, or None.
+    Reads ``_pending`` while the loop writes it: single lookups, and a scan of a copy."""
+    run = _caller_run()
+    if run is None:
+        return None
+    event = run.event
+    pending = _pending.get(event.id)
+    if pending is not None and pending[_EVENT] is event:
+        return pending
+    for pending in list(_pending.values()):  # rare: its id was in flight on two connections at once
+        if pending[_EVENT] is event:
+            return pending
+    return None
 
 
 _RUNNER_PARAMS: dict[Any, tuple[str, ...]] = {}
@@ -212,7 +249,7 @@ def _runner_params() -> dict[Any, tuple[str, ...]]:
 
 def _caller_run() -> EventRun | None:
     runners = _runner_params()
-    frame: FrameType | None = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(3)  # above: _pooled_event, history._observe
     for _ in range(8):
         if frame is None:
             return None
@@ -265,6 +302,7 @@ class Recorder:
         """Become the process's recorder: the hooks start recording (one per process)."""
         global _recorder
         _runner_params()
+        _set_wall_offset()
         _recorder = self
 
     def tick(self) -> None:
@@ -281,6 +319,7 @@ class Recorder:
     def flush(self, expire_all: bool = False) -> int:
         """Turn every buffered item into traces and store the finished ones; how many were stored."""
         with self._lock:
+            _set_wall_offset()
             records: list[tuple] = []
             self._take_all(records)
             self._expire(records, expire_all)
@@ -294,12 +333,31 @@ class Recorder:
             return len(records)
 
     def _take_all(self, records: list[tuple]) -> None:
-        # One loop over every finished event (and refusal) the hot path handed over.
+        # One loop over every finished event (and refusal) the hot path handed over, in order (a
+        # reused id's newest trace must come last). The common event's flat record is built right
+        # here (see execapp/history_record.py, ``flat``: the same tuple without a call per event).
         trace, append, popleft = self._trace, records.append, _buffer.popleft
+        tag, seq, worker_id, offset = self.tag, self.seq, self.worker_id, _wall_offset
+        text_chars, reply_bytes = self.text_chars, self.reply_bytes
         for _ in range(len(_buffer)):
             item = popleft()
-            if len(item) == FLAT_LEN:  # the common event's record, built by the hot path
-                append(item)
+            if len(item) == _COMMON_LEN:
+                (owner, eid, session, type_, text, size, t0, duration, matched, replies, blocked_by, name, plugin,
+                 pooled, elapsed, t_end, replied, reply_text, reply_data) = item
+                start = t_end - elapsed - t0
+                if start < 0.0:
+                    start = 0.0
+                # kept: its one reply is in the record; truncated: it replied over HISTORY_REPLY_BYTES.
+                kept = replied
+                if replied and ((len(reply_text) if reply_text is not None else 0)
+                                + (0 if reply_data is None else len(str(reply_data)))) > reply_bytes:
+                    kept = False
+                    reply_text = reply_data = None
+                append((f"{tag}-{next(seq):x}", eid, owner or "", session, type_,
+                        text if len(text) <= text_chars else text[:text_chars], size, worker_id, t0 + offset, "ok",
+                        "", (), duration, matched, replies, 0, blocked_by, name, plugin,
+                        "pool" if pooled else "sync", start, start if pooled else None, elapsed, reply_text,
+                        reply_data, kept, replied and not kept))
                 continue
             pending = item[0]
             if pending is not None:
@@ -317,7 +375,6 @@ class Recorder:
         for key, pending in list(_pending.items()):
             if expire_all or pending[_T0] < horizon:
                 if _pending.pop(key, None) is not None:
-                    _by_event.pop(id(pending[_EVENT]), None)
                     records.append(self._trace(pending, None))
 
     # -- building traces ------------------------------------------------------------------------
@@ -342,7 +399,7 @@ class Recorder:
         elif not text and event.data:
             text = _json(event.data)[:self.text_chars]
         uid = f"{self.tag}-{next(self.seq):x}"
-        ts = p[_TS]
+        ts = p[_T0] + _wall_offset
         handlers, codes, truncated = self._handlers(p)
         if completion is None:
             outcome, duration, matched, replies, errors, blocked_by = INCOMPLETE, None, None, None, len(codes), None
@@ -364,7 +421,7 @@ class Recorder:
         """Every handler of an event (the general case: several, failed, refused, unattributed)."""
         t0 = p[_T0]
         found: dict[str, list[Any]] = {}
-        for name, plugin, exec_class, elapsed, code, t_end in p[_RUNS]:
+        for name, plugin, exec_class, elapsed, code, t_end in p[_RUN0:]:
             start = max(0.0, t_end - elapsed - t0)
             found[name] = [name, plugin, _EXEC[exec_class], start, start if exec_class is _POOL else None, elapsed,
                            code, "", []]
@@ -447,6 +504,12 @@ class Recorder:
             off_loop(lambda: self.flush(expire_all=active))  # another recorder's events are its own
         except Exception as exc:
             log.warning("final event history flush failed: %r", exc)
+
+
+def _set_wall_offset() -> None:
+    """Refresh the offset from the monotonic clock the hot path reads to wall-clock time."""
+    global _wall_offset
+    _wall_offset = time.time() - time.monotonic()
 
 
 def _size(text: str | None, data: Any) -> int:

@@ -85,11 +85,14 @@ _ATOMS = (str, int, float, bool, type(None))
 def flat(uid: str, event_id: str, owner: str, session: str | None, type_: str, text: str, size: int, worker: str,
          ts: float, duration: float, matched: int, replies: int, blocked_by: str | None, matcher: str,
          plugin: str | None, exec_: str, start: float, wait: float | None, elapsed: float, reply_text: str | None,
-         reply_data: Any, kept: bool) -> tuple:
+         reply_data: Any, kept: bool, truncated: bool | None = None) -> tuple:
     """A stored flat record (see FLAT_LEN): outcome ok, no codes, one handler ``ok``, its reply
-    (``kept`` False: left out, over HISTORY_REPLY_BYTES). ``reply_data`` must be a plain value."""
+    (``kept`` False: none kept; ``truncated``, by default ``not kept``: left out, over
+    HISTORY_REPLY_BYTES; a handler that did not reply: both False). ``reply_data`` must be a plain
+    value. (The recorder's flush builds this same tuple inline, without a call per event: keep both in step.)"""
     return (uid, event_id, owner, session, type_, text, size, worker, ts, "ok", "", (), duration, matched, replies,
-            0, blocked_by, matcher, plugin, exec_, start, wait, elapsed, reply_text, reply_data, kept, not kept)
+            0, blocked_by, matcher, plugin, exec_, start, wait, elapsed, reply_text, reply_data, kept,
+            not kept if truncated is None else truncated)
 
 
 def is_plain(value: Any) -> bool:

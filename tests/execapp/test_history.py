@@ -141,6 +141,7 @@ async def test_every_handler_of_an_event_is_in_its_trace_with_timings_and_replie
     # A handler that returned nothing sent no frame: only the run observer saw it, and it is listed.
     quiet = await trace_of(owner, "quiet-1")
     assert [h["matcher"] for h in quiet["handlers"]] == ["command:quiet"] and quiet["replies"] == 0
+    assert quiet["handlers"][0]["replies"] == [] and quiet["replies_truncated"] is False
 
     boom = await trace_of(owner, "boom-1")
     assert boom["outcome"] == "error" and boom["codes"] == ["handler_error"]
@@ -407,8 +408,107 @@ def test_hooks_do_nothing_without_a_recorder_and_the_buffer_is_bounded(monkeypat
         history.accepted(conn, Event(text="/x", id=f"e{n}"))
         history.delivered(conn, Completion(f"e{n}", 0, 0, (), None, 0.0))
     assert len(history._buffer) == 2 and history.count_value(history._dropped) == dropped + 3
-    assert not history._pending and not history._by_event  # completed events leave the in-flight maps
+    assert not history._pending  # completed events leave the in-flight map
     history._buffer.clear()
+
+
+class _Collect:
+    """A recent store that keeps what the recorder adds, as it is."""
+
+    name = "collect"
+
+    def __init__(self) -> None:
+        self.records: list[tuple] = []
+
+    def add(self, records: list[tuple]) -> None:
+        self.records.extend(records)
+
+
+def _direct_recorder(monkeypatch: pytest.MonkeyPatch) -> history.Recorder:
+    """A started recorder of its own (restored after the test) whose store is a _Collect."""
+    from types import SimpleNamespace
+
+    from execapp.engine import Engine
+
+    monkeypatch.setattr(history, "_recorder", None)
+    rec = history.Recorder(SimpleNamespace(engine=Engine(pool_enabled=False), id="w1"))
+    rec.store = _Collect()  # type: ignore[assignment]
+    rec.text_chars, rec.reply_bytes = 10, 50
+    rec.start()
+    return rec
+
+
+def _one_run(conn: Any, event: Event, exec_class: Any, reply: Any, matcher: str = "command:ping") -> None:
+    """What the connection and the engine tell the hooks for an event with one handler run."""
+    from types import SimpleNamespace
+
+    from execapp.engine import Completion, Reply
+
+    history.accepted(conn, event)
+    if reply is not None:
+        history.delivered(conn, Reply(event.id, matcher, "p", reply[0], reply[1], exec_class, 0.002))
+    history._observe(SimpleNamespace(name=matcher, plugin="p"), exec_class, 0.002, "ok")
+    history.delivered(conn, Completion(event.id, 1, 0 if reply is None else 1, (), None, 0.003))
+
+
+def test_the_common_event_leaves_plain_values_and_its_flat_record_keeps_every_field(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+    from types import SimpleNamespace
+
+    from execapp.engine.profile import ExecClass
+    from execapp.history_record import FLAT_LEN, flat, view
+
+    rec = _direct_recorder(monkeypatch)
+    conn = SimpleNamespace(owner="tenant:t")
+    before = time.time()
+    _one_run(conn, Event(text="/ping 0123456789", id="c1", session="s"), ExecClass.SYNC, ("pong", None))
+    _one_run(conn, Event(text="/ping", id="c2"), ExecClass.POOL, (None, 7))
+    _one_run(conn, Event(text="/ping", id="c3"), ExecClass.SYNC, ("x" * 60, None))  # over reply_bytes
+    _one_run(conn, Event(text="/quiet", id="c4"), ExecClass.SYNC, None)
+    after = time.time()
+    assert not history._pending and len(history._buffer) == 4
+    gc.collect()
+    assert not any(gc.is_tracked(item) for item in history._buffer)  # plain values only until the flush
+    assert rec.flush() == 4
+    c1, c2, c3, c4 = rec.store.records  # type: ignore[attr-defined]
+    assert all(len(r) == FLAT_LEN for r in (c1, c2, c3, c4))
+    assert before - 0.01 <= c1[8] <= after + 0.01  # wall time, from the monotonic clock and the offset
+    start = c1[20]
+    assert start >= 0.0
+    assert c1 == flat(c1[0], "c1", "tenant:t", "s", "message", "/ping 0123", 16, "w1", c1[8], 0.003, 1, 1, None,
+                      "command:ping", "p", "sync", start, None, 0.002, "pong", None, True)
+    assert view(c2).handlers[0][2:5] == ("pool", c2[20], c2[20]) and view(c2).handlers[0][8] == ((None, 7),)
+    assert view(c3).handlers[0][8] == () and view(c3).replies_truncated and view(c3).replies == 1
+    assert view(c4).handlers[0][8] == () and not view(c4).replies_truncated and view(c4).replies == 0
+    assert len({c1[0], c2[0], c3[0], c4[0]}) == 4  # uids unique
+
+
+def test_an_id_in_flight_on_two_connections_keeps_two_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from execapp.engine import Completion, Reply
+    from execapp.engine.profile import ExecClass
+    from execapp.history_record import view
+
+    rec = _direct_recorder(monkeypatch)
+    a, b = SimpleNamespace(owner="tenant:a"), SimpleNamespace(owner="tenant:b")
+    history.accepted(a, Event(text="/echo a", id="same"))
+    history.accepted(b, Event(text="/echo b", id="same"))  # the clients' own ids: both in flight at once
+    history.delivered(b, Reply("same", "command:echo", "p", "b", {"n": 2}, ExecClass.SYNC, 0.001))
+    history.delivered(a, Reply("same", "command:echo", "p", "a", {"n": 1}, ExecClass.SYNC, 0.001))
+    history.delivered(a, Completion("same", 1, 1, (), None, 0.001))
+    history.delivered(b, Completion("same", 1, 1, (), None, 0.001))
+    assert not history._pending
+    # The same connection accepting an id it never completed: the earlier one is recorded incomplete.
+    history.accepted(a, Event(text="/slow", id="again"))
+    history.accepted(a, Event(text="/ping", id="again"))
+    history.delivered(a, Completion("again", 0, 0, (), None, 0.0))
+    assert rec.flush() == 4
+    got = [view(r) for r in rec.store.records]  # type: ignore[attr-defined]
+    assert [(r.owner, r.handlers[0][8]) for r in got[:2]] == [("tenant:a", (("a", {"n": 1}),)),
+                                                              ("tenant:b", (("b", {"n": 2}),))]
+    assert [(r.text, r.outcome) for r in got[2:]] == [("/slow", "incomplete"), ("/ping", "ok")]
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
