@@ -265,6 +265,11 @@ async def run_load_around(load: Load, action: Any) -> Any:
                                   and any(o.text.startswith("/slow") for o in load.events.values()), WAIT), \
         "the load never got going"
     load.phase = 1
+    # An event sent in phase 0 may still be on its way to the server: the action starts once every
+    # phase-0 event has its terminal, so phase 0 is "before the drain" on the server too (phase-1
+    # events, /slow ones among them, are what the drain meets in flight).
+    assert await wait_until_async(lambda: all(o.terminals for o in list(load.events.values()) if o.phase == 0),
+                                  WAIT), "phase-0 events never finished"
     result = await asyncio.to_thread(action)
     load.phase = 2
     assert await wait_until_async(lambda: load.answered(2) + len(load.close_codes) >= load.clients, WAIT), \
