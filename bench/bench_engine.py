@@ -43,7 +43,7 @@ from time import perf_counter
 from time import thread_time as _thread_time
 from typing import Any, Awaitable, Callable
 
-from bench.common import interleaved, median, percentile, row
+from bench.common import interleaved, median, per_call_us, percentile, row
 from execapp.engine import Engine, Event, ExecPool, ExecProfile
 
 # -- 1. inline dispatch overhead -----------------------------------------------------------------
@@ -54,16 +54,7 @@ def _cpu_per_call_us(fn: Callable[[], Any], n: int) -> float:
 
     CPU time, not wall time: on the shared 2-core machine the wall clock also counts the time
     this thread waits for a core while the neighbours run, which is noise here."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        start = time.thread_time()
-        for _ in range(n):
-            fn()
-        return (time.thread_time() - start) / n * 1e6
-    finally:
-        if enabled:
-            gc.enable()
+    return per_call_us(fn, n, time.thread_time)
 
 
 def bench_inline(quick: bool) -> list[dict[str, Any]]:

@@ -134,21 +134,22 @@ def _js_bare(code: str) -> dict[str, Callable[[], Any]]:
 
     from plugins.runtimes.base import scan_json, to_json
 
-    def context() -> Any:
+    def limited() -> Any:
+        """A Context with our limits and the plugin's source, as each bare case starts."""
         ctx = quickjs.Context()
         ctx.set_memory_limit(16 << 20)
         ctx.set_max_stack_size(512 << 10)
         ctx.set_time_limit(5.0)
         ctx.eval(code)
+        return ctx
+
+    def context() -> Any:
+        ctx = limited()
         ctx.eval("function __run(ev) { return JSON.stringify(upper(JSON.parse(ev))); }")
         return ctx.get("__run")
 
     def context_fields() -> Any:
-        ctx = quickjs.Context()
-        ctx.set_memory_limit(16 << 20)
-        ctx.set_max_stack_size(512 << 10)
-        ctx.set_time_limit(5.0)
-        ctx.eval(code)
+        ctx = limited()
         # A string reply crosses as itself when the binding can carry it, as ours does.
         ctx.eval("function __run(id, type, text, data, session, args) {"
                  " const r = upper({id, type, text, data: JSON.parse(data), session, args});"

@@ -103,6 +103,26 @@ _PRELUDE = r"""
     try { f(); } catch (e) { done = {s: "err", e: errstr(e)}; }
   });
   delete g.FinalizationRegistry;
+  // QuickJS polls for interrupts in its bytecode loop and regexp engine, not inside a built-in's
+  // C loop over an array-like's length: `a.length = 2**31; a.join()` (or indexOf, fill, sort,
+  // forEach over holes, ...) ran for minutes past any deadline. Every Array.prototype method that
+  // walks `length` in C refuses a length no real array within the memory limit can have.
+  const apply = Reflect.apply, AP = Array.prototype, MAX_LENGTH = 1 << 22;
+  for (const name of ["join", "toString", "toLocaleString", "indexOf", "lastIndexOf", "includes", "fill",
+                      "copyWithin", "reverse", "forEach", "map", "filter", "some", "every", "find",
+                      "findIndex", "findLast", "findLastIndex", "reduce", "reduceRight", "flat", "flatMap",
+                      "slice", "splice", "sort", "concat", "shift", "unshift", "with", "toReversed",
+                      "toSorted", "toSpliced"]) {
+    const f = AP[name];
+    if (typeof f !== "function") continue;
+    Object.defineProperty(AP, name, {writable: true, configurable: true, value: {[name](...args) {
+      const n = this == null ? 0 : this.length;
+      if (n > MAX_LENGTH)
+        throw new RangeError("Array.prototype." + name + " on a length of " + n +
+                             ": the sandbox allows at most " + MAX_LENGTH);
+      return apply(f, this, args);
+    }}[name]});
+  }
   const request = (op, args) => {
     if (loading)
       throw new Error(op + ": the host API is not available while the plugin's top level runs; call it from a handler");

@@ -244,3 +244,34 @@ def test_a_watchdog_pass_in_progress_finishes_before_the_call_ends() -> None:
         assert ended.wait(5.0)
     finally:
         js_deadline.unregister(slot)
+
+
+SPARSE = {  # a C loop over `length` polls no interrupt: each of these ran for minutes unguarded
+    "join": "a.join(',')", "indexOf": "a.indexOf(1)", "forEach": "a.forEach(x => x)", "sort": "a.sort()",
+    "fill": "a.fill(0, 2 ** 31 - 2)", "generic join": "Array.prototype.join.call({length: 2 ** 31})",
+    "String()": "String(a)",
+}
+
+
+@pytest.mark.parametrize("case", SPARSE)
+def test_a_built_in_walking_a_huge_length_is_refused_not_run_past_the_deadline(worker: Worker, case: str) -> None:
+    code = f"function f(e) {{ const a = []; a.length = 2 ** 31; for (;;) {SPARSE[case]}; }}"
+    plugin = make("pooled", code=code, timeout=BUDGET)
+    try:
+        def call() -> Any:
+            try:
+                return plugin.call("f", event())
+            except Exception as exc:  # noqa: BLE001 - the refusal is the result under test
+                return exc
+        started = time.monotonic()
+        failed = worker.run(call, BUDGET)
+        assert "RangeError" in str(failed) and "the sandbox allows at most" in str(failed), failed
+        assert time.monotonic() - started < BUDGET
+        # An ordinary array is untouched.
+        plugin2 = make("pooled", code="function f(e) { return [3, 1, 2].sort().join('-') + [5, 6].indexOf(6); }")
+        try:
+            assert worker.run(lambda: plugin2.call("f", event()), BUDGET) == "1-2-31"
+        finally:
+            plugin2.close()
+    finally:
+        plugin.close()
