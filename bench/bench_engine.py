@@ -43,18 +43,10 @@ from time import perf_counter
 from time import thread_time as _thread_time
 from typing import Any, Awaitable, Callable
 
-from bench.common import interleaved, median, per_call_us, percentile, row
+from bench.common import cpu_per_call_us, interleaved, median, percentile, row
 from execapp.engine import Engine, Event, ExecPool, ExecProfile
 
 # -- 1. inline dispatch overhead -----------------------------------------------------------------
-
-
-def _cpu_per_call_us(fn: Callable[[], Any], n: int) -> float:
-    """Microseconds of this thread's CPU per call of ``fn`` (GC paused, as timeit does).
-
-    CPU time, not wall time: on the shared 2-core machine the wall clock also counts the time
-    this thread waits for a core while the neighbours run, which is noise here."""
-    return per_call_us(fn, n, time.thread_time)
 
 
 def bench_inline(quick: bool) -> list[dict[str, Any]]:
@@ -85,12 +77,12 @@ def bench_inline(quick: bool) -> list[dict[str, Any]]:
         sink.clear()
 
     cases: dict[str, Callable[[], float]] = {
-        "direct": lambda: _cpu_per_call_us(direct, n),
-        "process_event": lambda: _cpu_per_call_us(lambda: pe(event), n),
-        "event": lambda: _cpu_per_call_us(lambda: Event(text="/ping"), n),
-        "event+process_event": lambda: _cpu_per_call_us(lambda: pe(Event(text="/ping")), n),
-        "process_event_sync": lambda: _cpu_per_call_us(lambda: pe_sync(event), n),
-        "worker": lambda: _cpu_per_call_us(as_in_worker, n),
+        "direct": lambda: cpu_per_call_us(direct, n),
+        "process_event": lambda: cpu_per_call_us(lambda: pe(event), n),
+        "event": lambda: cpu_per_call_us(lambda: Event(text="/ping"), n),
+        "event+process_event": lambda: cpu_per_call_us(lambda: pe(Event(text="/ping")), n),
+        "process_event_sync": lambda: cpu_per_call_us(lambda: pe_sync(event), n),
+        "worker": lambda: cpu_per_call_us(as_in_worker, n),
     }
     # Each repetition measures every case back to back, so a burst of the neighbours' load hits
     # one repetition's cases alike: an overhead is the median of the per-repetition differences

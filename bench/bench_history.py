@@ -38,7 +38,7 @@ for _p in (str(ROOT), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench.common import interleaved, per_call_us, row, setup_django  # noqa: E402
+from bench.common import cpu_per_call_us, interleaved, row, setup_django  # noqa: E402
 
 BENCH = "event history"
 
@@ -69,17 +69,17 @@ def bench_inline(quick: bool) -> list[dict[str, Any]]:
 
     def off() -> float:
         history._recorder = None
-        return per_call_us(one, n)
+        return cpu_per_call_us(one, n)
 
     def on() -> float:
         recorder.start()
         try:
-            return per_call_us(one, n)
+            return cpu_per_call_us(one, n)
         finally:
             history._recorder = None
             history._buffer.clear()  # the housekeeper's work is measured apart (below)
 
-    results = interleaved({"direct": lambda: per_call_us(handler_only, n), "off": off, "on": on}, reps)
+    results = interleaved({"direct": lambda: cpu_per_call_us(handler_only, n), "off": off, "on": on}, reps)
     if m.profile.should_pool().value != "sync":
         raise RuntimeError("the benchmark handler left the inline path")
     # The housekeeper: turning n events' buffered items into traces and storing them.

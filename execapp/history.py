@@ -21,22 +21,19 @@ its recorded replies and outcome), ``search(filters)`` and ``detail(uid)`` (the 
 from __future__ import annotations
 
 import collections
-import contextvars
 import datetime as dt
 import itertools
 import json
 import logging
 import secrets
-import sys
 import threading
 import time
-from types import FrameType
 from typing import Any, Iterable
 
 from django.db import close_old_connections
 
 from . import conf
-from .engine.event import Completion, EventRun, Failure, Reply
+from .engine.event import Completion, Failure, Reply
 from .engine.pool import count_value
 from .engine.profile import ExecClass
 from .engine.ratelog import RateLimitedLog
@@ -93,9 +90,6 @@ _pending: dict[Any, list[Any]] = {}
 _buffer: collections.deque = collections.deque()
 _COMMON_LEN = 19
 _dropped = itertools.count()
-#: The in-flight list of the event the current asyncio task is dispatching (set by
-#: ``accepted``): an inline run's observer call happens inside that dispatch, in that task's context.
-_current: contextvars.ContextVar[Any] = contextvars.ContextVar("execapp_history_event", default=None)
 _recorder: "Recorder | None" = None
 #: Wall-clock time minus monotonic time: the hot path reads the monotonic clock alone and the
 #: housekeeper turns it into wall time with this (set at start, refreshed at every flush).
@@ -115,7 +109,6 @@ def accepted(conn: Any, event: Any) -> None:
     if _recorder is None:
         return
     pending = [conn, event, _mono(), None]
-    _current.set(pending)
     eid = event.id
     other = _pending.setdefault(eid, pending)
     if other is not pending:  # rare: this id is in flight already
@@ -180,10 +173,6 @@ def delivered(conn: Any, outcome: Any) -> None:
             _buffer.append((owner, eid, event.session, event.type, event.text, event.size, pending[_T0],
                             outcome.elapsed, outcome.matched, outcome.replies, outcome.blocked_by, name, plugin,
                             exec_class is _POOL, elapsed, t_end, True, out.text, out.data))
-        # The task's ContextVar holds this list until its connection's next event (a network round
-        # trip away, across many collections): emptied, it no longer keeps the event, its reply
-        # and the connection alive into the older generations the full collections walk.
-        pending.clear()
     else:
         _buffer.append((pending, outcome))
 
@@ -198,71 +187,22 @@ def refused(conn: Any, code: str, message: str, event_id: str | None) -> None:
         next(_dropped)
 
 
-def _observe(m: Any, exec_class: ExecClass, elapsed: float, code: str) -> None:
+def _observe(m: Any, exec_class: ExecClass, elapsed: float, code: str, event: Any) -> None:
     # The engine's run observer (Engine.add_observer): after every handler run, on the thread that
-    # ran it, before the run's outcome completes its event. On the loop the task's context holds
-    # the event's list; on a pool thread the engine's own frame names the event (found by type
-    # among its arguments, as engine.running_handlers does): ~1 us on that pool thread, nothing
-    # on the loop.
+    # ran it (the loop, or a pool thread), before the run's outcome completes its event, so the
+    # event is still in ``_pending``. Reads ``_pending`` while the loop may write it: single
+    # lookups, and (rarely) a scan of a copy.
     if _recorder is None:
         return
-    pending = _current.get()
-    if pending is None:
-        pending = _pooled_event()
-        if pending is None:
-            return
+    pending = _pending.get(event.id)
+    if pending is None or pending[_EVENT] is not event:
+        for pending in list(_pending.values()):  # rare: its id is in flight on two connections at once
+            if pending[_EVENT] is event:
+                break
+        else:
+            return  # accepted before the recorder started, or not by a connection
     # list.append is atomic: the loop and pool threads of one event may append at once.
     pending.append((m.name, m.plugin, exec_class, elapsed, code, _mono()))
-
-
-def _pooled_event() -> list[Any] | None:
-    """The in-flight list of the event whose handler the calling pool thread just ran, or None.
-    Reads ``_pending`` while the loop writes it: single lookups, and a scan of a copy."""
-    run = _caller_run()
-    if run is None:
-        return None
-    event = run.event
-    pending = _pending.get(event.id)
-    if pending is not None and pending[_EVENT] is event:
-        return pending
-    for pending in list(_pending.values()):  # rare: its id was in flight on two connections at once
-        if pending[_EVENT] is event:
-            return pending
-    return None
-
-
-_RUNNER_PARAMS: dict[Any, tuple[str, ...]] = {}
-
-
-def _runner_params() -> dict[Any, tuple[str, ...]]:
-    """The engine methods whose frames hold the EventRun of a handler run, with their parameters."""
-    if not _RUNNER_PARAMS:
-        from .engine.engine import Engine
-
-        for name in ("_invoke", "_failed", "_overrun", "_run_inline"):
-            fn = getattr(Engine, name, None)
-            code = getattr(fn, "__code__", None)
-            if code is not None:
-                _RUNNER_PARAMS[code] = code.co_varnames[:code.co_argcount]
-    return _RUNNER_PARAMS
-
-
-def _caller_run() -> EventRun | None:
-    runners = _runner_params()
-    frame: FrameType | None = sys._getframe(3)  # above: _pooled_event, history._observe
-    for _ in range(8):
-        if frame is None:
-            return None
-        params = runners.get(frame.f_code)
-        if params is not None:
-            f_locals = frame.f_locals
-            for p in params:
-                value = f_locals.get(p)
-                if isinstance(value, EventRun):
-                    return value
-            return None
-        frame = frame.f_back
-    return None
 
 
 # -- the recorder: a worker service on the housekeeping thread ---------------------------------------
@@ -301,7 +241,6 @@ class Recorder:
     def start(self) -> None:
         """Become the process's recorder: the hooks start recording (one per process)."""
         global _recorder
-        _runner_params()
         _set_wall_offset()
         _recorder = self
 

@@ -82,7 +82,7 @@ class MetricsUpdater:
         # Hot path (the event loop for inline runs, pool threads otherwise): one tuple append;
         # label lookup, Enum.value and the histogram's locks all wait for the housekeeper.
         append_run, append_delay = self._runs.append, self._delays.append
-        worker.engine.add_observer(lambda matcher, exec_class, elapsed, outcome:
+        worker.engine.add_observer(lambda matcher, exec_class, elapsed, outcome, event:
                                    append_run((matcher, exec_class, elapsed, outcome)))
         worker.pool.add_listener(lambda kind, value: append_delay(value) if kind == "delay" else None)
         _updaters.add(self)

@@ -244,7 +244,7 @@ class SnapshotPublisher:
         # handler run): one append each, the rest happens at publish time.
         append_delay, append_run = self._delays.append, self._runs.append
         worker.pool.add_listener(lambda kind, value: append_delay(value) if kind == "delay" else None)
-        worker.engine.add_observer(lambda m, exec_class, elapsed, outcome: append_run((m.name, elapsed)))
+        worker.engine.add_observer(lambda m, exec_class, elapsed, outcome, event: append_run((m.name, elapsed)))
         _publishers.add(self)
 
     def _recent_runs(self) -> dict[str, collections.deque]:

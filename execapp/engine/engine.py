@@ -39,8 +39,9 @@ OVERFLOW_WAIT = 1.0
 # resolution (as perf_counter), and one call per run serves both.
 _clock = monotonic
 
-#: Observer of every finished handler run: (matcher, exec class, elapsed seconds, outcome code).
-RunObserver = Callable[[Matcher, ExecClass, float, str], None]
+#: Observer of every finished handler run: (matcher, exec class, elapsed seconds, outcome code,
+#: the event it ran for).
+RunObserver = Callable[[Matcher, ExecClass, float, str, Event], None]
 
 #: What ``process_event_async`` does when the pool is full (see Engine), the default first.
 OVERFLOW_POLICIES = ("wait", "reject", "inline")
@@ -566,7 +567,7 @@ class Engine:
         if self._observers:  # the loop is written out here: a method call per run shows inline
             for observe in self._observers:
                 try:
-                    observe(m, _SYNC, elapsed, "ok")
+                    observe(m, _SYNC, elapsed, "ok", run.event)
                 except Exception:  # metrics must never break dispatch
                     _rlog.exception(("observer", id(observe)), "run observer %r failed", observe)
 
@@ -602,7 +603,7 @@ class Engine:
         if result is not None or ctx._replies is not None:
             self._emit_replies(run, m, ctx, result, elapsed)
         if self._observers:
-            self._observe(m, ctx.exec_class, elapsed, "ok")
+            self._observe(m, ctx.exec_class, elapsed, "ok", run.event)
         return True
 
     def _failed(self, run: EventRun, m: Matcher, exc: BaseException, exec_class: ExecClass, elapsed: float,
@@ -622,7 +623,7 @@ class Engine:
         self._count("errors")
         run.emit(Failure(run.event.id, m.name, m.plugin, code, message, exec_class, elapsed))
         if self._observers:
-            self._observe(m, exec_class, elapsed, code)
+            self._observe(m, exec_class, elapsed, code, run.event)
 
     @staticmethod
     def _emit_replies(run: EventRun, m: Matcher, ctx: Context, result: Any, elapsed: float) -> None:
@@ -658,14 +659,14 @@ class Engine:
         try:
             run.emit(Failure(run.event.id, m.name, m.plugin, HandlerTimeout.code, message, ExecClass.POOL, elapsed))
             if self._observers:
-                self._observe(m, ExecClass.POOL, elapsed, HandlerTimeout.code)
+                self._observe(m, ExecClass.POOL, elapsed, HandlerTimeout.code, run.event)
         finally:
             run.release()
 
-    def _observe(self, m: Matcher, exec_class: ExecClass, elapsed: float, code: str) -> None:
+    def _observe(self, m: Matcher, exec_class: ExecClass, elapsed: float, code: str, event: Event) -> None:
         for observe in self._observers:
             try:
-                observe(m, exec_class, elapsed, code)
+                observe(m, exec_class, elapsed, code, event)
             except Exception:  # metrics must never break dispatch
                 _rlog.exception(("observer", id(observe)), "run observer %r failed", observe)
 

@@ -452,13 +452,13 @@ def test_matching_rules(engines):
 
 def test_observers_see_every_run(engines):
     engine = engines()
-    seen: list[tuple[str, ExecClass, str]] = []
-    engine.add_observer(lambda m, cls, elapsed, code: seen.append((m.name, cls, code)))
+    seen: list[tuple[str, ExecClass, str, str]] = []
+    engine.add_observer(lambda m, cls, elapsed, code, event: seen.append((m.name, cls, code, event.text)))
     demote(engine.on_command("a", lambda ctx: None))
     promote(engine.on_command("b", lambda ctx: 1 / 0))
     run_event(engine, "/a")
-    run_event(engine, "/b")
-    assert seen == [("command:a", ExecClass.SYNC, "ok"), ("command:b", ExecClass.POOL, "handler_error")]
+    run_event(engine, "/b x")  # the observer is told the event each run was for, on either thread
+    assert seen == [("command:a", ExecClass.SYNC, "ok", "/a"), ("command:b", ExecClass.POOL, "handler_error", "/b x")]
 
 
 def test_stats_count_events_and_placements(engines):

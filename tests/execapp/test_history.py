@@ -447,7 +447,7 @@ def _one_run(conn: Any, event: Event, exec_class: Any, reply: Any, matcher: str 
     history.accepted(conn, event)
     if reply is not None:
         history.delivered(conn, Reply(event.id, matcher, "p", reply[0], reply[1], exec_class, 0.002))
-    history._observe(SimpleNamespace(name=matcher, plugin="p"), exec_class, 0.002, "ok")
+    history._observe(SimpleNamespace(name=matcher, plugin="p"), exec_class, 0.002, "ok", event)
     history.delivered(conn, Completion(event.id, 1, 0 if reply is None else 1, (), None, 0.003))
 
 
@@ -493,8 +493,11 @@ def test_an_id_in_flight_on_two_connections_keeps_two_traces(monkeypatch: pytest
 
     rec = _direct_recorder(monkeypatch)
     a, b = SimpleNamespace(owner="tenant:a"), SimpleNamespace(owner="tenant:b")
-    history.accepted(a, Event(text="/echo a", id="same"))
-    history.accepted(b, Event(text="/echo b", id="same"))  # the clients' own ids: both in flight at once
+    ea, eb = Event(text="/echo a", id="same"), Event(text="/echo b", id="same")
+    history.accepted(a, ea)
+    history.accepted(b, eb)  # the clients' own ids: both in flight at once
+    for event in (eb, ea):  # each run is told to the trace of its own event, not of its id
+        history._observe(SimpleNamespace(name="command:echo", plugin="p"), ExecClass.SYNC, 0.001, "ok", event)
     history.delivered(b, Reply("same", "command:echo", "p", "b", {"n": 2}, ExecClass.SYNC, 0.001))
     history.delivered(a, Reply("same", "command:echo", "p", "a", {"n": 1}, ExecClass.SYNC, 0.001))
     history.delivered(a, Completion("same", 1, 1, (), None, 0.001))
@@ -508,6 +511,7 @@ def test_an_id_in_flight_on_two_connections_keeps_two_traces(monkeypatch: pytest
     got = [view(r) for r in rec.store.records]  # type: ignore[attr-defined]
     assert [(r.owner, r.handlers[0][8]) for r in got[:2]] == [("tenant:a", (("a", {"n": 1}),)),
                                                               ("tenant:b", (("b", {"n": 2}),))]
+    assert all(r.handlers[0][3] is not None and r.handlers[0][2] == "sync" for r in got[:2])  # observed: timed
     assert [(r.text, r.outcome) for r in got[2:]] == [("/slow", "incomplete"), ("/ping", "ok")]
 
 
