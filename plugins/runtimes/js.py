@@ -39,6 +39,7 @@ import json
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import quickjs
@@ -65,6 +66,7 @@ _HOST_OPS = frozenset({"log", "kv_get", "kv_set", "sleep", "http_get"})
 
 _PRELUDE = r"""
 (function () {
+  "use strict";
   const g = globalThis;
   // Captured before the plugin's code runs: a guest that replaces JSON or Object.assign
   // cannot break the protocol with the host.
@@ -103,24 +105,7 @@ _PRELUDE = r"""
     try { f(); } catch (e) { done = {s: "err", e: errstr(e)}; }
   });
   delete g.FinalizationRegistry;
-  // QuickJS polls for interrupts in its bytecode loop and regexp engine, not inside a built-in's
-  // C loop over an array-like's length: `a.length = 2**31; a.join()` (or indexOf, fill, sort,
-  // forEach over holes, ...) ran for minutes past any deadline. Every Array.prototype method that
-  // walks `length` in C refuses a length no real array within the memory limit can have.
-  // Written out by Python (see _GUARDED_METHODS): the originals as one array literal and the
-  // wrappers as one object literal, set with one Object.assign (a wrapper made per name at run
-  // time, its name computed, cost ~1 us each in every new Context; this, ~0.45 us).
-  const apply = Reflect.apply, AP = Array.prototype, MAX_LENGTH = 1 << 22;
-  const original = __GUARDED_ORIGINALS__, names = __GUARDED_NAMES__;
-  const guarded = (self, i, args) => {
-    const n = self == null ? 0 : self.length;
-    if (n > MAX_LENGTH)
-      throw new RangeError("Array.prototype." + names[i] + " on a length of " + n +
-                           ": the sandbox allows at most " + MAX_LENGTH);
-    return apply(original[i], self, args);
-  };
-  // Set, not defined: each property stays writable, configurable and not enumerable.
-  assign(AP, __GUARDED_WRAPPERS__);
+__NATIVE_GUARDS__
   const request = (op, args) => {
     if (loading)
       throw new Error(op + ": the host API is not available while the plugin's top level runs; call it from a handler");
@@ -202,22 +187,23 @@ _PRELUDE = r"""
 })();
 """
 
-#: The Array.prototype methods that walk ``length`` in C and that this QuickJS has (the prelude's
-#: guard wraps each one; asked once, of a scratch Context, so no guard adds a method).
+#: The Array.prototype methods that walk ``length`` in C and that this QuickJS has, each wrapped
+#: by the guards' ``guarded`` (js_guards.js: concat, flat and flatMap have wrappers of their own).
+#: Asked once, of a scratch Context, so that no guard adds a method.
 _GUARDED_METHODS = tuple(json.loads(quickjs.Context().eval("JSON.stringify(%s.filter(n => typeof Array.prototype[n] "
                                                            "=== 'function'))" % json.dumps([
     "join", "toString", "toLocaleString", "indexOf", "lastIndexOf", "includes", "fill", "copyWithin", "reverse",
     "forEach", "map", "filter", "some", "every", "find", "findIndex", "findLast", "findLastIndex", "reduce",
-    "reduceRight", "flat", "flatMap", "slice", "splice", "sort", "concat", "shift", "unshift", "with", "toReversed",
-    "toSorted", "toSpliced"]))))
-# Method shorthand: each wrapper is named as the method it guards and, like a built-in method,
-# is no constructor.
-_PRELUDE = (_PRELUDE
-            .replace("__GUARDED_ORIGINALS__", "[" + ", ".join(f"AP.{name}" for name in _GUARDED_METHODS) + "]")
-            .replace("__GUARDED_NAMES__", json.dumps(_GUARDED_METHODS))
-            .replace("__GUARDED_WRAPPERS__", "{" + ", ".join(
-                f"{name}(...args) {{ return guarded(this, {i}, args); }}" for i, name in enumerate(_GUARDED_METHODS))
-                + "}"))
+    "reduceRight", "slice", "splice", "sort", "shift", "unshift", "with", "toReversed", "toSorted", "toSpliced"]))))
+# The guards are inlined into the prelude's function, their slow paths as the text of a function
+# body that a Context compiles when it first needs one. Method shorthand: each wrapper is named as
+# the method it guards and, like a built-in method, is no constructor.
+_PRELUDE = _PRELUDE.replace("__NATIVE_GUARDS__", (Path(__file__).with_name("js_guards.js").read_text()
+    .replace("__GUARDS_SLOW__", json.dumps(Path(__file__).with_name("js_guards_slow.js").read_text()))
+    .replace("__GUARDED_ORIGINALS__", "[" + ", ".join(f"AP.{name}" for name in _GUARDED_METHODS) + "]")
+    .replace("__GUARDED_NAMES__", json.dumps(_GUARDED_METHODS))
+    .replace("__GUARDED_WRAPPERS__", "{" + ", ".join(
+        f"{name}(...args) {{ return guarded(this, {i}, args); }}" for i, name in enumerate(_GUARDED_METHODS)) + "}")))
 
 # Only for validation (list_functions): kept out of _PRELUDE because QuickJS compiles every
 # character of the prelude into each new Context (~40 ns/char: the prelude is most of a

@@ -1,0 +1,161 @@
+  // Guards on the built-ins whose native work a guest can make unbounded (plugins/runtimes/js.py
+  // inlines this block into the prelude, inside its function, before any guest code runs; it
+  // uses the prelude's `g`, `assign` and `stringify`). QuickJS polls for interrupts in its
+  // bytecode loop and its regexp engine only, never inside a built-in's C loop, so every built-in
+  // whose C loop grows with a length or a product of lengths the guest controls is bounded here
+  // before it starts, or has its work moved where the polls are (a bytecode loop). This part only
+  // checks; the slow paths (js_guards_slow.js) are compiled in a Context the first time it needs
+  // one: every byte here is read and run in each new Context (~7 us per KB of bytecode).
+  const apply = Reflect.apply, isArray = Array.isArray, NativeFunction = Function, NativeProxy = Proxy;
+  const reflectGet = Reflect.get, defineProp = Reflect.defineProperty, toObject = Object, trunc = Math.trunc;
+  const SPLIT = Symbol.split, REPLACE = Symbol.replace, MATCH = Symbol.match, spreadable = Symbol.isConcatSpreadable;
+  const NativeRegExp = RegExp, rxReplace = RegExp.prototype[REPLACE];
+  const AP = Array.prototype, SP = String.prototype, MAX_LENGTH = 1 << 22, SEARCH_MAX = 1 << 22;
+  const tooLong = (what, n) => new RangeError(what + " on a length of " + n + ": the sandbox allows at most " +
+                                              MAX_LENGTH);
+  const toLength = (v) => { v = +v; return v > 0 ? (v < 2 ** 53 ? trunc(v) : 2 ** 53 - 1) : 0; };
+  const text = (v) => typeof v === "string" ? v : `${v}`;  // ToString: throws on a Symbol, as natives do
+  const sIndexOf = SP.indexOf, sLastIndexOf = SP.lastIndexOf, sIncludes = SP.includes, sSplit = SP.split,
+        sReplace = SP.replace, sReplaceAll = SP.replaceAll, sSlice = SP.slice;
+
+  // -- Proxies: a trap may report one length to a guard and another to the native reading it
+  // next. Every proxy the guest makes is known, so "a genuine array" (whose length is data) is.
+  const proxies = new WeakSet(), addProxy = WeakSet.prototype.add, isProxy = WeakSet.prototype.has;
+  const nativeRevocable = Proxy.revocable;
+  g.Proxy = function Proxy(target, handler) {
+    if (new.target === undefined) throw new TypeError("Proxy must be called with new");
+    const p = new NativeProxy(target, handler);
+    apply(addProxy, proxies, [p]);
+    return p;
+  };
+  g.Proxy.revocable = (target, handler) => {
+    const r = apply(nativeRevocable, NativeProxy, [target, handler]);
+    apply(addProxy, proxies, [r.proxy]);
+    return r;
+  };
+  const genuine = (o) => isArray(o) && !apply(isProxy, proxies, [o]);
+
+  let slowPaths = null;
+  // Everything the slow paths use was captured above, before any guest code: a guest's own
+  // String.prototype.slice, say, could hand a native search the whole string again.
+  const slow = () => slowPaths ??= NativeFunction("c", __GUARDS_SLOW__)({
+    apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
+    sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong});
+
+  // -- Array.prototype: its methods walk `length` in C (`a.length = 2**31; a.join()`, indexOf,
+  // fill, sort, forEach over holes... ran for minutes). Each refuses a length past MAX_LENGTH,
+  // which no real array within the memory limit has. A genuine array's and a string's length is
+  // data; any other receiver's is read once, and the native gets a view that reports that value.
+  // Written out by Python (_GUARDED_METHODS): the originals as one array literal and the
+  // wrappers as one object literal, set with one assign (~0.45 us a method in each new Context).
+  const original = __GUARDED_ORIGINALS__, names = __GUARDED_NAMES__;
+  const guarded = (self, i, args) => {
+    if (self == null || typeof self === "string" || genuine(self)) {
+      if (self != null && self.length > MAX_LENGTH) throw tooLong("Array.prototype." + names[i], self.length);
+      return apply(original[i], self, args);
+    }
+    return slow().view(original[i], self, args, names[i]);
+  };
+  // Set, not defined: each property stays writable, configurable and not enumerable.
+  assign(AP, __GUARDED_WRAPPERS__);
+  // concat also walks its arguments, and flat/flatMap the arrays nested in their receiver: their
+  // lengths are not the receiver's. concat runs natively on genuine arrays (and primitives) whose
+  // lengths add up to at most MAX_LENGTH, in bytecode otherwise; flat and flatMap in bytecode.
+  const nativeConcat = AP.concat;
+  const receiver = (self, name) => {
+    if (self == null) throw new TypeError("Array.prototype." + name + " called on null or undefined");
+    return toObject(self);
+  };
+  assign(AP, {
+    concat(...items) {
+      const o = receiver(this, "concat");
+      let total = genuine(o) ? o.length : -1;
+      for (let j = 0; j < items.length && total >= 0; j++) {
+        const e = items[j];
+        if (e !== null && (typeof e === "object" || typeof e === "function")) total = genuine(e) ? total + e.length : -1;
+      }
+      return total >= 0 && total <= MAX_LENGTH ? apply(nativeConcat, o, items) : slow().concat(o, items);
+    },
+    flat(depth) {
+      const o = receiver(this, "flat");
+      let d = depth === undefined ? 1 : +depth;
+      d = d !== d ? 0 : trunc(d);
+      return slow().flat(o, d < 0 ? 0 : d);
+    },
+    flatMap(mapper, thisArg) {
+      const o = receiver(this, "flatMap");
+      if (typeof mapper !== "function") throw new TypeError("Array.prototype.flatMap: the mapper is not a function");
+      return slow().flat(o, 1, mapper, thisArg);
+    },
+  });
+
+  // -- String searches compare the needle at every start position, natively (n x m character
+  // comparisons: 'a'.repeat(4e6).indexOf('a'.repeat(2e6) + 'b') ran for minutes). Past
+  // SEARCH_MAX comparisons a search runs on slices of at most SEARCH_MAX comparisons each, unless
+  // its needle is short (up to SHORT characters): then its cost is linear in a string the memory
+  // cap bounds, like any other linear built-in's (s.split(",") on a long text stays native).
+  const SHORT = 8;
+  const big = (s, n) => n.length > SHORT && s.length * n.length > SEARCH_MAX;
+  const subject = (self, name) => {
+    if (self == null) throw new TypeError("String.prototype." + name + " called on null or undefined");
+    return text(self);
+  };
+  const isRegExp = (v) => v !== null && (typeof v === "object" || typeof v === "function") &&
+    (v[MATCH] !== undefined ? !!v[MATCH] : v instanceof NativeRegExp);
+  // A searchValue's own @@split/@@replace is called here (as the natives would), never by a
+  // native that could read it again and find something else.
+  const method = (v, symbol) => v == null ? undefined : v[symbol] ?? undefined;
+  assign(SP, {
+    indexOf(search, pos) {
+      const s = subject(this, "indexOf"), n = text(search);
+      return big(s, n) ? slow().indexOf(s, n, pos) : apply(sIndexOf, s, [n, pos]);
+    },
+    includes(search, pos) {
+      const s = subject(this, "includes");
+      if (isRegExp(search)) throw new TypeError("String.prototype.includes: the search value must not be a RegExp");
+      const n = text(search);
+      return big(s, n) ? slow().indexOf(s, n, pos) !== -1 : apply(sIncludes, s, [n, pos]);
+    },
+    lastIndexOf(search, pos) {
+      const s = subject(this, "lastIndexOf"), n = text(search);
+      return big(s, n) ? slow().lastIndexOf(s, n, pos) : apply(sLastIndexOf, s, [n, pos]);
+    },
+    split(separator, limit) {
+      if (this == null) throw new TypeError("String.prototype.split called on null or undefined");
+      const m = method(separator, SPLIT);
+      if (m !== undefined) return apply(m, separator, [this, limit]);
+      const s = text(this), lim = limit === undefined ? 4294967295 : limit >>> 0;
+      if (separator === undefined) return apply(sSplit, s, [undefined, lim]);
+      const r = text(separator);
+      return big(s, r) ? slow().split(s, r, lim) : apply(sSplit, s, [r, lim]);
+    },
+    replace(searchValue, replaceValue) {
+      if (this == null) throw new TypeError("String.prototype.replace called on null or undefined");
+      const m = method(searchValue, REPLACE);
+      if (m !== undefined) return apply(m, searchValue, [this, replaceValue]);
+      const s = text(this), n = text(searchValue), fn = typeof replaceValue === "function";
+      const repl = fn ? replaceValue : text(replaceValue);
+      return big(s, n) ? slow().replace(s, n, fn, repl) : apply(sReplace, s, [n, repl]);
+    },
+    replaceAll(searchValue, replaceValue) {
+      if (this == null) throw new TypeError("String.prototype.replaceAll called on null or undefined");
+      if (isRegExp(searchValue)) {
+        const flags = searchValue.flags;
+        if (flags == null || apply(sIndexOf, text(flags), ["g"]) < 0)
+          throw new TypeError("String.prototype.replaceAll: a RegExp search value must have the g flag");
+      }
+      const m = method(searchValue, REPLACE);
+      if (m !== undefined) return apply(m, searchValue, [this, replaceValue]);
+      const s = text(this), n = text(searchValue), fn = typeof replaceValue === "function";
+      const repl = fn ? replaceValue : text(replaceValue);
+      return big(s, n) ? slow().replaceAll(s, n, fn, repl) : apply(sReplaceAll, s, [n, repl]);
+    },
+  });
+
+  // -- Two more walks over a length: a replacer array's (JSON.stringify) and String.raw's `raw`.
+  assign(JSON, {
+    stringify(value, replacer, space) {
+      return apply(stringify, JSON, [value, isArray(replacer) ? slow().replacer(replacer) : replacer, space]);
+    },
+  });
+  assign(String, {raw(template, ...subs) { return slow().raw(template, subs); }});

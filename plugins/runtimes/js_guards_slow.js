@@ -1,0 +1,140 @@
+"use strict";
+// The guards' slow paths (plugins/runtimes/js_guards.js): the body of a function compiled in a
+// Context the first time one of them is needed (few Contexts ever need one, and every byte of
+// the prelude is read and run in each new Context). `c` holds the intrinsics the prelude
+// captured before any guest code ran; it returns the implementations.
+const {apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
+       sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong} = c;
+// CreateDataProperty: a plain `a[i] = v` would call a setter the guest put on Array.prototype.
+const put = (a, k, v) => {
+  if (!defineProp(a, k, {value: v, writable: true, enumerable: true, configurable: true}))
+    throw new TypeError("cannot define element " + k);
+};
+const flatten = (target, source, len, start, depth, mapper, thisArg) => {
+  let t = start;
+  for (let i = 0; i < len; i++) {
+    if (!(i in source)) continue;
+    let e = source[i];
+    if (mapper !== undefined) e = apply(mapper, thisArg, [e, i, source]);
+    if (depth > 0 && isArray(e)) t = flatten(target, e, toLength(e.length), t, depth - 1);
+    else put(target, t++, e);
+  }
+  return t;
+};
+// Start positions per slice: each of them costs at most needle.length comparisons.
+const width = (needle) => needle.length < SEARCH_MAX ? trunc(SEARCH_MAX / needle.length) : 1;
+// The index of the first `needle` in `s` at or after `from`, or -1: natively on slices of `s`
+// of at most SEARCH_MAX comparisons each, from this (polled) loop. The slices start small and
+// double, so that a search whose match is near (split and replaceAll call it once per match)
+// copies little.
+const finder = (s, needle) => {
+  const m = needle.length, w = width(needle);
+  return (from) => {
+    for (let i = from, step = w < 64 ? w : 64; i + m <= s.length; i += step, step = step * 2 < w ? step * 2 : w) {
+      const j = apply(sIndexOf, apply(sSlice, s, [i, i + step + m - 1]), [needle]);
+      if (j !== -1) return i + j;
+    }
+    return -1;
+  };
+};
+const start = (pos, len) => {
+  let p = +pos;
+  p = p !== p ? 0 : trunc(p);
+  return p < 0 ? 0 : p > len ? len : p;
+};
+const DOLLAR = /\$([$&`'])/g;
+// GetSubstitution without captures: $$, $&, $` and $' (any other $ stays as it is).
+const substitute = (repl, matched, at, s) => apply(sIndexOf, repl, ["$"]) < 0 ? repl :
+  apply(rxReplace, DOLLAR, [repl, (_, ch) => ch === "$" ? "$" : ch === "&" ? matched :
+    ch === "`" ? apply(sSlice, s, [0, at]) : apply(sSlice, s, [at + matched.length])]);
+const replacement = (fn, repl, matched, at, s) => fn ? text(repl(matched, at, s)) : substitute(repl, matched, at, s);
+return {
+  // The native on a receiver that is neither a genuine array nor a string: its length read once,
+  // and a view that reports that value to the native (which reads it again).
+  view(native, self, args, name) {
+    const o = toObject(self), n = toLength(o.length);
+    if (n > MAX_LENGTH) throw tooLong("Array.prototype." + name, n);
+    const v = new NativeProxy(o, {get: (t, k) => k === "length" ? n : reflectGet(t, k, t)});
+    const r = apply(native, v, args);
+    return r === v ? o : r;
+  },
+  concat(o, items) {
+    const a = [];
+    let n = 0;
+    for (let j = -1; j < items.length; j++) {
+      const e = j < 0 ? o : items[j];
+      let spread = false;
+      if (e !== null && (typeof e === "object" || typeof e === "function")) {
+        const s = e[spreadable];
+        spread = s !== undefined ? !!s : isArray(e);
+      }
+      if (!spread) { put(a, n++, e); continue; }
+      const len = toLength(e.length);
+      if (n + len > 2 ** 53 - 1) throw new TypeError("concat: the result would be too long");
+      for (let k = 0; k < len; k++, n++) if (k in e) put(a, n, e[k]);
+    }
+    a.length = n;
+    return a;
+  },
+  flat(o, depth, mapper, thisArg) {
+    const a = [];
+    flatten(a, o, toLength(o.length), 0, depth, mapper, thisArg);
+    return a;
+  },
+  indexOf: (s, n, pos) => finder(s, n)(start(pos, s.length)),
+  lastIndexOf(s, n, pos) {  // the last `n` at or before pos, on slices from the end
+    const p = +pos, until = p !== p ? s.length : start(p, s.length), m = n.length, w = width(n);
+    for (let i = until < s.length - m ? until : s.length - m; i >= 0; i -= w) {
+      const lo = i - w + 1 > 0 ? i - w + 1 : 0;
+      const j = apply(sLastIndexOf, apply(sSlice, s, [lo, i + m]), [n]);
+      if (j !== -1) return lo + j;
+    }
+    return -1;
+  },
+  split(s, r, lim) {
+    const out = [], next = finder(s, r);
+    if (lim === 0) return out;
+    let p = 0;
+    for (let i = next(0); i !== -1; i = next(p)) {
+      put(out, out.length, apply(sSlice, s, [p, i]));
+      if (out.length === lim) return out;
+      p = i + r.length;
+    }
+    put(out, out.length, apply(sSlice, s, [p]));
+    return out;
+  },
+  replace(s, n, fn, repl) {
+    const at = finder(s, n)(0);
+    if (at === -1) return s;
+    return apply(sSlice, s, [0, at]) + replacement(fn, repl, n, at, s) + apply(sSlice, s, [at + n.length]);
+  },
+  replaceAll(s, n, fn, repl) {
+    const next = finder(s, n);
+    let out = "", end = 0;
+    for (let at = next(0); at !== -1; at = next(at + n.length)) {
+      out += apply(sSlice, s, [end, at]) + replacement(fn, repl, n, at, s);
+      end = at + n.length;
+    }
+    return out + apply(sSlice, s, [end]);
+  },
+  replacer(r) {  // an array-like replacer's length and elements, read once into a genuine array
+    const n = toLength(r.length);
+    if (n > MAX_LENGTH) throw tooLong("JSON.stringify's replacer", n);
+    if (genuine(r)) return r;
+    const copy = [];
+    for (let k = 0; k < n; k++) put(copy, k, r[k]);
+    return copy;
+  },
+  raw(template, subs) {  // in bytecode: its loop is over the guest's `raw.length`
+    if (template == null) throw new TypeError("String.raw: the template is null or undefined");
+    const raw = toObject(template).raw;
+    if (raw == null) throw new TypeError("String.raw: the template has no raw strings");
+    const lits = toObject(raw), n = toLength(lits.length);
+    let out = "";
+    for (let i = 0; i < n; i++) {
+      out += text(lits[i]);
+      if (i + 1 < n && i < subs.length) out += text(subs[i]);
+    }
+    return out;
+  },
+};

@@ -1,0 +1,139 @@
+"""The JS sandbox's guards on built-ins whose native work a guest can make unbounded
+(plugins/runtimes/js_guards.js): each hostile case stops at its deadline or is refused, and the
+guarded built-ins answer exactly as the natives do (checked against a Context without the
+prelude, with the search threshold lowered so that the guarded path runs on small inputs)."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Iterator
+
+import pytest
+import quickjs
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from execapp.engine import HandlerTimeout
+from plugins.runtimes import js
+from tests.plugins.test_js_containment import BUDGET, Worker, event, make
+
+QUADRATIC = "const s = 'a'.repeat(4e6), n = 'a'.repeat(2e6) + 'b';"
+ESCAPES = {  # each ran for minutes (natively, with no interrupt poll) before its guard
+    "indexOf": QUADRATIC + "s.indexOf(n)",
+    "includes": QUADRATIC + "s.includes(n)",
+    "lastIndexOf": QUADRATIC + "s.lastIndexOf('b' + n.slice(1))",
+    "split": QUADRATIC + "s.split(n)",
+    "replace": QUADRATIC + "s.replace(n, 'x')",
+    "replaceAll": QUADRATIC + "s.replaceAll(n, 'x')",
+    "a length getter that changes":
+        "Array.prototype.join.call({n: 0, get length() { return this.n++ ? 2 ** 31 : 1; }})",
+    "a proxy's length": "new Proxy([], {get: (t, k) => k === 'length' ? 2 ** 31 : t[k]}).forEach(x => x)",
+    "flat of a nested sparse array": "const a = []; a.length = 2 ** 31; [a].flat()",
+    "flatMap to a sparse array": "[1].flatMap(() => { const a = []; a.length = 2 ** 31; return a; })",
+    "concat of a sparse array": "const a = []; a.length = 2 ** 31; [].concat(a)",
+    "concat of many long arrays": "const a = []; a.length = 2 ** 22; [].concat(a, a, a, a, a, a, a, a, a, a, a, a)",
+    "concat of a spreadable getter": "[].concat({[Symbol.isConcatSpreadable]: true, n: 0, "
+                                     "get length() { return this.n++ ? 2 ** 31 : 1; }})",
+    "JSON.stringify's replacer": "const r = []; r.length = 2 ** 31; JSON.stringify({a: 1}, r)",
+    "String.raw": "String.raw({raw: {length: 2 ** 31}})",
+}
+
+
+@pytest.fixture
+def worker() -> Iterator[Worker]:
+    w = Worker()
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("case", ESCAPES)
+def test_a_built_in_with_unbounded_native_work_stops_at_the_deadline(worker: Worker, case: str) -> None:
+    plugin = make("pooled", code=f"function f(e) {{ {ESCAPES[case]}; return 'finished'; }}", timeout=BUDGET)
+    try:
+        def call() -> Any:
+            try:
+                return plugin.call("f", event())
+            except Exception as exc:  # noqa: BLE001 - the refusal or the timeout is the result under test
+                return exc
+        started = time.monotonic()
+        outcome = worker.run(call, BUDGET)  # fails the test if the call outlives its budget
+        took = time.monotonic() - started
+    finally:
+        plugin.close()
+    # Stopped at its deadline, refused before it started, or (a length read once) done with the
+    # length the guard saw: anything but running on.
+    refused = "RangeError" in str(outcome) and "the sandbox allows at most" in str(outcome)
+    assert isinstance(outcome, HandlerTimeout) or refused or outcome == "finished", outcome
+    assert took < 2 * BUDGET + 0.5
+
+
+# -- the guarded built-ins answer as the natives do ---------------------------------------------------
+
+def _contexts() -> tuple[Any, Any]:
+    """(a Context with the prelude, its search threshold lowered to 3 comparisons and no needle
+    short enough to search natively regardless; a plain one)."""
+    guarded, plain = quickjs.Context(), quickjs.Context()
+    prelude = js._PRELUDE.replace("SEARCH_MAX = 1 << 22", "SEARCH_MAX = 3").replace("SHORT = 8", "SHORT = 0")
+    assert "SEARCH_MAX = 3" in prelude and "SHORT = 0" in prelude
+    guarded.eval(prelude)
+    return guarded, plain
+
+
+GUARDED, PLAIN = _contexts()
+
+
+def both(expr: str) -> tuple[Any, Any]:
+    """``expr``'s value (or the name of what it threw) in the guarded and the plain Context."""
+    code = f"(() => {{ try {{ return JSON.stringify({expr}); }} catch (e) {{ return 'threw ' + e.name; }} }})()"
+    return GUARDED.eval(code), PLAIN.eval(code)
+
+
+texts = st.text(alphabet="ab$", max_size=12)
+needles = st.text(alphabet="ab", min_size=0, max_size=4)
+positions = st.one_of(st.none(), st.integers(-3, 15), st.sampled_from(["NaN", "Infinity", "-Infinity", "1.7"]))
+limits = st.one_of(st.none(), st.integers(0, 5), st.just(-1))
+replacements = st.sampled_from(["x", "$&", "$`", "$'", "$$", "[$1]", "$<n>", "$", "<$&|$`|$'>",
+                                "(m, at, s) => `${m}@${at}/${s.length}`"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(s=texts, needle=needles, pos=positions, limit=limits, repl=replacements)
+def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos: Any, limit: Any, repl: str) -> None:
+    subject, n = json.dumps(s), json.dumps(needle)
+    p = "undefined" if pos is None else pos if isinstance(pos, str) else str(pos)
+    lim = "undefined" if limit is None else str(limit)
+    r = repl if repl.startswith("(") else json.dumps(repl)
+    for expr in (f"{subject}.indexOf({n}, {p})", f"{subject}.lastIndexOf({n}, {p})",
+                 f"{subject}.includes({n}, {p})", f"{subject}.split({n}, {lim})",
+                 f"{subject}.replace({n}, {r})", f"{subject}.replaceAll({n}, {r})"):
+        got, want = both(expr)
+        assert got == want, expr
+
+
+@pytest.mark.parametrize("expr", [
+    "[1, [2, [3, [4]]], , 5].flat()", "[1, [2, [3, [4]]]].flat(Infinity)", "[[1], [2]].flat(0)",
+    "[1, 2, , 4].flatMap((x, i) => [x, i])", "[1, 2].flatMap(x => [[x]])",
+    "Array.prototype.flat.call({length: 2, 0: [1], 1: 2})",
+    "[1].flatMap(5)", "Array.prototype.flat.call(null)",
+    "[1, 2].concat([3], 4, [[5]])", "[, 1].concat([, 2])", "Array.prototype.concat.call('ab', [1])",
+    "[1].concat({length: 2, 0: 'x', [Symbol.isConcatSpreadable]: true})",
+    "Array.prototype.join.call({length: 3, 0: 'a', 2: 'c'}, '-')", "Array.prototype.map.call('abc', c => c + c)",
+    "Array.prototype.fill.call({length: 2}, 7)", "Array.prototype.reverse.call({length: 2, 0: 'a', 1: 'b'})",
+    "Array.prototype.join.call(null)", "new Proxy([1, 2, 3], {}).map(x => x * 2)",
+    "JSON.stringify({a: 1, b: 2, c: 3}, ['a', 'c'])", "JSON.stringify({a: 1}, new Proxy(['a'], {}), 2)",
+    "String.raw`a${1}b${2}c`", "String.raw({raw: ['x', 'y', 'z']}, 1)", "String.raw({raw: 'abc'}, '-', '+')",
+    "String.raw(null)", "'a,b,,c'.split(',', 2)", "'abc'.split()", "'abc'.split(undefined, 0)",
+    "'a1b2'.replace(/\\d/g, d => d * 2)", "'aXbX'.replaceAll(/x/gi, '-')", "'ab'.replaceAll(/a/, '-')",
+    "'abc'.includes(/b/)", "String.prototype.indexOf.call(123123, 31)",
+])
+def test_guarded_array_and_string_built_ins_answer_as_the_natives(expr: str) -> None:
+    got, want = both(expr)
+    assert got == want, expr
+
+
+def test_proxies_still_work_and_each_is_known_to_the_guards() -> None:
+    got = GUARDED.eval("(() => { const {proxy, revoke} = Proxy.revocable({a: 1}, {}); const v = proxy.a; revoke();"
+                       " return v + ',' + new Proxy({}, {get: () => 7}).x + ',' + typeof Proxy; })()")
+    assert got == "1,7,function"
+    assert GUARDED.eval("(() => { try { Proxy({}, {}); return 'called'; } catch (e) { return e.name; } })()") \
+        == "TypeError"
