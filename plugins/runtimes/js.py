@@ -158,7 +158,8 @@ __NATIVE_GUARDS__
       if (dirty) { done = {s: "ok", v: r === undefined ? null : r}; return 0; }
       // (A guest that replaces these two methods can only spoil its own reply: a string cut at
       // a NUL, or a reply the host refuses as a protocol error.)
-      if (typeof r === "string" && r.isWellFormed() && !r.includes("\0")) return r;
+      // (includes: the native one; the guest's sees the wrapper of js_guards.js, ~0.5 us more)
+      if (typeof r === "string" && r.isWellFormed() && !apply(sIncludes, r, ["\0"])) return r;
       if (r === undefined || r === null) return null;
       value = r;
       return 1;
