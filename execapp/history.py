@@ -33,6 +33,7 @@ from typing import Any, Iterable
 from django.db import close_old_connections
 
 from . import conf
+from .dbtext import clean_json, clean_text
 from .engine.event import Completion, Failure, Reply
 from .engine.pool import count_value
 from .engine.profile import ExecClass
@@ -411,11 +412,15 @@ class Recorder:
         if len(failed) > DB_ROWS_PER_FLUSH:
             self.db_skipped += len(failed) - DB_ROWS_PER_FLUSH
             failed = failed[:DB_ROWS_PER_FLUSH]
-        rows = [EventTrace(uid=r.uid, event_id=r.id[:64], owner=r.owner[:200], session=(r.session or "")[:64],
-                           event_type=r.type[:64], text=r.text, outcome=r.outcome[:40], codes=",".join(r.codes)[:400],
-                           matchers=_commas(r.matchers), plugins=_commas(r.plugins), worker=r.worker[:200],
+        # Every string from a client or a plugin goes through clean_text/clean_json (execapp.dbtext):
+        # a NUL in one event's id or text would fail the whole batch on PostgreSQL.
+        rows = [EventTrace(uid=r.uid, event_id=clean_text(r.id[:64]), owner=clean_text(r.owner[:200]),
+                           session=clean_text((r.session or "")[:64]), event_type=clean_text(r.type[:64]),
+                           text=clean_text(r.text), outcome=clean_text(r.outcome[:40]),
+                           codes=clean_text(",".join(r.codes)[:400]), matchers=clean_text(_commas(r.matchers)),
+                           plugins=clean_text(_commas(r.plugins)), worker=r.worker[:200],
                            created_at=dt.datetime.fromtimestamp(r.ts, dt.timezone.utc), duration_seconds=r.duration,
-                           trace=json.loads(to_json(r)))
+                           trace=clean_json(json.loads(to_json(r))))
                 for r in failed]
         try:
             close_old_connections()

@@ -15,6 +15,7 @@ from typing import Any
 from django.utils import timezone
 
 from . import conf
+from .dbtext import clean_text
 from .engine.ratelog import RateLimitedLog
 from .history_record import pair_key
 from .history_store import Filters, Summary, store
@@ -37,7 +38,9 @@ def get(owner: str, event_id: str) -> dict[str, Any] | None:
         return json.loads(body)
     from .models import EventTrace
 
-    row = EventTrace.objects.filter(owner=owner, event_id=event_id).order_by("-created_at").first()
+    # Stored cleaned (execapp.dbtext), so looked up cleaned: a NUL would fail the query on PostgreSQL.
+    row = EventTrace.objects.filter(owner=clean_text(owner), event_id=clean_text(event_id)).order_by(
+        "-created_at").first()
     return None if row is None else dict(row.trace)
 
 
@@ -52,7 +55,7 @@ def detail(uid: str) -> dict[str, Any] | None:
         return json.loads(body)
     from .models import EventTrace
 
-    row = EventTrace.objects.filter(uid=uid).first()
+    row = EventTrace.objects.filter(uid=clean_text(uid)).first()
     return None if row is None else dict(row.trace)
 
 
@@ -85,13 +88,14 @@ def _db_search(filters: Filters, limit: int) -> list[Summary]:
     qs = EventTrace.objects.all()
     for field, value in (("event_id", filters.id), ("owner", filters.owner), ("session", filters.session)):
         if value:
-            qs = qs.filter(**{field: value})
+            qs = qs.filter(**{field: clean_text(value)})
     if filters.plugin:
-        qs = qs.filter(plugins__contains="," + filters.plugin.replace(",", " ") + ",")
+        qs = qs.filter(plugins__contains=clean_text("," + filters.plugin.replace(",", " ") + ","))
     if filters.matcher:
-        qs = qs.filter(matchers__contains="," + filters.matcher.replace(",", " ") + ",")
+        qs = qs.filter(matchers__contains=clean_text("," + filters.matcher.replace(",", " ") + ","))
     if filters.outcome and filters.outcome != "failed":
-        qs = qs.filter(Q(outcome=filters.outcome) | Q(codes__regex=rf"(^|,){_re_escape(filters.outcome)}(,|$)"))
+        outcome = clean_text(filters.outcome)
+        qs = qs.filter(Q(outcome=outcome) | Q(codes__regex=rf"(^|,){_re_escape(outcome)}(,|$)"))
     for op, when in (("gte", filters.since), ("lt", filters.until), ("lt", filters.before)):
         if when is not None:
             qs = qs.filter(**{f"created_at__{op}": dt.datetime.fromtimestamp(when, dt.timezone.utc)})

@@ -38,6 +38,7 @@ from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 
 from . import conf
+from .dbtext import clean_text
 from .engine.profile import COUNTERS as PROFILE_COUNTERS
 from .models import ExecProfileRecord
 from .seams import EngineLike, WorkerLike
@@ -152,7 +153,7 @@ def merge_into(row: ExecProfileRecord, snap: dict[str, Any], deltas: dict[str, i
     row.promoted_at = _ts(promoted)
     row.demoted_at = _ts(demoted)
     if deltas["errors"] > 0 and snap["last_error"]:
-        row.last_error = snap["last_error"]
+        row.last_error = clean_text(snap["last_error"])  # a plugin's message: a NUL would fail the batch
     row.proven_size = proven
     if quarantine_changed:
         row.quarantined = snap.get("quarantined") or ""

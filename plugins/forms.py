@@ -68,6 +68,9 @@ class PluginForm(forms.ModelForm):
                 except UnicodeDecodeError:
                     raise ValidationError(f"{upload.name} is neither UTF-8 source text nor a "
                                           f"{' or '.join(registry.binary_extensions())} binary") from None
+                if "\x00" in cleaned["source"]:  # no database stores it as text (PostgreSQL refuses it)
+                    raise ValidationError(f"{upload.name} contains a NUL character; source text cannot, remove it "
+                                          "(or upload a binary the runtime takes, such as .wasm)")
                 if runtime is not None and runtime.binary:
                     self.instance.module = None
         elif runtime is not None and runtime.binary and cleaned.get("source", "").strip():

@@ -153,6 +153,8 @@ class Host:
             raise HostCallError(f"kv_set: value must be a string or a number, not {type(value).__name__}")
         if len(value) > MAX_VALUE_CHARS:
             raise HostCallError(f"kv_set: value of {len(value)} chars is over the {MAX_VALUE_CHARS} limit")
+        if "\x00" in value:  # PostgreSQL stores no NUL: refused on every database alike
+            raise HostCallError("kv_set: the value must not contain a NUL character; encode binary data (base64)")
         key = _key(key)
         self.kv_writes += 1
         try:
@@ -299,4 +301,6 @@ def _key(key: Any) -> str:
     key = str(key) if isinstance(key, (int, float)) else key
     if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
         raise HostCallError(f"kv key must be a non-empty string of at most {MAX_KEY_CHARS} chars, got {key!r}")
+    if "\x00" in key:  # PostgreSQL stores no NUL: refused on every database alike
+        raise HostCallError(f"kv key must not contain a NUL character, got {key!r}")
     return key

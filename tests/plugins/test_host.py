@@ -111,3 +111,15 @@ def test_a_pcall_cannot_swallow_a_sleep_timeout() -> None:
                                      permissions=frozenset({"sleep"})))
     with pytest.raises(HandlerTimeout, match="sleep"):
         loaded.call("t", {"args": ""})
+
+
+def test_kv_refuses_a_nul_in_a_key_or_a_value_before_touching_the_store() -> None:
+    # PostgreSQL stores no NUL as text: refused alike on every database, with what to do instead.
+    h = host(permissions=("kv",))
+    with pytest.raises(HostCallError, match="must not contain a NUL"):
+        h.kv_set("a\x00b", "v")
+    with pytest.raises(HostCallError, match="encode binary data"):
+        h.kv_set("k", "v\x00")
+    with pytest.raises(HostCallError, match="must not contain a NUL"):
+        h.kv_get("a\x00b")
+    assert h.kv_writes == 0  # neither refused write counted against the quota

@@ -110,6 +110,14 @@ def test_admin_accepts_an_uploaded_lua_file_and_lists_it(admin_client) -> None:
     assert "up" in listing and Plugin.objects.get(name="up").version in listing
 
 
+def test_admin_refuses_an_uploaded_source_with_a_nul_character(admin_client) -> None:
+    # No database stores a NUL as text (PostgreSQL refuses it): a clear form error, not a 500.
+    data = _form(upload=SimpleUploadedFile("up.lua", b"function up(ev) return 'a\x00' end"))
+    response = admin_client.post("/admin/plugins/plugin/add/", data)
+    assert response.status_code == 200 and "contains a NUL character" in response.content.decode()
+    assert not Plugin.objects.filter(name="up").exists()
+
+
 def test_admin_enable_disable_actions(admin_client) -> None:
     Plugin.objects.create(name="p", runtime="lua", source="function a(ev) return 'a' end")
     v0 = RegistryState.current()
