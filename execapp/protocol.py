@@ -155,8 +155,17 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON (Python's decoder accepts it, browsers' JSON.parse does not)")
 
 
-# Strict JSON: NaN and Infinity would come back out in reply frames no browser can parse.
-_decoder = json.JSONDecoder(parse_constant=_no_constant)
+def _finite(text: str) -> float:
+    value = float(text)
+    if value - value != 0.0:  # inf or -inf: the literal is past a double's range
+        raise ValueError(f"the number {text[:24]}{'...' if len(text) > 24 else ''} is past the range of a double "
+                         "(about 1.8e308): send a smaller number, or the value as a string")
+    return value
+
+
+# Strict JSON: NaN and Infinity would come back out in reply frames no browser can parse, and a
+# literal past a double's range (1e999) is Infinity by another name.
+_decoder = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
 _decode = _decoder.decode
 _scan: Callable[[str, int], tuple[Any, int]] = _decoder.scan_once  # type: ignore[attr-defined]
 

@@ -440,7 +440,11 @@ class _LuaVM:
         irq = self._irq
         irq.running = deadline
         try:
-            status, value = self._call(env, handler, self._table_from(event, recursive=True), deadline)
+            table = self._table_from(event, recursive=True)
+        except OverflowError:  # an integer past Lua's 64 bits (see _fit_ints)
+            table = self._table_from(_fit_ints(event), recursive=True)
+        try:
+            status, value = self._call(env, handler, table, deadline)
         except lupa.LuaError as exc:  # raised outside the guest's pcall, e.g. by a __tostring
             raise self._lua_error(exc, deadline) from None
         finally:
@@ -457,8 +461,11 @@ class _LuaVM:
         irq = self._irq
         irq.running = deadline
         try:
-            status, value = self._fresh(self.bytecode, self.chunkname, handler,
-                                        self._table_from(event, recursive=True), deadline)
+            table = self._table_from(event, recursive=True)
+        except OverflowError:  # an integer past Lua's 64 bits (see _fit_ints)
+            table = self._table_from(_fit_ints(event), recursive=True)
+        try:
+            status, value = self._fresh(self.bytecode, self.chunkname, handler, table, deadline)
         except lupa.LuaError as exc:
             raise self._lua_error(exc, deadline) from None
         finally:
@@ -479,6 +486,22 @@ class _LuaVM:
         if isinstance(exc, lupa.LuaMemoryError):
             return GuestMemory(f"memory cap of {self.spec.memory_bytes} bytes exceeded")
         return GuestTimeout() if time.monotonic() >= deadline else GuestError(str(exc), poison=True)
+
+
+def _fit_ints(value: Any) -> Any:
+    """``value`` with every integer past Lua's 64 bits made a float (infinite past a float's range),
+    as JavaScript reads such a JSON number: a client's event data may hold any integer, and lupa
+    refuses to convert one it cannot fit (OverflowError)."""
+    if isinstance(value, dict):
+        return {k: _fit_ints(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_fit_ints(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and not -2 ** 63 <= value < 2 ** 63:
+        try:
+            return float(value)
+        except OverflowError:
+            return float("inf") if value > 0 else float("-inf")
+    return value
 
 
 def _raise(status: int, message: Any, spec: PluginSpec) -> None:
@@ -524,7 +547,11 @@ class LuaInstance(_LuaVM):
         irq = self._irq
         irq.running = deadline
         try:
-            status, value = self._call(self.env, handler, self._table_from(event, recursive=True), deadline)
+            table = self._table_from(event, recursive=True)
+        except OverflowError:  # an integer past Lua's 64 bits (see _fit_ints)
+            table = self._table_from(_fit_ints(event), recursive=True)
+        try:
+            status, value = self._call(self.env, handler, table, deadline)
         except lupa.LuaError as exc:
             raise self._lua_error(exc, deadline) from None
         finally:

@@ -184,9 +184,18 @@ def test_a_raw_lone_surrogate_in_the_text_is_bad_event_and_a_surrogate_pair_is_f
 
 @pytest.mark.parametrize("frame", ['{"type": "message", "text": "/ping", "data": {"x": NaN}}',
                                    '{"type": "tick", "data": {"x": -Infinity}}',
-                                   '{"type": "tick", "data": {"n": %s}}' % ("9" * 5000)])
+                                   '{"type": "tick", "data": {"n": %s}}' % ("9" * 5000),
+                                   '{"type": "tick", "data": {"n": 1e999}}',  # Infinity by another name
+                                   '{"type": "tick", "data": [1.5, -2e400]}'])
 def test_python_only_json_is_bad_json(frame: str) -> None:
     assert refused(frame, limits=Limits()).code == "bad_json"
+
+
+def test_a_number_past_a_doubles_range_is_refused_with_what_to_send() -> None:
+    error = refused('{"type": "tick", "data": {"n": 1e999}}', limits=Limits())
+    assert "1e999 is past the range of a double" in error.message and "as a string" in error.message
+    assert parse_frame('{"type": "tick", "data": {"n": 1.5e308, "m": -2.5}}', None, LIMITS).data == \
+        {"n": 1.5e308, "m": -2.5}
 
 
 def test_outgoing_frames_are_always_utf8_and_strict_json() -> None:

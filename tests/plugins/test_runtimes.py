@@ -303,3 +303,17 @@ def test_js_pooled_instances_of_exited_threads_are_not_counted_as_live() -> None
         assert plugin.strategy.live() == 1 and plugin.strategy.idle() == 1
     finally:
         plugin.close()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_lua_guest_reads_an_integer_past_64_bits_as_a_float(strategy: str) -> None:
+    """A client's JSON may hold any integer: past Lua's 64 bits it arrives as a float (as JS reads
+    it), never as the conversion's OverflowError."""
+    code = "function h(e) return math.type(e.data.n) .. ' ' .. tostring(e.data.m[2]) end"
+    plugin = LoadedPlugin(PluginSpec(name="t-bigint", runtime="lua", strategy=strategy, timeout=1.0, code=code))
+    try:
+        ev = {**event(), "data": {"n": 2 ** 64, "m": [1, -10 ** 400]}}
+        assert plugin.call("h", ev) == "float -inf"
+        assert plugin.call("h", {**event(), "data": {"n": 2 ** 63 - 1, "m": [1, 2]}}) == "integer 2"
+    finally:
+        plugin.close()
