@@ -89,6 +89,18 @@
     },
   });
 
+  // -- Iterator helpers that loop inside one call (drop skips n, filter skips non-matches,
+  // forEach/some/every/find/reduce consume) call the receiver's next in C, and an array's
+  // iterator's next is C too: over a sparse 2**32 length, with a native callback (Math.abs),
+  // nothing in that loop polls (`a.values().drop(2**31)` ran for minutes). Each runs on its
+  // receiver seen through a map whose step is bytecode: one polled call per element.
+  const IP = typeof Iterator === "function" ? Iterator.prototype : null, pass = (v) => v;
+  if (IP !== null && typeof IP.map === "function") {
+    const nativeMap = IP.map, helpers = __ITERATOR_ORIGINALS__;
+    const through = (self, i, args) => apply(helpers[i], apply(nativeMap, self, [pass]), args);
+    assign(IP, __ITERATOR_WRAPPERS__);
+  }
+
   // -- String searches compare the needle at every start position, natively (n x m character
   // comparisons: 'a'.repeat(4e6).indexOf('a'.repeat(2e6) + 'b') ran for minutes). Past
   // SEARCH_MAX comparisons a search runs on slices of at most SEARCH_MAX comparisons each, unless

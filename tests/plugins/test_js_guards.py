@@ -35,6 +35,11 @@ ESCAPES = {  # each ran for minutes (natively, with no interrupt poll) before it
     "concat of a spreadable getter": "[].concat({[Symbol.isConcatSpreadable]: true, n: 0, "
                                      "get length() { return this.n++ ? 2 ** 31 : 1; }})",
     "JSON.stringify's replacer": "const r = []; r.length = 2 ** 31; JSON.stringify({a: 1}, r)",
+    "Iterator drop": "const a = []; a.length = 2 ** 32 - 1; a.values().drop(2 ** 31).next()",
+    "Iterator forEach, native callback": "const a = []; a.length = 2 ** 32 - 1; a.values().forEach(Math.abs)",
+    "Iterator filter, native callback": "const a = []; a.length = 2 ** 32 - 1; a.keys().filter(Number.isNaN).next()",
+    "Iterator some, native callback": "const a = []; a.length = 2 ** 32 - 1; a.values().some(Number.isNaN)",
+    "Iterator reduce, native callback": "const a = []; a.length = 2 ** 32 - 1; a.keys().reduce(Math.min)",
     "String.raw": "String.raw({raw: {length: 2 ** 31}})",
 }
 
@@ -125,6 +130,12 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     "String.raw(null)", "'a,b,,c'.split(',', 2)", "'abc'.split()", "'abc'.split(undefined, 0)",
     "'a1b2'.replace(/\\d/g, d => d * 2)", "'aXbX'.replaceAll(/x/gi, '-')", "'ab'.replaceAll(/a/, '-')",
     "'abc'.includes(/b/)", "String.prototype.indexOf.call(123123, 31)",
+    "[...[1, 2, 3, 4].values().drop(1)]", "[...[1, 2, 3, 4].values().filter(x => x % 2)]",
+    "[1, 2, 3].values().some(x => x > 2)", "[1, 2, 3].values().every(x => x > 0)",
+    "[1, 2, 3].values().find(x => x > 1)", "[1, 2, 3].values().reduce((a, b) => a + b)",
+    "[1, 2, 3].values().reduce((a, b) => a + b, 10)", "(() => { const r = []; [5, 6].values().forEach((v, i) => "
+    "r.push(v, i)); return r; })()", "[1].values().drop(-1)", "[1].values().filter(5)", "[].values().reduce(Math.max)",
+    "Iterator.prototype.drop.call({next() { return {done: true}; }}, 3).next()",
 ])
 def test_guarded_array_and_string_built_ins_answer_as_the_natives(expr: str) -> None:
     got, want = both(expr)
