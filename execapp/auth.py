@@ -70,7 +70,9 @@ async def deny(scope: Scope, receive: Callable[[], Awaitable[dict]], send: Calla
     first = await receive()
     if first.get("type") != "websocket.connect":
         return
-    log.info("refused WebSocket %s (%s): %s", scope.get("path"), code, message)
+    # Once per code per minute: a client retrying bad tokens in a loop must not flood the log
+    # (the refusals are counted in execapp_events_total all the same).
+    _rare.log(logging.INFO, ("refused", code), "refused WebSocket %s (%s): %s", scope.get("path"), code, message)
     if outcome is not None:
         metrics.count_event(outcome)
     await send({"type": "websocket.close"})

@@ -228,6 +228,10 @@ class Connection:
             _COUNT_DONE[bool(outcome.errors)]()  # type: ignore[union-attr]
             if self._resends and eid in self._resends:  # its done waits for the durable record
                 self._resends.discard(eid)
+                # Still in flight until that done is queued: a client sending resend events
+                # faster than records are written is held by its in-flight limit, not piling up
+                # record tasks (and executor threads, and admissions) without bound.
+                self.in_flight[eid] = session
                 task = self.loop.create_task(self._record_then_done(outcome, session, hint))
                 self._recording.add(task)
                 task.add_done_callback(self._recording.discard)
@@ -311,6 +315,7 @@ class Connection:
             _rare.warning(("record", type(exc).__name__), "the record of resend event %s was not written: %s",
                           outcome.event_id, message)
             fields = {"recorded": False, "record_error": message}
+        self.in_flight.pop(outcome.event_id, None)
         if self.closed:
             self.worker.end_event()
             return

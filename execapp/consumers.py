@@ -17,7 +17,15 @@ from .auth import CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, close_reason, dat
 from .connection import Connection
 from .engine.ratelog import RateLimitedLog
 from .layer_watch import LayerWatch, watch_for
-from .protocol import Limits, ProtocolError, check_session, owner_digest, session_of
+from .protocol import (
+    MAX_SESSION_CHARS,
+    MAX_SESSIONS_PER_CONNECTION,
+    Limits,
+    ProtocolError,
+    check_session,
+    owner_digest,
+    session_of,
+)
 
 log = logging.getLogger("execapp.consumers")
 _rare = RateLimitedLog(log, 60.0)
@@ -26,6 +34,8 @@ _rare = RateLimitedLog(log, 60.0)
 _READER_STOP_SECONDS = 0.5
 #: A reader whose receive keeps failing although the layer answers waits this long, doubling.
 _READER_BACKOFF_SECONDS = (0.05, 1.0)
+#: Problems with the URL's ?session= sent one error frame each; the rest in one more.
+_URL_PROBLEMS_SHOWN = 3
 
 
 async def aget_worker() -> worker_module.Worker:
@@ -138,8 +148,15 @@ class EventConsumer(AsyncWebsocketConsumer):
                 except ProtocolError as exc:
                     problems.append(exc)
         await self.accept()
-        for problem in problems:
+        # Reported up to a few, then summed up: a URL naming thousands of sessions must not turn
+        # into thousands of error frames queued past the outbox's limits (no backpressure here).
+        for problem in problems[:_URL_PROBLEMS_SHOWN]:
             self.conn.error(problem.code, problem.message)
+        if len(problems) > _URL_PROBLEMS_SHOWN:
+            self.conn.error("bad_event", f"session (in the URL's ?session=): {len(problems) - _URL_PROBLEMS_SHOWN} "
+                                         "more sessions were not joined (not shown); a connection joins at most "
+                                         f"{MAX_SESSIONS_PER_CONNECTION} sessions, each 1-{MAX_SESSION_CHARS} "
+                                         "characters of A-Z a-z 0-9 _ . -")
 
     async def disconnect(self, code: int) -> None:
         if self.conn is None:

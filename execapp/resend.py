@@ -41,6 +41,9 @@ log = logging.getLogger("execapp.resend")
 KEY_PREFIX = "execapp:resend:"
 #: Most records the in-process ledger keeps (without Redis); the oldest go first.
 LOCAL_MAX_KEYS = 100_000
+#: Most of them one owner may hold: past it that owner's own oldest go, never another owner's
+#: (one tenant sending many distinct ids must not make other tenants' completed events run again).
+LOCAL_MAX_KEYS_PER_OWNER = 10_000
 NEW, RUNNING, DONE = "new", "running", "done"
 
 
@@ -155,14 +158,36 @@ class LocalLedger:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # claims come from executor threads, renewals from the renewer
-        self._items: dict[str, tuple[str, float]] = {}  # key -> (value, expires at, monotonic)
+        self._items: dict[str, tuple[str, float, str]] = {}  # key -> (value, expires at (monotonic), owner)
+        self._owners: dict[str, dict[str, None]] = {}  # owner -> its keys, oldest first
 
-    def _get(self, key: str, now: float) -> tuple[str, float] | None:
+    def _get(self, key: str, now: float) -> tuple[str, float, str] | None:
         item = self._items.get(key)
         if item is not None and item[1] <= now:
-            del self._items[key]
+            self._drop(key)
             return None
         return item
+
+    def _drop(self, key: str) -> None:
+        item = self._items.pop(key, None)
+        if item is not None:
+            keys = self._owners.get(item[2])
+            if keys is not None:
+                keys.pop(key, None)
+                if not keys:
+                    del self._owners[item[2]]
+
+    def _put(self, owner: str, key: str, value: str, expires: float) -> None:
+        """Store ``key`` as the newest (the oldest-first trims keep the newest): within the owner's
+        share first, then within the ledger's."""
+        self._drop(key)
+        self._items[key] = (value, expires, owner)
+        keys = self._owners.setdefault(owner, {})
+        keys[key] = None
+        while len(keys) > LOCAL_MAX_KEYS_PER_OWNER:
+            self._drop(next(iter(keys)))
+        while len(self._items) > LOCAL_MAX_KEYS:
+            self._drop(next(iter(self._items)))
 
     def claim(self, owner: str, event_id: str, worker: str, lease: float) -> Claim:
         key, now = pair_key(owner, event_id), time.monotonic()
@@ -170,9 +195,7 @@ class LocalLedger:
             item = self._get(key, now)
             if item is not None:
                 return _parse(item[0], int((item[1] - now) * 1000))
-            self._items[key] = (f"run {worker}", now + lease)
-            while len(self._items) > LOCAL_MAX_KEYS:
-                del self._items[next(iter(self._items))]
+            self._put(owner, key, f"run {worker}", now + lease)
             return Claim(NEW)
 
     def renew(self, pairs: list[tuple[str, str]], worker: str, lease: float) -> int:
@@ -182,22 +205,21 @@ class LocalLedger:
                 key = pair_key(owner, event_id)
                 item = self._get(key, now)
                 if item is not None and item[0] == f"run {worker}":
-                    self._items[key] = (item[0], now + lease)
+                    self._items[key] = (item[0], now + lease, owner)
                     n += 1
         return n
 
     def done(self, owner: str, event_id: str, uid: str, retention: float) -> None:
         key = pair_key(owner, event_id)
         with self._lock:
-            self._items.pop(key, None)  # re-inserted last: the oldest-first trim keeps the newest
-            self._items[key] = (f"done {uid}", time.monotonic() + retention)
+            self._put(owner, key, f"done {uid}", time.monotonic() + retention)
 
     def release(self, owner: str, event_id: str, worker: str) -> None:
         key = pair_key(owner, event_id)
         with self._lock:
             item = self._items.get(key)
             if item is not None and item[0] == f"run {worker}":
-                del self._items[key]
+                self._drop(key)
 
 
 _local: LocalLedger | None = None

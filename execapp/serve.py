@@ -292,14 +292,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: uvicorn's limit on one WebSocket message, as a multiple of EXECAPP['MAX_FRAME_BYTES'] (at least 1 MiB).
+WS_MAX_SIZE_FACTOR = 4
+
+
+def ws_max_size(max_frame_bytes: int) -> int:
+    """The largest WebSocket message the server reads (larger: closed with 1009)."""
+    return max(WS_MAX_SIZE_FACTOR * max_frame_bytes, 1 << 20)
+
+
 def make_config(args: argparse.Namespace) -> uvicorn.Config:
     """The uvicorn Config our server runs with (lifespan off: the Worker's life is ExecServer's)."""
     if args.workers < 1:
         raise SystemExit(f"--workers {args.workers}: need at least 1")
+    from . import conf  # the settings module is named by now (main, or the tests' settings)
+
     return uvicorn.Config(
         args.app, host=args.host, port=args.port, workers=args.workers, lifespan="off",
         # permessage-deflate costs ~25% throughput on small JSON frames (runtime-facts.md).
         ws_per_message_deflate=False, timeout_graceful_shutdown=args.close_timeout,
+        # uvicorn's default (16 MiB) let one client that does not read hold 16 MiB frames in the
+        # worker before the app's own MAX_FRAME_BYTES refused them: a frame up to a few times that
+        # still gets a too_large error frame, a larger one closes the connection (1009).
+        ws_max_size=ws_max_size(int(conf.get("MAX_FRAME_BYTES"))),
         log_level=args.log_level, access_log=not args.no_access_log,
         forwarded_allow_ips=args.forwarded_allow_ips,
         # LOG_FORMAT=json (config/settings.py): uvicorn's own lines are JSON as well.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import threading
 from collections import Counter
@@ -339,6 +340,18 @@ async def test_last_used_time_is_recorded(token: str) -> None:
 ])
 async def test_a_missing_or_unknown_token_is_refused(token: str, path: str, headers: list | None) -> None:
     assert await _handshake(path, headers) == (False, 1000)
+
+
+@pytest.mark.parametrize("channel_layer", ["memory"], indirect=True)
+async def test_a_client_retrying_bad_tokens_does_not_flood_the_log(token: str, caplog: Any) -> None:
+    from execapp import auth
+
+    auth._rare._seen.clear()  # a refusal logged by an earlier test would hide the first one here
+    with caplog.at_level(logging.INFO, logger="execapp.auth"):
+        for n in range(20):
+            assert (await _handshake(f"/ws/events/?token=bad-{n}"))[0] is False
+    refused = [r for r in caplog.records if "refused WebSocket" in r.getMessage()]
+    assert len(refused) == 1, [r.getMessage() for r in refused]  # once per code per minute
 
 
 @pytest.mark.parametrize("channel_layer", ["memory"], indirect=True)

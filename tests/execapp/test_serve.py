@@ -1,0 +1,14 @@
+"""The server's own configuration (execapp.serve.make_config)."""
+from __future__ import annotations
+
+from typing import Any
+
+from execapp import serve
+
+
+def test_the_server_reads_no_websocket_message_far_past_the_apps_frame_limit(settings: Any) -> None:
+    # uvicorn's default (16 MiB) let a client that never reads park 16 MiB frames in the worker.
+    settings.EXECAPP = {"MAX_FRAME_BYTES": 300_000}
+    assert serve.make_config(serve.build_parser().parse_args([])).ws_max_size == 1_200_000
+    settings.EXECAPP = {}  # the default 64 KiB: 4x is under the 1 MiB floor
+    assert serve.make_config(serve.build_parser().parse_args([])).ws_max_size == 1 << 20
