@@ -16,10 +16,15 @@ ABI (docs/plugins.md has the full text):
   plugins.runtimes.host.Host serves all host calls of one guest call and is closed when it returns.
 
 Limits: one process-wide Engine with epoch interruption, ticked by a daemon thread every
-``EPOCH_TICK`` seconds; each call sets its store's deadline from the plugin's timeout (trap
-code INTERRUPT -> timeout). Each store's linear memory is capped by ``Store.set_limits``
-(``memory.grow`` returns -1 past it) and reserves ``MEMORY_RESERVATION`` bytes of address
-space instead of wasmtime's default 4 GiB.
+``EPOCH_TICK`` seconds; each call sets its store's deadline from the call's deadline (trap
+code INTERRUPT -> timeout). An instance is instantiated by its first call, so a start
+function runs inside that call's deadline (an inline call's too), not a budget of its own.
+Each store has one linear memory, capped by ``Store.set_limits`` (``memory.grow`` returns -1
+past it), at most ``MAX_TABLES`` tables of ``MAX_TABLE_ELEMENTS``, and reserves
+``MEMORY_RESERVATION`` bytes of address space instead of wasmtime's default 4 GiB; the GC
+proposal (a second heap of its own) is off. Compiling cannot be interrupted: its cost is
+bounded before it starts (``MAX_MODULE_BYTES``, the section counts of ``MAX_COUNTS``) and it
+runs in a child process limited to ``COMPILE_TIMEOUT_SECONDS`` and ``COMPILE_MEMORY_BYTES``.
 """
 from __future__ import annotations
 
@@ -29,6 +34,9 @@ import ctypes
 import functools
 import json
 import math
+import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -42,6 +50,25 @@ from .host import Host
 
 EPOCH_TICK = 0.005
 MEMORY_RESERVATION = 64 << 20
+#: Tables per instance and elements per table: table memory is outside the memory cap.
+MAX_TABLES = 4
+MAX_TABLE_ELEMENTS = 100_000
+#: Bytes of one module binary (the admin's upload limit too).
+MAX_MODULE_BYTES = 4 << 20
+#: A compile runs in a child process with this much time and address space (the largest
+#: module within MAX_COUNTS measured ~2.7 s and ~580 MiB on 2 cores).
+COMPILE_TIMEOUT_SECONDS = 10.0
+COMPILE_MEMORY_BYTES = 2 << 30
+#: Section id -> (what it counts, the most a module may declare). Compiling costs ~40 us and
+#: ~6 KB per function (~170 us per exported one, which gets a trampoline), and wasmtime cannot
+#: interrupt it: 200,000 functions took 8 s and 1.1 GB, 50,000 exports 11 s. wasmparser's own
+#: limits are 10-100x these.
+MAX_COUNTS: dict[int, tuple[str, int]] = {
+    1: ("types", 10_000), 2: ("imports", 100), 3: ("functions", 20_000), 4: ("tables", MAX_TABLES),
+    5: ("memories", 1), 6: ("globals", 10_000), 7: ("exports", 1_000), 9: ("element segments", 10_000),
+    11: ("data segments", 10_000),
+}
+MAX_COUNTS_BY_NAME = {what: limit for what, limit in MAX_COUNTS.values()}
 RESERVED_EXPORTS = frozenset({"memory", "alloc", "dealloc", "_start", "_initialize"})
 
 # The call running on this thread: ``call`` (its spec and deadline), ``host`` (its Host, made at
@@ -49,11 +76,16 @@ RESERVED_EXPORTS = frozenset({"memory", "alloc", "dealloc", "_start", "_initiali
 _tls = threading.local()
 
 
+#: The Engine's settings (the compiling child process builds the same Engine from them). GC
+#: objects would live in a heap of their own, capped apart from linear memory: a second cap.
+ENGINE_SETTINGS: dict[str, Any] = {"epoch_interruption": True, "memory_reservation": MEMORY_RESERVATION,
+                                   "memory_guard_size": 64 << 10, "wasm_gc": False}
+
+
 def _make_engine() -> wasmtime.Engine:
     config = wasmtime.Config()
-    config.epoch_interruption = True
-    config.memory_reservation = MEMORY_RESERVATION
-    config.memory_guard_size = 64 << 10
+    for name, value in ENGINE_SETTINGS.items():
+        setattr(config, name, value)
     return wasmtime.Engine(config)
 
 
@@ -76,6 +108,16 @@ def _ensure_ticker() -> None:
                     ENGINE.increment_epoch()
             _ticker = threading.Thread(target=tick, name="wasm-epoch", daemon=True)
             _ticker.start()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child has no ticker thread, only the parent's Thread object: without a fresh
+    # one no epoch deadline of the child would ever arrive (a guest loop ran forever).
+    global _ticker, _ticker_lock
+    _ticker, _ticker_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # -- host imports ---------------------------------------------------------------------------------
@@ -191,22 +233,114 @@ _modules_lock = threading.Lock()
 MODULE_CACHE_SIZE = 64
 
 
+def _leb_u32(data: bytes, pos: int) -> tuple[int, int]:
+    """An unsigned LEB128 at ``pos``: (value, next position); ValueError if malformed."""
+    value = shift = 0
+    for i in range(pos, min(pos + 5, len(data))):
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i + 1
+        shift += 7
+    raise ValueError("bad LEB128")
+
+
+def check_module_size(wasm: bytes) -> None:
+    """Refuse a module whose compile would be too costly, before compiling it (CompileError).
+
+    Reads only the section headers and each vector section's count; a malformed module is
+    left to wasmtime, which says what is wrong with it.
+    """
+    if len(wasm) > MAX_MODULE_BYTES:
+        raise CompileError(f"the module is {len(wasm)} bytes; the limit is {MAX_MODULE_BYTES} "
+                           "(strip debug sections, e.g. wasm-opt --strip-debug)")
+    if wasm[:4] != b"\0asm":
+        return
+    pos, functions = 8, 0
+    try:
+        while pos < len(wasm):
+            section = wasm[pos]
+            size, start = _leb_u32(wasm, pos + 1)
+            pos = start + size
+            if section in MAX_COUNTS and size:
+                count = _leb_u32(wasm, start)[0]
+                if section == 2:  # imports: each is a function (the host only gives functions)
+                    functions += count
+                if section == 3:
+                    functions += count
+                    count = functions
+                what, limit = MAX_COUNTS[section]
+                if count > limit:
+                    raise CompileError(f"the module declares {count} {what}; a plugin may declare at most {limit}")
+    except ValueError:
+        return
+
+
 def compile_module(version: str, wasm: bytes) -> wasmtime.Module:
-    """The compiled module of one version, compiled once per process (an LRU of 64)."""
+    """The compiled module of one version, compiled once per process (an LRU of 64): its size
+    checked first (check_module_size), then compiled in a bounded child (_compile_bounded)."""
     with _modules_lock:
         module = _modules.get(version)
         if module is not None:
             _modules.move_to_end(version)
             return module
-    try:
-        module = wasmtime.Module(ENGINE, wasm)
-    except wasmtime.WasmtimeError as exc:
-        raise CompileError(f"the module does not compile: {exc}") from None
+    check_module_size(wasm)
+    module = _compile_bounded(wasm)
     with _modules_lock:
         _modules[version] = module
         while len(_modules) > MODULE_CACHE_SIZE:
             _modules.popitem(last=False)
     return module
+
+
+# The compiling child: limits its own address space, builds the Engine from ENGINE_SETTINGS,
+# compiles stdin and writes b"M" + the serialized module, or b"E" + wasmtime's message.
+_COMPILER = """
+import json, resource, sys
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+import wasmtime
+config = wasmtime.Config()
+for name, value in json.loads(sys.argv[2]).items():
+    setattr(config, name, value)
+wasm = sys.stdin.buffer.read()
+try:
+    data = b"M" + wasmtime.Module(wasmtime.Engine(config), wasm).serialize()
+except wasmtime.WasmtimeError as exc:
+    data = b"E" + str(exc).encode()
+sys.stdout.buffer.write(data)
+"""
+
+
+def _compile_bounded(wasm: bytes) -> wasmtime.Module:
+    """``wasm`` compiled in a child process bounded by COMPILE_TIMEOUT_SECONDS and
+    COMPILE_MEMORY_BYTES (wasmtime cannot interrupt a compile), loaded into ENGINE."""
+    # MALLOC_ARENA_MAX: glibc's per-thread arenas reserve 64 MiB of address space each.
+    env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", _COMPILER, str(COMPILE_MEMORY_BYTES),
+                               json.dumps(ENGINE_SETTINGS)], input=wasm, capture_output=True, env=env,
+                              timeout=COMPILE_TIMEOUT_SECONDS, check=False)
+    except subprocess.TimeoutExpired:
+        raise CompileError(f"compiling the module took more than {COMPILE_TIMEOUT_SECONDS:g} s; make it smaller",
+                           code="timeout") from None
+    except OSError:  # no child process here (a sandbox): the size limits still bound the cost
+        try:
+            return wasmtime.Module(ENGINE, wasm)
+        except wasmtime.WasmtimeError as exc:
+            raise CompileError(f"the module does not compile: {exc}") from None
+    out = done.stdout
+    if done.returncode or out[:1] not in (b"M", b"E"):
+        # Out of address space, wasmtime aborts ("memory allocation of N bytes failed") or Python
+        # raises MemoryError (the traceback's last line): the line that names memory says which.
+        lines = done.stderr.decode("utf-8", "replace").strip().splitlines() or ["no message"]
+        why = next((line for line in lines if "memory" in line.lower()), lines[-1])[:200]
+        raise CompileError(f"compiling the module failed within its {COMPILE_MEMORY_BYTES >> 20} MiB of memory "
+                           f"(exit status {done.returncode}: {why}); make it smaller", code="memory_limit")
+    if out[:1] == b"E":
+        raise CompileError(f"the module does not compile: {out[1:].decode('utf-8', 'replace')}")
+    # Trusted: these bytes are what this process's own child serialized with this wasmtime.
+    return wasmtime.Module.deserialize(ENGINE, out[1:])
 
 
 def drop_caches() -> None:
@@ -278,20 +412,36 @@ def _signature(store: wasmtime.Store, func: wasmtime.Func) -> tuple[tuple[str, .
 # -- instances ------------------------------------------------------------------------------------
 
 class WasmInstance:
-    """One Store + Instance of a module, with its memory, allocator and handlers looked up once."""
+    """One Store + Instance of a module, with its memory, allocator and handlers looked up once.
+
+    Instantiated by ``start`` (at its first call, by that call's deadline): a module's start
+    function and data segments run inside the budget of the call that needs them.
+    """
 
     def __init__(self, compiled: "WasmCompiled") -> None:
         self.spec = compiled.spec
+        self.compiled: WasmCompiled | None = compiled
+        self.store: wasmtime.Store | None = None
+        self.handlers: dict[str, _Call] = {}
+
+    def start(self, seconds: float) -> None:
+        """Instantiate, running the module's start function for at most ``seconds``."""
+        compiled, self.compiled = self.compiled, None
+        assert compiled is not None, "instantiated once"
         _ensure_ticker()
         store = self.store = wasmtime.Store(ENGINE)
-        store.set_limits(memory_size=self.spec.memory_bytes, table_elements=100_000, instances=4, memories=2)
-        store.set_epoch_deadline(_ticks(self.spec.timeout))
+        store.set_limits(memory_size=self.spec.memory_bytes, table_elements=MAX_TABLE_ELEMENTS, instances=1,
+                         tables=MAX_TABLES, memories=1)
+        store.set_epoch_deadline(_ticks(seconds))
         try:
             self.instance = compiled.pre.instantiate(store)
         except wasmtime.Trap as exc:
-            raise _trap_error(exc, self.spec) from None
+            raise _trap_error(exc, self.spec, seconds) from None
         except wasmtime.WasmtimeError as exc:
             raise GuestError(f"the module does not instantiate: {exc}", poison=True) from None
+        except _HostTrap as exc:  # wasmtime-py re-raises a host function's exception as itself
+            raise GuestError(f"the start function called the host: {exc}; make host calls from handlers",
+                             poison=True) from None
         memory = _export(store, self.instance, "memory")
         alloc = _export(store, self.instance, "alloc")
         if not isinstance(memory, wasmtime.Memory) or not isinstance(alloc, wasmtime.Func):
@@ -301,17 +451,22 @@ class WasmInstance:
             raise GuestError("export 'alloc' must have the type (i32) -> i32", poison=True)
         self.memory = memory
         self.alloc = _Call(store, alloc, 1, "i32")
-        self.handlers: dict[str, _Call] = {}
         for name in compiled.handlers:
             func = _export(store, self.instance, name)
             self.handlers[name] = _Call(store, func, 2, "i64")
 
     def call(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
+        if self.compiled is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise GuestTimeout()
+            self.start(remaining)
         fn = self.handlers.get(handler)
         if fn is None:
             raise GuestError(f"no handler export '{handler}' with the type (i32, i32) -> i64")
         payload = to_json(_abi_event(event)).encode()
         store = self.store
+        assert store is not None, "started above"
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise GuestTimeout()
@@ -342,6 +497,8 @@ class WasmInstance:
                 return json.loads(text)
             except ValueError as exc:
                 raise GuestError(f"reply starts like JSON but does not parse: {exc}") from None
+            except RecursionError:  # "[[[[..." 256 KiB deep: not the worker's error to raise
+                raise GuestError("reply JSON nests too deep to parse; flatten it") from None
         return to_reply(text)
 
     def _failure(self, exc: BaseException) -> GuestError:
@@ -359,7 +516,7 @@ class WasmInstance:
             # (Heuristic: wasmtime-py exposes no limiter callback; "near the cap" is within an
             # eighth of it, or one page.)
             margin = max(65536, self.spec.memory_bytes // 8)
-            if not isinstance(error, GuestTimeout) and \
+            if not isinstance(error, GuestTimeout) and self.store is not None and \
                     self.memory.data_len(self.store) + margin > self.spec.memory_bytes:
                 return GuestMemory(f"memory cap of {self.spec.memory_bytes} bytes reached ({error})")
             return error
@@ -369,17 +526,20 @@ class WasmInstance:
 
     def close(self) -> None:
         self.handlers = {}
+        self.compiled = None
         self.instance = None  # type: ignore[assignment]
-        self.store = None  # type: ignore[assignment]
+        self.store = None
 
 
 def _ticks(seconds: float) -> int:
     return max(1, math.ceil(seconds / EPOCH_TICK)) + 1
 
 
-def _trap_error(exc: wasmtime.Trap, spec: Any) -> GuestError:
+def _trap_error(exc: wasmtime.Trap, spec: Any, budget: float | None = None) -> GuestError:
     code = getattr(exc, "trap_code", None)
     if code == wasmtime.TrapCode.INTERRUPT:
+        if budget is not None and budget < spec.timeout:
+            return GuestTimeout(f"the start function ran past the {budget * 1000:.0f} ms left of the call's budget")
         return GuestTimeout(f"ran past its {spec.timeout * 1000:g} ms timeout")
     text = str(exc)
     # wasmtime's text is "error while executing at wasm backtrace: ... Caused by: <reason>".
@@ -421,10 +581,15 @@ class WasmCompiled(FreshInstanceIsolation):
                 if [str(p) for p in ty.params] == ["i32", "i32"] and [str(r) for r in ty.results] == ["i64"]:
                     names.append(exp.name)
         self.handlers = frozenset(names)
+        probe = WasmInstance(self)
         try:
-            WasmInstance(self).close()  # the module instantiates: memory, alloc and start are fine
+            probe.start(spec.timeout)  # the module instantiates: memory, alloc and start are fine
         except GuestError as exc:
-            raise CompileError(str(exc)) from None
+            code = "timeout" if isinstance(exc, GuestTimeout) else \
+                "memory_limit" if isinstance(exc, GuestMemory) else "plugin_invalid"
+            raise CompileError(str(exc), code=code) from None
+        finally:
+            probe.close()
 
     def new_instance(self) -> WasmInstance:
         return WasmInstance(self)
