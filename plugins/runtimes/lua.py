@@ -23,6 +23,13 @@ Sandbox (built once per lupa runtime, in Lua, while the standard library is stil
 - a deadline watchdog (``lua_interrupt.py``) makes the count hook fire at the next instruction
   once a call is past its deadline, so a loop of O(n) instructions (``s .. "x"`` on a 30 MB
   string) cannot run for seconds between two hooks.
+- weak tables are off (``lua_interrupt.disable_weak_tables``: an ephemeron chain makes one GC step
+  quadratic, seconds in one C call); ``setmetatable`` refuses ``__mode`` and ``__gc``;
+- what crosses into Python after the deadline runs no guest code and is bounded: an error
+  object's ``__tostring`` runs in the sandbox under the call's deadline, its text is cut to
+  4 KiB of valid UTF-8; a table reply is read raw, at most ``MAX_REPLY_VALUES`` values (a
+  table counted once per reference), ``MAX_DEPTH`` levels and strings up to the memory cap in
+  all, with string/number keys only, within the call's deadline.
 ``GUARDS = False`` (or ``_LuaVM(..., guards=False)``) builds the sandbox without the guards and
 the watchdog, for benchmarks.
 
@@ -43,9 +50,9 @@ import lupa.lua54 as lupa
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from ..spec import PluginSpec
-from .base import to_reply
+from .base import MAX_REPLY_BYTES, to_reply
 from .host import Host, HostCallError
-from .lua_interrupt import Interrupts
+from .lua_interrupt import MODE_NAME, Interrupts, disable_weak_tables
 
 #: Instructions between two deadline checks (a check calls time.monotonic through lupa: ~1 us;
 #: 10k Lua instructions take ~50-100 us, so the check costs ~1-2% and a timeout lands within
@@ -53,6 +60,13 @@ from .lua_interrupt import Interrupts
 HOOK_COUNT = 10_000
 TIMEOUT_MSG = "execapp: timeout: the plugin ran past its time budget"
 MAX_DEPTH = 32
+#: Values (tables and their entries) one table reply may hold. Converting runs in Python after
+#: the guest's deadline, so it is bounded before it starts: a table shared by reference is
+#: converted once per reference (30 levels of ``t = {t, t}`` are 2**30 values in 30 tables). A
+#: reply this large is over MAX_REPLY_BYTES as JSON anyway (each value takes 2 bytes or more).
+MAX_REPLY_VALUES = MAX_REPLY_BYTES // 2
+#: Tables converted between two checks of the call's deadline (~1-2 ms of conversion).
+TABLES_PER_CHECK = 1024
 
 #: Build sandboxes with the library guards (lua_guards.lua). Off only to measure what they cost.
 GUARDS = True
@@ -89,6 +103,7 @@ _PATTERNS_BYTECODE = _stripped_chunk("lua_patterns.lua")
 _SANDBOX = r"""
 local clock, py_host, COUNT, TIMEOUT, GUARDS_BC, PATTERNS_BC, LIMITS, REGISTER = ...
 local B = {deadline = math.huge, expired = false, loading = false, cos = {}, ncos = 0}
+B.mode_name = LIMITS.MODE_NAME -- kept alive here: the collector's weak-mode name (lua_interrupt.py)
 local error, pcall, xpcall, type, tostring, next, select = error, pcall, xpcall, type, tostring, next, select
 local setmetatable, getmetatable, rawget = setmetatable, getmetatable, rawget
 local sethook, co_create, co_resume = debug.sethook, coroutine.create, coroutine.resume
@@ -101,6 +116,15 @@ local function hook()
   end
 end
 sethook(hook, "", COUNT)
+-- The debug library keeps each coroutine's hook in a weak-keyed table (ldblib.c, registry
+-- "_HOOKKEY", its own metatable, mode "k"). With weak mode read under MODE_NAME in this runtime
+-- (lua_interrupt.disable_weak_tables), that table says "k" under MODE_NAME too: otherwise every
+-- coroutine a guest ever made would stay alive through its hook.
+do
+  local hooks = debug.getregistry()._HOOKKEY
+  local mt = hooks and getmetatable(hooks)
+  if mt then mt[LIMITS.MODE_NAME] = mt.__mode end
+end
 
 -- Once the budget is spent every protected call re-raises: pcall cannot swallow the timeout.
 local function check(...)
@@ -204,11 +228,21 @@ local smt = getmetatable("")
 smt.__index = str
 smt.__metatable = false
 local co = copy(coroutine)
+-- The random generator's state is the runtime's: a call that seeds it is marked, and the next
+-- isolated call reseeds it (randomly, as Lua starts), so no call sees what another one wrote.
+-- (Lua's own reseed is time(NULL) and the state's address: the same all second long.)
+local math_lib, native_seed, math_tointeger = copy(math), math.randomseed, math.tointeger
+math_lib.randomseed = function(...) B.seeded = true; return native_seed(...) end
 co.create, co.resume, co.wrap = co_new, safe_resume, safe_wrap
 
 local function safe_setmetatable(t, mt)
-  if type(mt) == "table" and rawget(mt, "__gc") ~= nil then
-    error("__gc metamethods are not allowed in plugins", 2)
+  if type(mt) == "table" then
+    if rawget(mt, "__gc") ~= nil then error("__gc metamethods are not allowed in plugins", 2) end
+    -- Weak tables are off in the sandbox (lua_interrupt.disable_weak_tables: ephemerons make the
+    -- collector quadratic); say so rather than let a weak cache silently keep everything.
+    if rawget(mt, "__mode") ~= nil then
+      error("weak tables (__mode) are not available in plugins; drop entries explicitly (t[k] = nil)", 2)
+    end
   end
   return setmetatable(t, mt)
 end
@@ -233,7 +267,7 @@ local base = {
   pcall = safe_pcall, xpcall = safe_xpcall, rawequal = rawequal, rawget = rawget, rawlen = rawlen,
   setmetatable = safe_setmetatable, getmetatable = getmetatable, tonumber = guest_tonumber,
   tostring = tostring, type = type, _VERSION = _VERSION,
-  string = str, table = readonly(table_lib, "table"), math = readonly(copy(math), "math"),
+  string = str, table = readonly(table_lib, "table"), math = readonly(math_lib, "math"),
   utf8 = readonly(utf8_lib, "utf8"), coroutine = readonly(co, "coroutine"),
   -- Not tail calls: error level 3 in host_call must point at the guest's line.
   log = function(msg) host_call("log", tostring(msg)) end,
@@ -249,10 +283,33 @@ local base = {
 }
 local env_mt = {__index = base, __metatable = false}
 
+-- An error message as Python gets it: at most MAX_ERROR bytes of valid UTF-8 (lupa raises
+-- UnicodeDecodeError on anything else; a megabyte message would reach the client and the traces).
+local MAX_ERROR, str_sub, str_gsub, utf8_len = 4096, string.sub, string.gsub, utf8.len
+local function error_text(v)
+  local n = #v
+  if n > MAX_ERROR then v = str_sub(v, 1, MAX_ERROR) end
+  if not utf8_len(v) then
+    v = str_gsub(v, "[\128-\255]", "?") -- bytes of text cut mid-character, or not text at all
+  end
+  if n > MAX_ERROR then v = v .. " ... (" .. n .. " bytes)" end
+  return v
+end
+
 -- status: 0 ok, 1 error, 2 timeout, 3 memory, 4 quota (v: "execapp: <code>: <message>")
 local function outcome(ok, v)
   -- The call ends: if it used the host API, the gate closes the call's Host (summary lines).
   if B.hosted then B.hosted = false; py_host(nil) end
+  if not ok and not B.expired and type(v) ~= "string" then
+    -- An error object's __tostring is guest code: run it under the call's deadline (still set),
+    -- and never let its own error escape past the guest's pcall.
+    local done, text = pcall(tostring, v)
+    if not done then
+      if text == "not enough memory" then return 3, text end
+      text = "the error object's __tostring failed: " .. (type(text) == "string" and text or type(text))
+    end
+    v = text
+  end
   if B.expired then
     local why = B.why or TIMEOUT
     if why:sub(1, #QUOTA) == QUOTA then return 4, why end
@@ -260,10 +317,9 @@ local function outcome(ok, v)
   end
   if ok then return 0, v end
   if v == "not enough memory" then return 3, v end
-  if type(v) ~= "string" then v = tostring(v) end
   -- a guard refused a result larger than the memory cap (its message names the call)
   if MEM_MARK and plain_find(v, MEM_MARK, 1, true) then return 3, v end
-  return 1, v
+  return 1, error_text(v)
 end
 
 local function new_env(bytecode, name, deadline)
@@ -289,7 +345,14 @@ local function call(env, handler, event, deadline, same_call)
   return status, v
 end
 
+-- lauxlib's buffers (string.rep, table.concat, string.format, gsub...) allocate through lupa's
+-- capped allocator directly, without the emergency collection Lua runs before it fails one of its
+-- own allocations: the previous call's garbage would fail this call's large string with
+-- memory_limit. Between two isolated calls only the sandbox is alive, so this collection is cheap.
+local gc, GC_AT = collectgarbage, LIMITS.memory / 2048 -- half the cap, in KB
 local function fresh_call(bytecode, name, handler, event, deadline)
+  if gc("count") > GC_AT then gc() end
+  if B.seeded then B.seeded = false; native_seed(math_tointeger(clock() * 1e9 // 1)) end
   local env, status, err = new_env(bytecode, name, deadline)
   if not env then return status, err end
   return call(env, handler, event, deadline, true)
@@ -395,13 +458,15 @@ class _LuaVM:
         try:
             self.rt = lupa.LuaRuntime(register_eval=False, register_builtins=False, unpack_returned_tuples=True,
                                       attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
-            limits = self.rt.table_from({**GUARD_LIMITS, "memory": spec.memory_bytes, "MEM_MARK": MEMORY_MARK})
+            limits = self.rt.table_from({**GUARD_LIMITS, "memory": spec.memory_bytes, "MEM_MARK": MEMORY_MARK,
+                                         "MODE_NAME": MODE_NAME})
             # The deadline watchdog's view of this VM's states (no reference back to the VM).
             self._irq = irq = Interrupts()
             self._new_env, self._call, self._fresh, self._functions, main = self.rt.execute(
                 _SANDBOX, time.monotonic, self.gate, HOOK_COUNT, TIMEOUT_MSG,
                 _GUARDS_BYTECODE if guards else None, _PATTERNS_BYTECODE, limits,
                 irq.register if guards else None)
+            disable_weak_tables(main)  # before any guest code runs here (lua_interrupt.py)
             if guards:
                 irq.attach(main, HOOK_COUNT)
         except lupa.LuaMemoryError:
@@ -445,15 +510,17 @@ class _LuaVM:
             table = self._table_from(_fit_ints(event), recursive=True)
         try:
             status, value = self._call(env, handler, table, deadline)
-        except lupa.LuaError as exc:  # raised outside the guest's pcall, e.g. by a __tostring
+        except lupa.LuaError as exc:  # raised outside the guest's pcall (the sandbox's own limits)
             raise self._lua_error(exc, deadline) from None
+        except UnicodeDecodeError:  # lupa decodes a str reply as UTF-8
+            raise GuestError(NOT_TEXT) from None
         finally:
             irq.running = None
             if irq.coroutines:
                 irq.end_call()
         if status:
             _raise(status, value, self.spec)
-        return value if value.__class__ is str else to_reply(_to_python(value))
+        return value if value.__class__ is str else to_reply(_to_python(value, self.spec.memory_bytes, deadline))
 
     def call_fresh(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         """``handler`` on ``event`` in a fresh environment (the plugin's top level runs first)."""
@@ -468,13 +535,15 @@ class _LuaVM:
             status, value = self._fresh(self.bytecode, self.chunkname, handler, table, deadline)
         except lupa.LuaError as exc:
             raise self._lua_error(exc, deadline) from None
+        except UnicodeDecodeError:
+            raise GuestError(NOT_TEXT) from None
         finally:
             irq.running = None
             if irq.coroutines:
                 irq.end_call()
         if status:
             _raise(status, value, self.spec)
-        return value if value.__class__ is str else to_reply(_to_python(value))
+        return value if value.__class__ is str else to_reply(_to_python(value, self.spec.memory_bytes, deadline))
 
     def __del__(self) -> None:
         # Runs before the runtime is released: the watchdog must never write to a freed state.
@@ -519,19 +588,77 @@ def _raise(status: int, message: Any, spec: PluginSpec) -> None:
     raise GuestError(str(message))
 
 
-def _to_python(value: Any, depth: int = 0) -> Any:
-    """A Lua value as JSON-able Python: tables with keys 1..n become lists, others dicts."""
-    if value is None or type(value) is str:
+NOT_TEXT = "the reply is not valid UTF-8 text; return text, or encode binary data (e.g. as hex)"
+
+
+def _to_python(value: Any, string_chars: int, deadline: float) -> Any:
+    """A Lua reply as JSON-able Python: tables with keys 1..n become lists, others dicts.
+
+    Bounded before any work it cannot afford: at most MAX_REPLY_VALUES values, MAX_DEPTH levels
+    and ``string_chars`` characters of strings (the memory cap: a string shared by reference
+    would otherwise be copied into Python once per reference), and within the call's
+    ``deadline`` (checked every TABLES_PER_CHECK tables). No guest code runs (the hook is off
+    now): tables are read raw, and a key must be a string, number or boolean (a table key's
+    ``__tostring`` would be guest code)."""
+    if value is None or value.__class__ is str:
         return value
-    if lupa.lua_type(value) != "table":
-        return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
-    if depth > MAX_DEPTH:
-        raise GuestError(f"reply nested deeper than {MAX_DEPTH} levels")
-    items = list(value.items())
-    if items and all(isinstance(k, int) for k, _ in items) and sorted(k for k, _ in items) == list(
-            range(1, len(items) + 1)):
-        return [_to_python(v, depth + 1) for _, v in sorted(items, key=lambda kv: kv[0])]
-    return {str(k): _to_python(v, depth + 1) for k, v in items}
+    try:
+        return _Reply(string_chars, deadline).convert(value, 0)
+    except UnicodeDecodeError:
+        raise GuestError(NOT_TEXT) from None
+
+
+class _Reply:
+    """What is left of a reply's budget while it is converted."""
+
+    __slots__ = ("values", "chars", "deadline", "tables")
+
+    def __init__(self, string_chars: int, deadline: float) -> None:
+        self.values = MAX_REPLY_VALUES
+        self.chars = string_chars
+        self.deadline = deadline
+        self.tables = 0
+
+    def convert(self, value: Any, depth: int) -> Any:
+        cls = value.__class__
+        if cls is str:
+            self._charge(value)
+            return value
+        if value is None or cls is int or cls is float or cls is bool:
+            return value
+        if lupa.lua_type(value) != "table":  # a function or coroutine: lupa names it, no guest code runs
+            return str(value)
+        if depth > MAX_DEPTH:
+            raise GuestError(f"reply nested deeper than {MAX_DEPTH} levels")
+        self.values -= 1
+        self.tables += 1
+        if not self.tables % TABLES_PER_CHECK and time.monotonic() > self.deadline:
+            raise GuestTimeout("ran past its timeout while its reply was converted")
+        keys: list = []
+        values: list = []
+        for k, v in value.items():  # lua_next: raw, no __pairs/__index
+            self.values -= 1
+            if self.values < 0:
+                raise GuestError(f"the reply holds more than {MAX_REPLY_VALUES} values (tables and their entries, a "
+                                 "table counted once per reference); return fewer")
+            kc = k.__class__
+            if kc is str:
+                self._charge(k)
+            elif kc is not int and kc is not float and kc is not bool:
+                raise GuestError(f"a table in the reply has a {lupa.lua_type(k)} as a key; use string or number keys")
+            keys.append(k)
+            values.append(v)
+        if keys and all(k.__class__ is int for k in keys):
+            order = sorted(range(len(keys)), key=keys.__getitem__)
+            if keys[order[0]] == 1 and keys[order[-1]] == len(keys):  # distinct ints: exactly 1..n
+                return [self.convert(values[i], depth + 1) for i in order]
+        return {str(k): self.convert(v, depth + 1) for k, v in zip(keys, values)}
+
+    def _charge(self, text: str) -> None:
+        self.chars -= len(text)
+        if self.chars < 0:
+            raise GuestError("the reply's strings are longer than the plugin's memory cap in all (a string "
+                             "referenced many times counts each time); return less text")
 
 
 class LuaInstance(_LuaVM):
@@ -554,13 +681,15 @@ class LuaInstance(_LuaVM):
             status, value = self._call(self.env, handler, table, deadline)
         except lupa.LuaError as exc:
             raise self._lua_error(exc, deadline) from None
+        except UnicodeDecodeError:
+            raise GuestError(NOT_TEXT) from None
         finally:
             irq.running = None
             if irq.coroutines:
                 irq.end_call()
         if status:
             _raise(status, value, self.spec)
-        return value if value.__class__ is str else to_reply(_to_python(value))
+        return value if value.__class__ is str else to_reply(_to_python(value, self.spec.memory_bytes, deadline))
 
     def close(self) -> None:
         self._irq.forget()  # before the runtime can be freed

@@ -26,6 +26,16 @@ runtime, and the VM calls ``Interrupts.forget()`` (under the lock the watchdog w
 before its runtime can be freed (``close`` and ``__del__``). A coroutine is written only while
 registered for the current call, and the sandbox keeps every registered coroutine referenced
 until the next call starts, after the VM has unregistered it (``end_call``).
+
+Weak tables off (``disable_weak_tables``): Lua's collector converges ephemeron tables (``__mode``
+with ``k``) in passes over all of them, one link of a chain per pass in the worst case, inside one
+uninterruptible GC step: 40,000 single-entry ephemeron tables chained back and forth (3 MB) stall a
+16 MB sandbox for 5 s, quadratically more with a larger cap. The collector reads a table's mode
+from its metatable under the event name ``g->tmname[TM_MODE]``, not from the string ``"__mode"``,
+so each sandbox runtime gets that name replaced by a random one no guest can write: ``__mode`` is
+then an ordinary field, whenever it is set. The name array is found next to the main state
+(``LG`` holds the main ``lua_State`` and then the ``global_State``) as the 25 interned event
+names in order, each address checked; if they are not found nothing is written (logged once).
 """
 from __future__ import annotations
 
@@ -55,6 +65,12 @@ _lib.lua_gethookcount.argtypes = [ctypes.c_void_p]
 _lib.lua_gethookcount.restype = ctypes.c_int
 _lib.lua_gethookmask.argtypes = [ctypes.c_void_p]
 _lib.lua_gethookmask.restype = ctypes.c_int
+_lib.lua_pushlstring.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+_lib.lua_pushlstring.restype = ctypes.c_void_p
+_lib.lua_gettop.argtypes = [ctypes.c_void_p]
+_lib.lua_gettop.restype = ctypes.c_int
+_lib.lua_settop.argtypes = [ctypes.c_void_p, ctypes.c_int]
+_lib.lua_settop.restype = None
 
 _offset: int | None = None  # of hookcount in lua_State; None: not found yet
 _disabled = False
@@ -102,6 +118,72 @@ def _disable(why: str) -> None:
         _disabled = True
         log.warning("Lua deadline interrupts are off (%s): timeouts rely on the count hook and the library "
                     "guards, and an expensive instruction in a loop (a long string concatenation) can overrun", why)
+
+
+#: Lua 5.4's metamethod event names in TMS order (ltm.h); TM_MODE is the fourth.
+_EVENTS = tuple(b"__index __newindex __gc __mode __len __eq __add __sub __mul __mod __pow __div __idiv __band __bor "
+                b"__bxor __shl __shr __unm __bnot __lt __le __concat __call __close".split())
+_TM_MODE = 3
+#: Bytes after the main lua_State searched for tmname (it sits ~480 bytes in; LG is ~1.6 KB).
+_TMNAME_SCAN = 1024
+_weak_warned = False
+#: The name the collector reads a table's weak mode under in sandbox runtimes: random per
+#: process (39 bytes, so a short, interned string). The sandbox holds it (alive, and interned
+#: before we look it up, so the lookup allocates nothing: a failed allocation outside lupa's
+#: protected calls would abort the process).
+MODE_NAME = "__execapp_mode_" + os.urandom(12).hex()
+
+
+def disable_weak_tables(main_text: str) -> bool:
+    """Make ``__mode`` an ordinary field in the runtime whose idle main state is ``main_text``
+    ("thread: 0x..."), which holds the string MODE_NAME, before any guest code runs in it; False
+    (logged once) if the layout is not confirmed and nothing was written."""
+    global _weak_warned, _tmname_at
+    state = thread_address(main_text)
+    found = _tmname_at
+    if found is not None:  # the place found before: confirm two of its names in this state
+        i, header = found
+        if _word(state, i + _TM_MODE) != _name(state, b"__mode") - header or \
+                _word(state, i + len(_EVENTS) - 1) != _name(state, _EVENTS[-1]) - header:
+            found = None
+    if found is None:
+        found = _find_tmname(state)
+    if found is None:
+        if not _weak_warned:
+            _weak_warned = True
+            log.warning("Lua weak tables stay on (the metamethod names were not found next to the main state): "
+                        "a __mode set after setmetatable can make the collector quadratic")
+        return False
+    _tmname_at = i, header = found
+    ctypes.c_void_p.from_address(state + (i + _TM_MODE) * 8).value = _name(state, MODE_NAME.encode()) - header
+    return True
+
+
+_tmname_at: tuple[int, int] | None = None  # (word index after the main state, TString header size)
+
+
+def _word(state: int, i: int) -> int:
+    return ctypes.c_uint64.from_address(state + i * 8).value
+
+
+def _name(state: int, name: bytes) -> int:
+    """The address of the characters of the interned string ``name``, which must exist already
+    (event names are fixed, MODE_NAME is held by the sandbox): the address stays valid once popped."""
+    top = _lib.lua_gettop(state)
+    address = _lib.lua_pushlstring(state, name, len(name))
+    _lib.lua_settop(state, top)
+    return address
+
+
+def _find_tmname(state: int) -> tuple[int, int] | None:
+    names = [_name(state, name) for name in _EVENTS]
+    words = struct.unpack(f"{_TMNAME_SCAN // 8}Q", ctypes.string_at(state, _TMNAME_SCAN))
+    for header in (24, 16, 32):  # offsetof(TString, contents): 24 on 64-bit Lua 5.4
+        want = [p - header for p in names]
+        for i in range(len(words) - len(want) + 1):
+            if words[i] == want[0] and list(words[i:i + len(want)]) == want:
+                return i, header
+    return None
 
 
 def poke(address: int) -> None:

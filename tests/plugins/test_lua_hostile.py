@@ -1,0 +1,270 @@
+"""Hostile Lua plugins: what a guest does after its call (its reply, its error object), the garbage
+collector it can drive, and the corners already contained, through LoadedPlugin.call for each
+strategy.
+
+Each case runs in a child process (one per strategy, restarted past a case that hangs) with a
+hard timeout, so a guest that escapes its budget fails its test instead of hanging the suite.
+A case passes when it ends with the expected code and message within 2x its budget + 0.5 s.
+"""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lupa.lua54 as lupa
+import pytest
+
+from plugins.loaded import LoadedPlugin
+from plugins.runtimes import lua, lua_interrupt
+from plugins.spec import PluginSpec
+
+BUDGET = 0.3
+BOUND = 2 * BUDGET + 0.5
+HARD = 15.0  # seconds a child may spend on one case before it counts as hung
+STRATEGIES = ("per_request", "pooled", "sharded")
+ROOT = Path(__file__).resolve().parents[2]
+
+# 40,000 single-entry ephemeron tables whose links zigzag through the collector's list: one link
+# converges per pass, so one GC cycle is quadratic (5 s under a 16 MB cap, in one C call).
+EPHEMERONS = """
+  local n = 40000
+  local weak = {}
+  local tabs, keys = {}, {}
+  for i = 1, n do tabs[i] = setmetatable({}, weak); keys[i] = {} end
+  weak.__mode = "k" -- set after setmetatable: no check at setmetatable can see it
+  local mid = n // 2
+  local perm = {mid}
+  for j = 1, n - 1 do
+    local d = (j + 1) // 2
+    perm[j + 1] = (j % 2 == 1) and (mid - d) or (mid + d)
+  end
+  for j = 1, n do
+    local ti = perm[j]
+    if ti >= 1 and ti <= n then tabs[ti][keys[j]] = keys[j + 1] or {} end
+  end
+  root, holder = keys[1], tabs
+  keys, perm = nil, nil
+  local x
+  for i = 1, 1e7 do x = {} end
+  return "survived"
+"""
+
+# name -> (handler body, expected codes, a substring of the message or None)
+CASES: dict[str, tuple[str, tuple[str, ...], str | None]] = {
+    # the reply crosses into Python after the deadline: no guest code may run, the work is bounded
+    "reply_key_tostring": ("local k = setmetatable({}, {__tostring = function() while true do end end}) "
+                           "return {[k] = 1}", ("handler_error",), "as a key"),
+    "reply_shared_tables": ("local t = {1} for i = 1, 30 do t = {t, t} end return t",
+                            ("handler_error",), "more than 131072 values"),
+    "reply_shared_dict": ("local t = {a = 1} for i = 1, 30 do t = {a = t, b = t} end return t",
+                          ("handler_error",), "more than 131072 values"),
+    "reply_wide": ("local t = {} for i = 1, 200000 do t[i] = i end return t", ("handler_error",),
+                   "more than 131072 values"),
+    "reply_shared_string": ('local s = string.rep("x", 1e6) local t = {} for i = 1, 64 do t[i] = s end return t',
+                            ("handler_error",), "memory cap"),
+    "reply_not_utf8": ('return "\\255"', ("handler_error",), "not valid UTF-8"),
+    "reply_not_utf8_inside": ('return {a = {"\\255"}}', ("handler_error",), "not valid UTF-8"),
+    # error objects: their __tostring is guest code, their text is bounded and valid text
+    "error_tostring_loop": ("error(setmetatable({}, {__tostring = function() while true do end end}))",
+                            ("timeout",), None),
+    "error_tostring_not_string": ("error(setmetatable({}, {__tostring = function() return {} end}))",
+                                  ("handler_error",), "__tostring failed: '__tostring' must return a string"),
+    "error_tostring_raises": ("error(setmetatable({}, {__tostring = function() error({}) end}))",
+                              ("handler_error",), "__tostring failed"),
+    "error_huge": ('error(string.rep("x", 6e6), 0)', ("handler_error",), "x ... (6000000 bytes)"),
+    "error_not_utf8": ('error("bad \\255 byte")', ("handler_error",), "bad ? byte"),
+    # the collector: weak tables are off (an ephemeron chain makes one GC step quadratic)
+    "ephemerons_late_mode": (EPHEMERONS, ("timeout", "memory_limit"), None),
+    "weak_mode_refused": ('return setmetatable({}, {__mode = "k"})', ("handler_error",),
+                          "weak tables (__mode) are not available"),
+    # already contained: kept here so they stay so
+    "close_after_timeout": ("local x <close> = setmetatable({}, {__close = function() while true do end end}) "
+                            "while true do end", ("timeout",), None),
+    "coroutine_close_swallows": ("while true do local co = coroutine.create(function() local x <close> = "
+                                 "setmetatable({}, {__close = function() while true do end end}) coroutine.yield() "
+                                 "end) coroutine.resume(co) coroutine.close(co) end", ("timeout",), None),
+    "xpcall_handler_loops": ('return xpcall(function() error("x") end, function() while true do end end)',
+                             ("timeout",), None),
+    "yield_across_pcall": ("local co = coroutine.wrap(function() while true do pcall(coroutine.yield) end end) "
+                           "while true do co() end", ("timeout",), None),
+    "wrap_as_index": ("local t = setmetatable({}, {__index = coroutine.wrap(function() while true do "
+                      "coroutine.yield(1) end end)}) local n = 0 while true do n = n + t.x end", ("timeout",), None),
+    "index_chain": ("local t = {} for i = 1, 1990 do t = setmetatable({}, {__index = t}) end "
+                    "while true do local x = t.foo end", ("timeout",), None),
+    "name_huge": ('local t = setmetatable({}, {__name = string.rep("x", 5e6)}) while true do local s = tostring(t) end',
+                  ("timeout",), None),
+    "sort_lt_metamethod": ("local mt = {__lt = function(a, b) return a.v < b.v end} local t = {} for i = 1, 3000 do "
+                           "t[i] = setmetatable({v = (i * 7919) % 3001}, mt) end while true do table.sort(t) end",
+                           ("timeout",), None),
+    "coroutines_memory": ("local t = {} for i = 1, 1e7 do t[i] = coroutine.create(function() end) end",
+                          ("memory_limit",), None),
+    "closures_memory": ("local t = {} for i = 1, 1e8 do local j = i t[i] = function() return j end end",
+                        ("memory_limit",), None),
+}
+
+_CHILD = r"""
+import json, os, sys, time
+import django
+django.setup()
+from plugins.loaded import LoadedPlugin
+from plugins.spec import PluginSpec
+job = json.loads(sys.stdin.read())
+event = {"id": "e", "type": "message", "text": "x", "args": "x", "data": {}, "session": "s"}
+for name, body in job["cases"]:
+    print(json.dumps({"start": name}), flush=True)
+    plugin = LoadedPlugin(PluginSpec(name="hostile", runtime="lua", strategy=job["strategy"], timeout=job["budget"],
+                                     code="function h(e) " + body + "\nend", memory_bytes=16 << 20, pool_size=1,
+                                     shard_count=1, max_concurrency=1))
+    start = time.monotonic()
+    try:
+        reply, code, message = plugin.call("h", event), "ok", ""
+    except BaseException as exc:
+        reply, code, message = None, getattr(exc, "code", type(exc).__name__), str(exc)
+    elapsed = time.monotonic() - start
+    print(json.dumps({"case": name, "code": code, "elapsed": elapsed, "message": message[:6000],
+                      "reply": repr(reply)[:200]}), flush=True)
+    plugin.close()
+"""
+
+
+def _run_cases(strategy: str, names: list[str]) -> dict[str, dict]:
+    """Each case's outcome in child processes; a case still running after HARD seconds is 'hung'."""
+    results: dict[str, dict] = {}
+    pending = list(names)
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": os.environ.get("DJANGO_SETTINGS_MODULE", "config.settings")}
+    while pending:
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps({"strategy": strategy, "budget": BUDGET,
+                                     "cases": [(n, CASES[n][0]) for n in pending]}))
+        proc.stdin.close()
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        running, until = None, time.monotonic() + 60  # startup
+        try:
+            while pending:
+                if not sel.select(timeout=max(0.0, until - time.monotonic())):
+                    break  # hung (or a startup that never finished)
+                line = proc.stdout.readline()
+                if not line:
+                    break  # the child died (a crash)
+                msg = json.loads(line)
+                if "start" in msg:
+                    running, until = msg["start"], time.monotonic() + HARD
+                else:
+                    results[msg["case"]] = msg
+                    pending.remove(msg["case"])
+                    running, until = None, time.monotonic() + HARD
+        finally:
+            proc.kill()
+            proc.wait()
+            sel.close()
+        if pending:
+            what = "hung" if proc.returncode == -9 else f"crashed ({proc.returncode})"
+            lost = running or pending[0]
+            results[lost] = {"case": lost, "code": what, "elapsed": HARD, "message": "", "reply": ""}
+            pending.remove(lost)
+    return results
+
+
+@pytest.fixture(scope="module", params=STRATEGIES)
+def outcomes(request) -> tuple[str, dict[str, dict]]:
+    return request.param, _run_cases(request.param, sorted(CASES))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_hostile_plugin_ends_within_its_budget_with_a_clear_error(outcomes, case: str) -> None:
+    strategy, results = outcomes
+    _, codes, text = CASES[case]
+    got = results[case]
+    assert got["code"] in codes, f"{case} [{strategy}]: {got['code']} after {got['elapsed']:.2f} s: " \
+                                 f"{got['message'][:300] or got['reply']}"
+    assert got["elapsed"] < BOUND, f"{case} [{strategy}] ran {got['elapsed']:.2f} s under a {BUDGET} s budget"
+    if text is not None:
+        assert text in got["message"], got["message"][:300]
+    assert "<python>" not in got["message"]  # the sandbox's own source never shows
+    assert len(got["message"]) < 4096 + 200
+
+
+def test_an_error_message_keeps_its_first_4_KiB() -> None:
+    plugin = LoadedPlugin(PluginSpec(name="loud", runtime="lua", timeout=5, code=(
+        'function h(e) error(string.rep("é", 3000), 0) end')))  # 6000 bytes: cut inside a character
+    with pytest.raises(Exception) as info:
+        plugin.call("h", {"id": "e", "type": "message", "text": "", "args": "", "data": {}, "session": None})
+    message = str(info.value)
+    assert "é" * 2000 in message and message.endswith("... (6000 bytes)")
+
+
+def test_ordinary_replies_convert_as_before() -> None:
+    plugin = LoadedPlugin(PluginSpec(name="replies", runtime="lua", timeout=5, code="""
+        function h(e)
+          local shared = {1, 2}
+          return {list = {3, 1, 2}, nested = {a = {b = {c = "d"}}}, twice = {shared, shared}, n = 1.5,
+                  flag = true, [7] = "seven", empty = {}, fn = h}
+        end"""))
+    reply = plugin.call("h", {"id": "e", "type": "message", "text": "", "args": "", "data": {}, "session": None})
+    assert reply["list"] == [3, 1, 2] and reply["nested"] == {"a": {"b": {"c": "d"}}}
+    assert reply["twice"] == [[1, 2], [1, 2]] and reply["n"] == 1.5 and reply["flag"] is True
+    assert reply["7"] == "seven" and reply["empty"] == {} and reply["fn"].startswith("<Lua function")
+    assert lua.MAX_REPLY_VALUES == lua.MAX_REPLY_BYTES // 2
+
+
+def test_weak_modes_are_inert_in_a_sandbox_runtime() -> None:
+    spec = PluginSpec(name="weak", runtime="lua", code="function h(e) end")
+    vm = lua._LuaVM(spec, lua.compile_bytecode(spec))
+    # the runtime's own globals still have collectgarbage: a weak table there keeps its entries
+    kept = vm.rt.execute("""
+        local t = setmetatable({}, {__mode = "k"}) t[{}] = 1
+        local v = setmetatable({}, {__mode = "v"}) v[1] = {}
+        collectgarbage() collectgarbage()
+        return next(t) ~= nil and v[1] ~= nil""")
+    assert kept is True
+    assert lua_interrupt._tmname_at is not None and not lua_interrupt._weak_warned
+
+
+def test_weak_tables_still_work_in_a_plain_runtime() -> None:
+    rt = lupa.LuaRuntime()
+    assert rt.execute("""
+        local t = setmetatable({}, {__mode = "k"}) t[{}] = 1
+        collectgarbage() collectgarbage()
+        return next(t) == nil""") is True
+
+
+def test_an_isolated_call_does_not_inherit_the_last_calls_garbage() -> None:
+    # string.rep builds in a lauxlib buffer, whose allocation fails at the cap without the
+    # emergency collection: 12 MB of the previous call's garbage failed a 6 MB string here.
+    plugin = LoadedPlugin(PluginSpec(name="rebuild", runtime="lua", strategy="per_request", timeout=5,
+                                     memory_bytes=16 << 20, code=(
+                                         'function h(e) local s = string.rep("x", 6e6) return #(s .. "y") end')))
+    event = {"id": "e", "type": "message", "text": "", "args": "", "data": {}, "session": None}
+    assert [plugin.call("h", event) for _ in range(4)] == ["6000001"] * 4
+
+
+def test_an_isolated_call_cannot_seed_the_next_calls_random_numbers() -> None:
+    plugin = LoadedPlugin(PluginSpec(name="dice", runtime="lua", strategy="per_request", timeout=5, code=(
+        'function h(e) if e.args == "seed" then math.randomseed(42) return "seeded" end '
+        'return math.random(1, 1e9) end')))
+
+    def call(args: str) -> str:
+        return plugin.call("h", {"id": "e", "type": "message", "text": args, "args": args, "data": {},
+                                 "session": None})
+
+    first = [call("seed"), call("roll")]
+    second = [call("seed"), call("roll")]
+    assert first[0] == second[0] == "seeded" and first[1] != second[1]
+
+
+def test_converting_a_reply_stops_at_the_calls_deadline() -> None:
+    from plugins.errors import GuestTimeout
+
+    rt = lupa.LuaRuntime()
+    shared = rt.execute("local t = {1} for i = 1, 12 do t = {t, t} end return t")  # 8,191 tables
+    assert len(str(lua._to_python(shared, 1 << 20, time.monotonic() + 60))) > 0
+    with pytest.raises(GuestTimeout):
+        lua._to_python(shared, 1 << 20, time.monotonic() - 1)
