@@ -45,11 +45,14 @@ ERROR = "error"
 #: The outcome of a WebSocket handshake refused by authentication (no valid token or staff
 #: session, or a session from another site): HTTP 403 before any frame (execapp.auth).
 UNAUTHORIZED = "unauthorized"
+#: The outcome of a WebSocket handshake refused because its owner already holds
+#: EXECAPP['MAX_CONNECTIONS_PER_OWNER'] connections to the worker (closed with 1008).
+TOO_MANY_CONNECTIONS = "too_many_connections"
 #: What an outcome outside ``EVENT_OUTCOMES`` is counted as (a code added without updating this module).
 OTHER = "other"
 
-#: Every label of ``execapp_events_total``: the done outcomes, every error code, a refused handshake.
-EVENT_OUTCOMES: frozenset[str] = frozenset((OK, ERROR, *ERROR_CODES, UNAUTHORIZED))
+#: Every label of ``execapp_events_total``: the done outcomes, every error code, the refused handshakes.
+EVENT_OUTCOMES: frozenset[str] = frozenset((OK, ERROR, *ERROR_CODES, UNAUTHORIZED, TOO_MANY_CONNECTIONS))
 
 #: The refusals that come before any matching: the whole event was refused (the connection's
 #: in-flight cap, a resend that is neither run nor replayed), so they are counted per worker only.

@@ -31,6 +31,11 @@ DEFAULTS: dict[str, Any] = {
     # WebSocket protocol.
     "MAX_FRAME_BYTES": 64 * 1024,
     "MAX_IN_FLIGHT_PER_CONNECTION": 100,
+    # Open WebSocket connections one owner (a token's tenant, a staff user) may hold on one worker
+    # process: past it the handshake is closed with 1008 (docs/protocol.md). A quota, so that one
+    # tenant's connection flood (each holds buffers, an outbox and its sessions' fan-out) cannot
+    # take the worker's memory and file descriptors from the others.
+    "MAX_CONNECTIONS_PER_OWNER": 1000,
     # Deepest nesting of arrays/objects in a frame (the event object is level 1), checked before
     # the JSON decoder runs: deeper frames get "too_deep" (docs/protocol.md).
     "MAX_FRAME_DEPTH": 32,

@@ -12,8 +12,10 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from channels.layers import get_channel_layer
 from django.db import Error as DatabaseError
 
+from . import conf, metrics
 from . import worker as worker_module
 from .auth import CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, close_reason, database_unavailable
+from .codes import TOO_MANY_CONNECTIONS
 from .connection import Connection
 from .engine.ratelog import RateLimitedLog
 from .layer_watch import LayerWatch, watch_for
@@ -34,6 +36,8 @@ _rare = RateLimitedLog(log, 60.0)
 _READER_STOP_SECONDS = 0.5
 #: A reader whose receive keeps failing although the layer answers waits this long, doubling.
 _READER_BACKOFF_SECONDS = (0.05, 1.0)
+#: Close code of a handshake over the owner's connection quota (RFC 6455: policy violation).
+CLOSE_POLICY_VIOLATION = 1008
 #: Problems with the URL's ?session= sent one error frame each; the rest in one more.
 _URL_PROBLEMS_SHOWN = 3
 
@@ -67,6 +71,8 @@ class EventConsumer(AsyncWebsocketConsumer):
     conn: Connection | None = None
     owner = ""
     owner_tag = ""
+    #: The worker this connection is counted on (its owner's quota), once it is.
+    _counted_on: worker_module.Worker | None = None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         self.scope = scope
@@ -134,6 +140,16 @@ class EventConsumer(AsyncWebsocketConsumer):
         self.owner = auth.get("owner") or f"{auth.get('kind')}:{auth.get('name')}"
         self.owner_tag = owner_digest(self.owner)
         worker = await aget_worker()
+        limit = int(conf.get("MAX_CONNECTIONS_PER_OWNER"))
+        if not worker.connection_opened(self.owner, limit):
+            metrics.count_event(TOO_MANY_CONNECTIONS)
+            _rare.log(logging.INFO, ("too_many_connections", self.owner), "refused WebSocket %s: %s already "
+                      "holds %d connections to this worker", self.scope.get("path"), self.owner, limit)
+            await self._refuse(CLOSE_POLICY_VIOLATION, f"too many connections: this owner already holds {limit} "
+                                                       "connections to this worker (EXECAPP['MAX_CONNECTIONS_PER_"
+                                                       "OWNER']); close some, or share one connection")
+            return
+        self._counted_on = worker
         has_layer = self.channel_layer is not None
         self.conn = Connection(worker.engine, worker, Limits.from_settings(), self._send_text,
                                publish=self._publish if has_layer else None,
@@ -159,6 +175,9 @@ class EventConsumer(AsyncWebsocketConsumer):
                                          "characters of A-Z a-z 0-9 _ . -")
 
     async def disconnect(self, code: int) -> None:
+        if self._counted_on is not None:
+            self._counted_on.connection_closed(self.owner)
+            self._counted_on = None
         if self.conn is None:
             return
         self.conn.close()

@@ -77,6 +77,8 @@ class Worker:
                                     slow_threshold=conf.get("SLOW_THRESHOLD_SECONDS")),
         )
         self.draining = False
+        #: Open WebSocket connections by owner (connection_opened / connection_closed).
+        self._connections: dict[str, int] = {}
         #: Set once this worker asked its supervisor for a replacement (too many stuck pool threads).
         self.recycling = False
         # Under the execapp.serve supervisor: this process's watchdog slot. The engine marks every
@@ -142,6 +144,23 @@ class Worker:
                 **self.engine.stats()}
 
     # -- event accounting and draining (execapp.drain, the consumers) ---------------------------
+
+    def connection_opened(self, owner: str, limit: int) -> bool:
+        """Count a new connection of ``owner``, unless it already holds ``limit`` here (False).
+        Called on the event loop only (the consumers), so no lock."""
+        n = self._connections.get(owner, 0)
+        if n >= limit:
+            return False
+        self._connections[owner] = n + 1
+        return True
+
+    def connection_closed(self, owner: str) -> None:
+        """One counted connection of ``owner`` is gone (event loop)."""
+        n = self._connections.get(owner, 0) - 1
+        if n > 0:
+            self._connections[owner] = n
+        else:
+            self._connections.pop(owner, None)
 
     def begin_event(self) -> bool:
         """Admit one event (True: now counted in flight) or refuse it (False: draining, reply `draining`)."""

@@ -355,6 +355,25 @@ async def test_a_client_retrying_bad_tokens_does_not_flood_the_log(token: str, c
 
 
 @pytest.mark.parametrize("channel_layer", ["memory"], indirect=True)
+async def test_an_owner_over_its_connection_quota_is_closed_with_1008(token: str, settings: Any) -> None:
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "MAX_CONNECTIONS_PER_OWNER": 2}
+    path = f"/ws/events/?token={token}"
+    first, second, third = (WebsocketCommunicator(websocket_application, path) for _ in range(3))
+    assert (await first.connect(timeout=5))[0] and (await second.connect(timeout=5))[0]
+    await third.connect(timeout=5)
+    closed = await third.receive_output(5)
+    assert closed["type"] == "websocket.close" and closed["code"] == 1008, closed
+    assert "MAX_CONNECTIONS_PER_OWNER" in closed.get("reason", ""), closed
+    await first.disconnect()  # its place is free again
+    again = WebsocketCommunicator(websocket_application, path)
+    assert (await again.connect(timeout=5))[0]
+    await again.send_to(text_data=json.dumps(msg("/ping", "quota")))
+    assert json.loads(await again.receive_from(5))["text"] == "pong"
+    for comm in (second, again):
+        await comm.disconnect()
+
+
+@pytest.mark.parametrize("channel_layer", ["memory"], indirect=True)
 async def test_a_revoked_token_is_refused(token: str) -> None:
     from execapp.models import ApiToken
 
