@@ -59,6 +59,8 @@ _rare = RateLimitedLog(log, 60.0)
 #: Most items the buffer holds between two flushes; past it new items are dropped and counted
 #: (``Recorder.dropped``): a housekeeper stalled for seconds must not grow the worker without bound.
 BUFFER_LIMIT = 200_000
+#: Refusals of one connection traced per second at most (more are counted only: see ``refused``).
+REFUSAL_TRACES_PER_SECOND = 20
 #: A trace whose event has not completed after this long is written as ``incomplete``.
 PENDING_SECONDS = 900.0
 #: Failed events written to the database per flush at most; the rest stay in the recent store only
@@ -179,13 +181,29 @@ def delivered(conn: Any, outcome: Any) -> None:
 
 
 def refused(conn: Any, code: str, message: str, event_id: str | None) -> None:
-    """The connection refused a frame before dispatch (``rate_limited``, ``draining``, ``bad_json``...)."""
+    """The connection refused a frame before dispatch (``rate_limited``, ``draining``, ``bad_json``...).
+
+    Each refusal is counted; at most REFUSAL_TRACES_PER_SECOND of one connection's also leave a
+    trace: a client sending bad frames as fast as it can must not push every other tenant's
+    events out of the bounded recent store (the rest are counted, with no event id to keep)."""
     if _recorder is None:
         return
-    if len(_buffer) < BUFFER_LIMIT:
-        _buffer.append((None, conn, code, message, event_id, time.time()))
-    else:
+    if len(_buffer) >= BUFFER_LIMIT:
         next(_dropped)
+        return
+    if event_id is not None:
+        now = _mono()
+        budget = getattr(conn, "_history_refusals", None)  # [window start, traces in it]
+        if budget is None or now - budget[0] >= 1.0:
+            budget = [now, 0]
+            try:
+                conn._history_refusals = budget
+            except AttributeError:  # an object that takes no attributes: traced unbounded
+                pass
+        budget[1] += 1
+        if budget[1] > REFUSAL_TRACES_PER_SECOND:
+            event_id = None
+    _buffer.append((None, conn, code, message, event_id, time.time()))
 
 
 def _observe(m: Any, exec_class: ExecClass, elapsed: float, code: str, event: Any) -> None:

@@ -180,6 +180,17 @@ async def test_refusals_leave_a_trace_and_are_counted(recorded: Any, settings: A
     assert (await _db_row("refused-1")).outcome == "draining"
 
 
+async def test_a_flood_of_refused_frames_is_counted_but_traces_only_a_few(recorded: Any) -> None:
+    # One client's bad frames must not push every tenant's events out of the bounded store.
+    n = history.REFUSAL_TRACES_PER_SECOND * 3
+    frames = await send_all([{"type": "message", "id": f"flood-{i}", "text": "/ping", "bogus": 1} for i in range(n)])
+    assert [f["code"] for f in frames] == ["bad_event"] * n
+    await flush()
+    assert recorder().event_refusals["bad_event"] == n  # every one counted
+    traced = [i for i in range(n) if await aget("tenant:acme", f"flood-{i}") is not None]
+    assert history.REFUSAL_TRACES_PER_SECOND <= len(traced) < n  # within a second or two: not all of them
+
+
 async def test_handler_failures_are_counted_by_matcher_plugin_and_code(recorded: Any) -> None:
     await send_all([{"type": "message", "id": f"b{i}", "text": "/boom"} for i in range(3)]
                    + [{"type": "message", "id": "late", "text": "/late"}])
