@@ -1,0 +1,269 @@
+-- The sandbox of every Lua plugin runtime (plugins/runtimes/lua.py runs this chunk once per
+-- runtime, trusted, with the full standard library, before any guest code): the hook and the
+-- deadline, the guarded standard library, fresh environments and the call entry points.
+local clock, py_host, COUNT, TIMEOUT, GUARDS_BC, PATTERNS_BC, LIMITS, REGISTER = ...
+local B = {deadline = math.huge, expired = false, loading = false, cos = {}, ncos = 0}
+B.mode_name = LIMITS.MODE_NAME -- kept alive here: the collector's weak-mode name (lua_interrupt.py)
+local error, pcall, xpcall, type, tostring, next, select = error, pcall, xpcall, type, tostring, next, select
+local setmetatable, getmetatable, rawget = setmetatable, getmetatable, rawget
+local sethook, co_create, co_resume = debug.sethook, coroutine.create, coroutine.resume
+local load, math_huge = load, math.huge
+
+local function hook()
+  if B.expired or clock() > B.deadline then
+    B.expired = true
+    error(TIMEOUT, 0)
+  end
+end
+sethook(hook, "", COUNT)
+-- The debug library keeps each coroutine's hook in a weak-keyed table (ldblib.c, registry
+-- "_HOOKKEY", its own metatable, mode "k"). With weak mode read under MODE_NAME in this runtime
+-- (lua_interrupt.disable_weak_tables), that table says "k" under MODE_NAME too: otherwise every
+-- coroutine a guest ever made would stay alive through its hook.
+do
+  local hooks = debug.getregistry()._HOOKKEY
+  local mt = hooks and getmetatable(hooks)
+  if mt then mt[LIMITS.MODE_NAME] = mt.__mode end
+end
+
+-- Once the budget is spent every protected call re-raises: pcall cannot swallow the timeout.
+local function check(...)
+  if B.expired then error(TIMEOUT, 0) end
+  return ...
+end
+local function safe_pcall(f, ...) return check(pcall(f, ...)) end
+local function safe_xpcall(f, h, ...)
+  return check(xpcall(f, function(e) if B.expired then return e end return h(e) end, ...))
+end
+-- Hooks are per coroutine: every coroutine a guest makes gets the same hook.
+local function co_new(f)
+  local co = co_create(f)
+  sethook(co, hook, "", COUNT)
+  return co
+end
+-- A coroutine the guest resumes is registered with the deadline watchdog for this call (it can
+-- interrupt it between two hooks, lua_interrupt.py) and kept referenced until the next call
+-- starts: the VM has stopped writing to it by then (release). Past MAX_TRACKED in one call, all
+-- are dropped (the VM first: REGISTER(nil)) and those being resumed now registered again, so a
+-- loop over short-lived coroutines does not keep them all alive.
+local MAX_TRACKED = 64
+local active, nactive = {}, 0 -- the coroutines being resumed now, innermost last
+local function register(co)
+  B.cos[co] = true
+  B.ncos = B.ncos + 1
+  REGISTER(tostring(co))
+end
+local function track(co)
+  if REGISTER and not B.cos[co] and type(co) == "thread" then
+    if B.ncos >= MAX_TRACKED then
+      REGISTER(nil)
+      B.cos, B.ncos = {}, 0
+      for i = 1, nactive do if not B.cos[active[i]] then register(active[i]) end end
+    end
+    register(co)
+  end
+  nactive = nactive + 1
+  active[nactive] = co
+end
+local function untrack(...)
+  active[nactive] = nil
+  nactive = nactive - 1
+  return ...
+end
+local function release()
+  if B.ncos > 0 then B.cos, B.ncos = {}, 0 end
+  if nactive > 0 then active, nactive = {}, 0 end
+end
+local function safe_resume(co, ...) track(co); return check(untrack(co_resume(co, ...))) end
+local function wrap_results(ok, ...)
+  if B.expired then error(TIMEOUT, 0) end
+  if not ok then error((...), 0) end
+  return ...
+end
+local function safe_wrap(f)
+  local co = co_new(f)
+  return function(...) track(co); return wrap_results(untrack(co_resume(co, ...))) end
+end
+
+local function readonly(t, name)
+  return setmetatable({}, {
+    __index = t,
+    __newindex = function() error("attempt to modify read-only library table '" .. name .. "'", 2) end,
+    __pairs = function()
+      local k
+      return function() local v; k, v = next(t, k); return k, v end
+    end,
+    __metatable = false,
+  })
+end
+local function copy(t, skip)
+  local c = {}
+  for k, v in next, t do if not (skip and skip[k]) then c[k] = v end end
+  return c
+end
+
+-- The library tables the guest sees: copies of the natives, with the guards in place of every
+-- function whose cost depends on its arguments (lua_guards.lua).
+local str_lib, table_lib, utf8_lib, guest_tonumber = copy(string, {dump = true}), copy(table), copy(utf8), tonumber
+local MEM_MARK, plain_find = LIMITS and LIMITS.MEM_MARK, string.find
+if GUARDS_BC then
+  local NAT = {
+    string = copy(string), table = copy(table), utf8 = copy(utf8), type = type, tostring = tostring,
+    tonumber = tonumber, select = select, error = error, rawlen = rawlen, rawget = rawget,
+    getmetatable = debug.getmetatable, getinfo = debug.getinfo, tointeger = math.tointeger, ult = math.ult,
+    floor = math.floor, huge = math.huge, maxinteger = math.maxinteger, log = math.log,
+    byte = string.byte, sub = string.sub, char = string.char, find = string.find, match = string.match,
+    concat = table.concat, unpack = table.unpack,
+  }
+  -- The pattern matcher in Lua is compiled in this runtime only when a guard first needs it.
+  local function load_port(...) return load(PATTERNS_BC, "=execapp", "b")(...) end
+  local G = load(GUARDS_BC, "=execapp", "b")(NAT, hook, LIMITS, load_port)
+  for k, v in next, G.string do str_lib[k] = v end
+  for k, v in next, G.table do table_lib[k] = v end
+  for k, v in next, G.utf8 do utf8_lib[k] = v end
+  guest_tonumber = G.tonumber
+end
+local str = readonly(str_lib, "string")
+local smt = getmetatable("")
+smt.__index = str
+smt.__metatable = false
+local co = copy(coroutine)
+-- The random generator's state is the runtime's: a call that seeds it is marked, and the next
+-- isolated call reseeds it (randomly, as Lua starts), so no call sees what another one wrote.
+-- (Lua's own reseed is time(NULL) and the state's address: the same all second long.)
+local math_lib, native_seed, math_tointeger = copy(math), math.randomseed, math.tointeger
+math_lib.randomseed = function(...) B.seeded = true; return native_seed(...) end
+co.create, co.resume, co.wrap = co_new, safe_resume, safe_wrap
+
+local function safe_setmetatable(t, mt)
+  if type(mt) == "table" then
+    if rawget(mt, "__gc") ~= nil then error("__gc metamethods are not allowed in plugins", 2) end
+    -- Weak tables are off in the sandbox (lua_interrupt.disable_weak_tables: ephemerons make the
+    -- collector quadratic); say so rather than let a weak cache silently keep everything.
+    if rawget(mt, "__mode") ~= nil then
+      error("weak tables (__mode) are not available in plugins; drop entries explicitly (t[k] = nil)", 2)
+    end
+  end
+  return setmetatable(t, mt)
+end
+
+-- The gate's message of a quota that ended the call: "execapp: quota_<resource>: <message>".
+local QUOTA = "execapp: quota_"
+local function host_call(name, ...)
+  if B.loading then
+    error(name .. ": the host API is not available while the plugin's top level runs; call it from a handler", 3)
+  end
+  B.hosted = true
+  local ok, v, stop = py_host(name, ...)
+  if ok then return v end
+  -- A timeout or a quota ends the call: marked like the count hook's timeout, so no pcall,
+  -- xpcall or coroutine of the guest can swallow it.
+  if stop then B.expired, B.why = true, v end
+  error(v, 3)
+end
+
+local base = {
+  assert = assert, error = error, ipairs = ipairs, next = next, pairs = pairs, select = select,
+  pcall = safe_pcall, xpcall = safe_xpcall, rawequal = rawequal, rawget = rawget, rawlen = rawlen,
+  setmetatable = safe_setmetatable, getmetatable = getmetatable, tonumber = guest_tonumber,
+  tostring = tostring, type = type, _VERSION = _VERSION,
+  string = str, table = readonly(table_lib, "table"), math = readonly(math_lib, "math"),
+  utf8 = readonly(utf8_lib, "utf8"), coroutine = readonly(co, "coroutine"),
+  -- Not tail calls: error level 3 in host_call must point at the guest's line.
+  log = function(msg) host_call("log", tostring(msg)) end,
+  print = function(...)
+    local parts = {}
+    for i = 1, select("#", ...) do parts[i] = tostring((select(i, ...))) end
+    host_call("log", table.concat(parts, "\t"))
+  end,
+  kv_get = function(k) local v = host_call("kv_get", k); return v end,
+  kv_set = function(k, v) host_call("kv_set", k, v) end,
+  sleep = function(ms) host_call("sleep", ms) end,
+  http_get = function(url) local v = host_call("http_get", url); return v end,
+}
+local env_mt = {__index = base, __metatable = false}
+
+-- An error message as Python gets it: at most MAX_ERROR bytes of valid UTF-8 (lupa raises
+-- UnicodeDecodeError on anything else; a megabyte message would reach the client and the traces).
+local MAX_ERROR, str_sub, str_gsub, utf8_len = 4096, string.sub, string.gsub, utf8.len
+local function error_text(v)
+  local n = #v
+  if n > MAX_ERROR then v = str_sub(v, 1, MAX_ERROR) end
+  if not utf8_len(v) then
+    v = str_gsub(v, "[\128-\255]", "?") -- bytes of text cut mid-character, or not text at all
+  end
+  if n > MAX_ERROR then v = v .. " ... (" .. n .. " bytes)" end
+  return v
+end
+
+-- status: 0 ok, 1 error, 2 timeout, 3 memory, 4 quota (v: "execapp: <code>: <message>")
+local function outcome(ok, v)
+  -- The call ends: if it used the host API, the gate closes the call's Host (summary lines).
+  if B.hosted then B.hosted = false; py_host(nil) end
+  if not ok and not B.expired and type(v) ~= "string" then
+    -- An error object's __tostring is guest code: run it under the call's deadline (still set),
+    -- and never let its own error escape past the guest's pcall.
+    local done, text = pcall(tostring, v)
+    if not done then
+      if text == "not enough memory" then return 3, text end
+      text = "the error object's __tostring failed: " .. (type(text) == "string" and text or type(text))
+    end
+    v = text
+  end
+  if B.expired then
+    local why = B.why or TIMEOUT
+    if why:sub(1, #QUOTA) == QUOTA then return 4, why end
+    return 2, why
+  end
+  if ok then return 0, v end
+  if v == "not enough memory" then return 3, v end
+  -- a guard refused a result larger than the memory cap (its message names the call)
+  if MEM_MARK and plain_find(v, MEM_MARK, 1, true) then return 3, v end
+  return 1, error_text(v)
+end
+
+local function new_env(bytecode, name, deadline)
+  local env = setmetatable({}, env_mt)
+  env._G = env
+  local chunk, err = load(bytecode, name, "b", env)
+  if not chunk then return nil, 1, err end
+  if B.ncos > 0 or nactive > 0 then release() end
+  B.deadline, B.expired, B.why, B.loading = deadline, false, nil, true
+  local status, v = outcome(pcall(chunk))
+  B.loading, B.deadline = false, math_huge
+  if status ~= 0 then return nil, status, v end
+  return env, 0, nil
+end
+
+local function call(env, handler, event, deadline, same_call)
+  local f = rawget(env, handler)
+  if type(f) ~= "function" then return 1, "no handler function '" .. tostring(handler) .. "'" end
+  if not same_call and (B.ncos > 0 or nactive > 0) then release() end
+  B.deadline, B.expired, B.why = deadline, false, nil
+  local status, v = outcome(pcall(f, event))
+  B.deadline = math_huge
+  return status, v
+end
+
+-- lauxlib's buffers (string.rep, table.concat, string.format, gsub...) allocate through lupa's
+-- capped allocator directly, without the emergency collection Lua runs before it fails one of its
+-- own allocations: the previous call's garbage would fail this call's large string with
+-- memory_limit. Between two isolated calls only the sandbox is alive, so this collection is cheap.
+local gc, GC_AT = collectgarbage, LIMITS.memory / 2048 -- half the cap, in KB
+local function fresh_call(bytecode, name, handler, event, deadline)
+  if gc("count") > GC_AT then gc() end
+  if B.seeded then B.seeded = false; native_seed(math_tointeger(clock() * 1e9 // 1)) end
+  local env, status, err = new_env(bytecode, name, deadline)
+  if not env then return status, err end
+  return call(env, handler, event, deadline, true)
+end
+
+local function functions(env)
+  local names = {}
+  for k, v in next, env do
+    if type(k) == "string" and type(v) == "function" then names[#names + 1] = k end
+  end
+  return names
+end
+
+return new_env, call, fresh_call, functions, tostring((coroutine.running()))
