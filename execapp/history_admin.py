@@ -34,22 +34,27 @@ def events_url(**params: str) -> str:
     return f"{url}?{query}" if query else url
 
 
+#: The last second a datetime can hold (9999-12-31T23:59:59 UTC): a later filter time is refused.
+LATEST_TIME = 253402300799.0
+
+
 def parse_time(value: str) -> float | None:
     """A filter's time: epoch seconds, or an ISO date/time (UTC unless it names its offset)."""
     value = (value or "").strip()
     if not value:
         return None
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
-        pass
-    try:
-        when = dt.datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.timezone.utc)
-    return when.timestamp()
+        try:
+            when = dt.datetime.fromisoformat(value)
+        except ValueError:
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=dt.timezone.utc)
+        seconds = when.timestamp()
+    # "nan", "inf" or 1e20 read as floats, and no datetime holds them (a query would fail with 500).
+    return seconds if 0.0 <= seconds <= LATEST_TIME else None
 
 
 def filters_from(request: HttpRequest) -> tuple[Filters, dict[str, str], list[str]]:

@@ -70,6 +70,9 @@ def test_filters_search_and_the_timeline_say_why_an_event_failed(recorded: Any) 
     assert ids(f"?since={time.time() + 60}") == []
     bad = client.get(EVENTS + "?since=yesterday")
     assert "is not a time" in bad.content.decode()
+    for crafted in ("nan", "inf", "-inf", "1e20", "-5"):  # floats no datetime holds: a 500 before
+        page = client.get(EVENTS + f"?since={crafted}&until={crafted}&before={crafted}")
+        assert page.status_code == 200 and "is not a time" in page.content.decode(), crafted
 
     listed = client.get(EVENTS + "?q=the-failure")
     uid = listed.context["rows"][0]["uid"]
