@@ -59,8 +59,10 @@ _rare = RateLimitedLog(log, 60.0)
 #: Most items the buffer holds between two flushes; past it new items are dropped and counted
 #: (``Recorder.dropped``): a housekeeper stalled for seconds must not grow the worker without bound.
 BUFFER_LIMIT = 200_000
-#: Refusals of one connection traced per second at most (more are counted only: see ``refused``).
+#: Refusals of one owner traced per second at most (more are counted only: see ``refused``).
 REFUSAL_TRACES_PER_SECOND = 20
+#: Each owner's refusal-trace window: owner -> [window start (monotonic), traces in it].
+_refusal_budgets: dict[str, list[float]] = {}
 #: A trace whose event has not completed after this long is written as ``incomplete``.
 PENDING_SECONDS = 900.0
 #: Failed events written to the database per flush at most; the rest stay in the recent store only
@@ -183,23 +185,23 @@ def delivered(conn: Any, outcome: Any) -> None:
 def refused(conn: Any, code: str, message: str, event_id: str | None) -> None:
     """The connection refused a frame before dispatch (``rate_limited``, ``draining``, ``bad_json``...).
 
-    Each refusal is counted; at most REFUSAL_TRACES_PER_SECOND of one connection's also leave a
-    trace: a client sending bad frames as fast as it can must not push every other tenant's
-    events out of the bounded recent store (the rest are counted, with no event id to keep)."""
+    Each refusal is counted; at most REFUSAL_TRACES_PER_SECOND of one owner's (all its
+    connections to this worker) also leave a trace: a client sending bad frames as fast as it can,
+    on as many connections as it may open, must not push every other tenant's events out of the
+    bounded recent store (the rest are counted, with no event id to keep). Loop thread."""
     if _recorder is None:
         return
     if len(_buffer) >= BUFFER_LIMIT:
         next(_dropped)
         return
     if event_id is not None:
+        owner = getattr(conn, "owner", "") or ""
         now = _mono()
-        budget = getattr(conn, "_history_refusals", None)  # [window start, traces in it]
+        budget = _refusal_budgets.get(owner)  # [window start, traces in it]
         if budget is None or now - budget[0] >= 1.0:
-            budget = [now, 0]
-            try:
-                conn._history_refusals = budget
-            except AttributeError:  # an object that takes no attributes: traced unbounded
-                pass
+            if budget is None and len(_refusal_budgets) >= 10_000:  # owners are few: a bounded table
+                _refusal_budgets.clear()
+            budget = _refusal_budgets[owner] = [now, 0]
         budget[1] += 1
         if budget[1] > REFUSAL_TRACES_PER_SECOND:
             event_id = None

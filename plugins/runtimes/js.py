@@ -196,11 +196,6 @@ _GUARDED_METHODS = tuple(json.loads(quickjs.Context().eval("JSON.stringify(%s.fi
     "join", "toString", "toLocaleString", "indexOf", "lastIndexOf", "includes", "fill", "copyWithin", "reverse",
     "forEach", "map", "filter", "some", "every", "find", "findIndex", "findLast", "findLastIndex", "reduce",
     "reduceRight", "slice", "splice", "sort", "shift", "unshift", "with", "toReversed", "toSorted", "toSpliced"]))))
-#: The Iterator.prototype helpers that loop inside one call (js_guards.js runs each through a map
-#: with a bytecode step); those this QuickJS has.
-_ITERATOR_HELPERS = tuple(json.loads(quickjs.Context().eval(
-    "JSON.stringify(typeof Iterator !== 'function' ? [] : %s.filter(n => typeof Iterator.prototype[n] === 'function'))"
-    % json.dumps(["drop", "filter", "forEach", "some", "every", "find", "reduce"]))))
 # The guards are inlined into the prelude's function, their slow paths as the text of a function
 # body that a Context compiles when it first needs one. Method shorthand: each wrapper is named as
 # the method it guards and, like a built-in method, is no constructor.
@@ -210,9 +205,7 @@ _PRELUDE = _PRELUDE.replace("__NATIVE_GUARDS__", (Path(__file__).with_name("js_g
     .replace("__GUARDED_NAMES__", json.dumps(_GUARDED_METHODS))
     .replace("__GUARDED_WRAPPERS__", "{" + ", ".join(
         f"{name}(...args) {{ return guarded(this, {i}, args); }}" for i, name in enumerate(_GUARDED_METHODS)) + "}")
-    .replace("__ITERATOR_ORIGINALS__", "[" + ", ".join(f"IP.{name}" for name in _ITERATOR_HELPERS) + "]")
-    .replace("__ITERATOR_WRAPPERS__", "{" + ", ".join(
-        f"{name}(...args) {{ return through(this, {i}, args); }}" for i, name in enumerate(_ITERATOR_HELPERS)) + "}")))
+))
 
 # Only for validation (list_functions): kept out of _PRELUDE because QuickJS compiles every
 # character of the prelude into each new Context (~40 ns/char: the prelude is most of a

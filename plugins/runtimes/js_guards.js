@@ -89,16 +89,15 @@
     },
   });
 
-  // -- Iterator helpers that loop inside one call (drop skips n, filter skips non-matches,
-  // forEach/some/every/find/reduce consume) call the receiver's next in C, and an array's
-  // iterator's next is C too: over a sparse 2**32 length, with a native callback (Math.abs),
-  // nothing in that loop polls (`a.values().drop(2**31)` ran for minutes). Each runs on its
-  // receiver seen through a map whose step is bytecode: one polled call per element.
-  const IP = typeof Iterator === "function" ? Iterator.prototype : null, pass = (v) => v;
-  if (IP !== null && typeof IP.map === "function") {
-    const nativeMap = IP.map, helpers = __ITERATOR_ORIGINALS__;
-    const through = (self, i, args) => apply(helpers[i], apply(nativeMap, self, [pass]), args);
-    assign(IP, __ITERATOR_WRAPPERS__);
+  // -- Iterator.prototype.drop(n) skips n elements in one C loop over its receiver's next, and an
+  // array iterator's next is native too: over a sparse 2**32 length nothing in that loop polls
+  // (`a.values().drop(2**31)` ran for minutes). drop sees its receiver through a map whose step
+  // is bytecode: one polled call per element. (The helpers that take a callback, filter, some,
+  // find, reduce..., are stopped at the deadline as they are, native callbacks included.)
+  const IP = typeof Iterator === "function" ? Iterator.prototype : null;
+  if (IP !== null && typeof IP.drop === "function" && typeof IP.map === "function") {
+    const nativeDrop = IP.drop, nativeMap = IP.map, pass = (v) => v;
+    assign(IP, {drop(limit) { return apply(nativeDrop, apply(nativeMap, this, [pass]), [limit]); }});
   }
 
   // -- String searches compare the needle at every start position, natively (n x m character
@@ -161,6 +160,23 @@
       const s = text(this), n = text(searchValue), fn = typeof replaceValue === "function";
       const repl = fn ? replaceValue : text(replaceValue);
       return big(s, n) ? slow().replaceAll(s, n, fn, repl) : apply(sReplaceAll, s, [n, repl]);
+    },
+  });
+
+  // -- A regular expression's literal characters are matched at each start position with no poll
+  // in between: a 2,000,000-character pattern against a 4 MB string ran for minutes, a 30,000-
+  // character one stays within ~0.1 s of a deadline. exec, which test, match, matchAll, search,
+  // replace and split all call, refuses a pattern longer than MAX_PATTERN (its source, read with
+  // the native getter: a guest's own `source` could say anything).
+  const RP = NativeRegExp.prototype, nativeExec = RP.exec, MAX_PATTERN = 1 << 14;
+  const sourceOf = Reflect.getOwnPropertyDescriptor(RP, "source").get;
+  assign(RP, {
+    exec(string) {
+      const n = apply(sourceOf, this, []).length;
+      if (n > MAX_PATTERN)
+        throw new RangeError("RegExp.prototype.exec on a pattern of " + n + " characters: the sandbox allows at most " +
+                             MAX_PATTERN);
+      return apply(nativeExec, this, [string]);
     },
   });
 
