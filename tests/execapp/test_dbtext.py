@@ -4,6 +4,7 @@ failure traces of its flush, and one such error message every profile write of i
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -69,7 +70,7 @@ def test_a_nul_from_a_client_or_a_plugin_fails_no_write_on_postgres(postgres_url
     try:
         migrated = manage("migrate", "--noinput", env=env)
         assert migrated.returncode == 0, migrated.stderr
-        done = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env={**__import__("os").environ, **env},
+        done = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env={**os.environ, **env},
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
         got = json.loads(done.stdout.strip().splitlines()[-1])

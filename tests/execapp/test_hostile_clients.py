@@ -132,13 +132,9 @@ async def test_a_url_naming_thousands_of_sessions_costs_a_few_error_frames(chann
         assert f"{MAX_SESSIONS_PER_CONNECTION}" in text and "more" in text, text
 
 
-# -- resend: records still being written count as in flight --------------------------------------
-
-async def test_resend_events_waiting_for_their_record_count_against_the_in_flight_limit(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # The record of a resend event is written (history flush + read back) after its handlers ran
-    # and before its done. A client sending fast resend events while records are slow must not
-    # pile up record tasks (and worker admissions) past its in-flight limit.
+def slow_records(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Resend claims that always run the event, and records that are written only once the
+    returned gate is set (or HARD seconds pass)."""
     gate = threading.Event()
     monkeypatch.setattr(resend, "claim", lambda owner, eid, worker: (resend.Claim(resend.NEW), []))
 
@@ -147,6 +143,17 @@ async def test_resend_events_waiting_for_their_record_count_against_the_in_fligh
         return "uid"
 
     monkeypatch.setattr(resend, "complete", complete)
+    return gate
+
+
+# -- resend: records still being written count as in flight --------------------------------------
+
+async def test_resend_events_waiting_for_their_record_count_against_the_in_flight_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The record of a resend event is written (history flush + read back) after its handlers ran
+    # and before its done. A client sending fast resend events while records are slow must not
+    # pile up record tasks (and worker admissions) past its in-flight limit.
+    gate = slow_records(monkeypatch)
     sent: list[dict] = []
 
     async def send(text: str) -> None:
@@ -248,14 +255,7 @@ async def _feed_raw(conn: Connection, frames: list[str]) -> None:
 
 async def test_a_client_that_disconnects_mid_event_ends_every_admitted_event_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = threading.Event()
-    monkeypatch.setattr(resend, "claim", lambda owner, eid, worker: (resend.Claim(resend.NEW), []))
-
-    def complete(owner: str, eid: str, worker: str, elapsed: float) -> str:
-        gate.wait(HARD)
-        return "uid"
-
-    monkeypatch.setattr(resend, "complete", complete)
+    gate = slow_records(monkeypatch)
     engine = Engine(max_workers=4)
     release = threading.Event()
     engine.add(engine.make_matcher("command", "hold", lambda ctx: release.wait(HARD) and "held", plugin="test"))

@@ -240,7 +240,6 @@ def test_runaways_stop_at_the_deadline(name: str) -> None:
         call(module(RUNAWAYS[name]))
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
 def test_a_forked_child_still_stops_loops_at_the_deadline() -> None:
     """The epoch ticker is a thread: a child forked after it started had none, so its guests'
     deadlines never came (a loop ran forever)."""
