@@ -214,10 +214,8 @@ class _LuaVM:
         irq.running = deadline
         try:
             env, status, err = self._new_env(self.bytecode, self.chunkname, deadline)
-        except lupa.LuaMemoryError:
-            raise GuestMemory(f"memory cap of {self.spec.memory_bytes} bytes exceeded") from None
-        except lupa.LuaError as exc:
-            raise GuestError(str(exc), poison=True) from None
+        except lupa.LuaError as exc:  # e.g. the hook's timeout, fired in the sandbox's own code after the pcall
+            raise self._lua_error(exc, deadline) from None
         finally:
             irq.running = None
             if irq.coroutines:
