@@ -489,6 +489,10 @@ class JsInstance:
                 if slot.flipping:
                     slot.end()
             self._leave()
+            # The watchdog interrupted this call: whatever it returned or raised (a built-in may
+            # have caught the interrupt and the guest run on), it ran into its deadline.
+            if slot is not None and slot.fired:
+                raise GuestTimeout(_timeout_message(self.spec)) from None  # noqa: B012
 
     def _steps(self, out: str, deadline: float) -> Any:
         """The general case: host calls, promises and errors, one JSON state per step."""

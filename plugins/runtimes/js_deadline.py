@@ -22,7 +22,16 @@ every time it enters JS. So:
   later. A guest is never stopped before its deadline, and at most ``TICK`` plus one GIL
   hand-off after it (passes slow down to ``IDLE_TICK`` while no call runs, so a budget
   shorter than that may end up to ``IDLE_TICK - budget`` later). One built-in call that never
-  reaches a poll point still runs to its end (docs/plugins.md lists the known ones).
+  reaches a poll point still runs to its end (docs/plugins.md lists the known ones);
+- "uncatchable" holds for ``try``/``catch`` in bytecode only: a built-in that calls guest code
+  and turns its exception into a value (the Promise constructor with its executor, an async
+  function's body, Promise combinators, disposers) catches the interrupt too, and its caller
+  runs on. Nested (``new Promise(() => { for (;;) new Promise(() => { for (;;) {} }) })``), the
+  interrupt lands in the innermost loop nearly every time and the guest never stopped. So a
+  call still running ``ESCALATE`` after its interrupt fired gets its runtime's stack limit set
+  above the stack itself (``JS_SetMaxStackSize(rt, 1)``): every call into JS, the only way a
+  built-in reaches guest code again, then fails, and the interrupt unwinds the frames left one
+  by one. Such a Context is spent: ``fired`` makes its call a timeout, and timeouts discard it.
 
 Both structs are the binding's and QuickJS's private business, so they are checked once per
 process before use (~5 ms): QuickJS's own accessors (``JS_GetRuntimeOpaque(rt)`` is the Context
@@ -56,6 +65,9 @@ TICK = 0.005
 IDLE_TICK = 0.025
 #: ``deadline`` of a Context that is not running a call.
 IDLE = math.inf
+#: Seconds a call may run on after its interrupt fired before its stack is clamped (module
+#: docstring): two passes, so an interrupt that is simply being taken is never escalated.
+ESCALATE = 2 * TICK
 #: CPUs this process can use at most: CPU time grows at most this fast per wall-clock second.
 CPUS = os.cpu_count() or 1
 #: Written into ``interrupt_data.limit``: ``clock() - start >= FIRE`` holds at once.
@@ -89,11 +101,16 @@ class Slot:
     the watchdog writes the interrupt only while ``deadline`` is that of a call past it.
     """
 
-    __slots__ = ("deadline", "flipping", "_limit", "_counter", "_key", "_owner")
+    __slots__ = ("deadline", "flipping", "fired", "_limit", "_counter", "_runtime", "_clamped", "_key", "_owner")
 
     def __init__(self, ctx: Any) -> None:
         self.deadline = IDLE
         self.flipping = False
+        #: time.monotonic() of the first interrupt written (0.0: none). Never reset: a Context
+        #: whose call was interrupted is discarded (js.py), so its slot sees no other call.
+        self.fired = 0.0
+        self._runtime = ctypes.c_void_p.from_address(id(ctx) + _RUNTIME).value
+        self._clamped = False
         # Point into the Context's C structs: written only while a call runs (deadline set),
         # and the running call holds the Context alive.
         self._limit, counter = _words(ctx)
@@ -117,6 +134,14 @@ class Slot:
                 self._limit.value = _FIRE
                 if self._counter is not None:  # and the next poll point asks the handler
                     self._counter.value = 0
+                if not self.fired:
+                    self.fired = now
+                elif now - self.fired >= ESCALATE and not self._clamped and _set_stack_size is not None:
+                    # Still running: the interrupt was caught by a built-in (module docstring).
+                    # Two plain stores into the runtime, read by the guest's thread at its next
+                    # call's stack check (as the limit word above is read at its next poll).
+                    _set_stack_size(self._runtime, 1)
+                    self._clamped = True
         finally:
             self.flipping = False
 
@@ -132,6 +157,8 @@ _hurry_polls = False  # the JSContext poll counter checked: the watchdog zeroes 
 # C API to install it; 0 when not found or not checked (hold() then does nothing).
 _binding_handler = 0
 _set_handler: Any = None
+# JS_SetMaxStackSize, for the escalation (None until the layout checked out).
+_set_stack_size: Any = None
 #: (time.monotonic(), time.process_time()) at the watchdog's last pass: hold()'s CPU clock.
 _cpu_reading = (0.0, 0.0)
 
@@ -259,6 +286,8 @@ def _self_check() -> bool:
         problem = _layout_problem()
     except Exception as exc:  # a missing symbol, an unexpected type
         problem = f"{type(exc).__name__}: {exc}"
+    if not problem:
+        _bind_stack_size()
     if problem:
         log.error("JS plugins: wall-clock deadlines are unavailable (%s); falling back to QuickJS's CPU-time "
                   "limit, which stops guests early when other threads are busy. Fix: install the binding this "
@@ -284,6 +313,15 @@ def _self_check() -> bool:
                     "whose top level throws a value with a looping toString hangs the process. Fix: pip install "
                     "quickjs-ng==0.17.0.2", problem)
     return True
+
+
+def _bind_stack_size() -> None:
+    global _set_stack_size
+    import _quickjs
+
+    fn = ctypes.PyDLL(_quickjs.__file__).JS_SetMaxStackSize  # GIL kept: two stores
+    fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t]
+    _set_stack_size = fn
 
 
 def _forget_handler() -> None:

@@ -89,15 +89,35 @@
     },
   });
 
-  // -- Iterator.prototype.drop(n) skips n elements in one C loop over its receiver's next, and an
-  // array iterator's next is native too: over a sparse 2**32 length nothing in that loop polls
-  // (`a.values().drop(2**31)` ran for minutes). drop sees its receiver through a map whose step
-  // is bytecode: one polled call per element. (The helpers that take a callback, filter, some,
-  // find, reduce..., are stopped at the deadline as they are, native callbacks included.)
-  const IP = typeof Iterator === "function" ? Iterator.prototype : null;
-  if (IP !== null && typeof IP.drop === "function" && typeof IP.map === "function") {
-    const nativeDrop = IP.drop, nativeMap = IP.map, pass = (v) => v;
-    assign(IP, {drop(limit) { return apply(nativeDrop, apply(nativeMap, this, [pass]), [limit]); }});
+  // -- Iterators: QuickJS calls a built-in iterator's `next` (an array's, a string's, a Set's) from
+  // C without going through a call, so a C loop that drives one and calls nothing else per
+  // element never polls: over a sparse 2**32 length, `a.values().drop(2**31)`, `.includes(1)`,
+  // `.join("")`, `Math.sumPrecise(a.keys())` and the Set methods that walk another set-like's
+  // `keys()` (`new Set().union({size: 1, has, keys: () => a.values()})`) ran for minutes. These
+  // see their iterator through a map whose step is bytecode: one polled call per element. (The
+  // helpers that take a callback, filter, some, find, reduce..., already call per element, and
+  // the ones that collect, toArray, Array.from, chunks..., meet the memory cap.)
+  const IP = typeof Iterator === "function" ? Iterator.prototype : null, nativeMap = IP && IP.map;
+  const pass = (v) => v, stepped = (it) => apply(nativeMap, it, [pass]);
+  // (Computed method names: each wrapper is named as the method it guards and is no constructor;
+  // all of these take one declared argument, as the natives do.)
+  const iterHelper = (name) => {
+    const native = IP[name];
+    return typeof native === "function" ? {[name](x) { return apply(native, stepped(this), arguments); }}[name] : native;
+  };
+  if (typeof nativeMap === "function") {
+    assign(IP, {drop: iterHelper("drop"), includes: iterHelper("includes"), join: iterHelper("join")});
+    const nativeSum = Math.sumPrecise;
+    if (typeof nativeSum === "function")
+      assign(Math, {sumPrecise(items) { return apply(nativeSum, Math, [slow().iterable(items, stepped)]); }});
+    const SetP = Set.prototype, setOp = (name) => {
+      const native = SetP[name];
+      return typeof native === "function" ?
+        {[name](other) { return apply(native, this, [slow().setLike(other, stepped)]); }}[name] : native;
+    };
+    assign(SetP, {union: setOp("union"), intersection: setOp("intersection"), difference: setOp("difference"),
+                  symmetricDifference: setOp("symmetricDifference"), isSupersetOf: setOp("isSupersetOf"),
+                  isDisjointFrom: setOp("isDisjointFrom")});
   }
 
   // -- String searches compare the needle at every start position, natively (n x m character

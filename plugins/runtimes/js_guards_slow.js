@@ -125,6 +125,32 @@ return {
     for (let k = 0; k < n; k++) put(copy, k, r[k]);
     return copy;
   },
+  // Math.sumPrecise's argument, with its iterator stepped in bytecode (`stepped`); a value that is
+  // not iterable is handed on for the native to refuse as it would.
+  iterable(items, stepped) {
+    if (items == null) return items;
+    const f = items[Symbol.iterator];
+    if (typeof f !== "function") return items;
+    return {[Symbol.iterator]() {
+      const it = apply(f, items, []);
+      return it !== null && typeof it === "object" ? stepped(it) : it;
+    }};
+  },
+  // A Set method's other operand as a set-like record (read once, in the native's order: size,
+  // has, keys) whose keys() iterator is stepped in bytecode; has and keys are called on `other`.
+  setLike(other, stepped) {
+    if (other === null || (typeof other !== "object" && typeof other !== "function")) return other;
+    const size = other.size, has = other.has, keys = other.keys;
+    if (typeof has !== "function" || typeof keys !== "function") return {size, has, keys};
+    return {
+      size,
+      has(v) { return apply(has, other, [v]); },
+      keys() {
+        const it = apply(keys, other, []);
+        return it !== null && typeof it === "object" ? stepped(it) : it;
+      },
+    };
+  },
   raw(template, subs) {  // in bytecode: its loop is over the guest's `raw.length`
     if (template == null) throw new TypeError("String.raw: the template is null or undefined");
     const raw = toObject(template).raw;

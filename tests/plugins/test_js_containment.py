@@ -37,6 +37,19 @@ function chain_loop(e) { const spin = () => { Promise.resolve().then(spin); }; s
 // a busy loop inside a promise job
 async function job_loop(e) { await null; while (true) {} }
 function busy_loop(e) { while (true) {} }
+// built-ins that catch the interrupt and let their caller run on: the Promise constructor around
+// its executor, nested (the interrupt lands in the innermost loop nearly every time) ...
+function swallow_nested(e) {
+  const p = () => new Promise(() => { for (;;) new Promise(() => { for (;;) {} }); });
+  for (;;) p();
+}
+// ... an async function's body, which turns it into a rejected promise ...
+function swallow_async(e) {
+  const inner = async () => { for (;;) {} }, outer = async () => { for (;;) inner(); };
+  for (;;) outer();
+}
+// ... and once, then a reply past the deadline
+function swallow_once(e) { new Promise(() => { for (;;) {} }); return "survived"; }
 // each iteration is one expensive built-in call: QuickJS polls for interrupts every ~10,000 (54 s)
 function builtin_loop(e) { let s = "x".repeat(1 << 20); while (true) s = JSON.stringify({s}).slice(0, 1 << 20); }
 // uses 80% of its budget, checking the wall clock: must never be stopped
@@ -136,6 +149,14 @@ def test_an_async_guest_whose_jobs_never_end_times_out(worker: Worker, plugin: L
 def test_a_busy_loop_times_out_within_its_budget(worker: Worker, plugin: LoadedPlugin, handler: str) -> None:
     took = timed_timeout(worker, plugin, handler)
     assert BUDGET <= took <= 2 * BUDGET + 0.5
+
+
+@pytest.mark.parametrize("handler", ["swallow_nested", "swallow_async", "swallow_once"])
+def test_a_guest_whose_interrupt_a_built_in_catches_still_times_out(worker: Worker, plugin: LoadedPlugin,
+                                                                    handler: str) -> None:
+    took = timed_timeout(worker, plugin, handler)
+    assert BUDGET <= took <= 2 * BUDGET + 0.5
+    assert worker.run(lambda: plugin.call("legit", event("1")), BUDGET).startswith("done")  # it serves on
 
 
 @pytest.mark.django_db(transaction=True)

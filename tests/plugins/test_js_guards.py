@@ -42,6 +42,14 @@ ESCAPES = {  # each ran for minutes (natively, with no interrupt poll) before it
     "a RegExp's long literal, match": LONG_PATTERN + "s.match(n)",
     "a RegExp's long literal, replace": LONG_PATTERN + "s.replace(new RegExp(n, 'g'), 'x')",
     "String.raw": "String.raw({raw: {length: 2 ** 31}})",
+    # C loops that drive a built-in iterator (QuickJS calls its next without a call, no poll)
+    "Iterator includes": "const a = []; a.length = 2 ** 32 - 1; a.values().includes(1)",
+    "Iterator join": "const a = []; a.length = 2 ** 32 - 1; a.values().join('')",
+    "Math.sumPrecise": "const a = []; a.length = 2 ** 32 - 1; Math.sumPrecise(a.keys())",
+    # (the receiver holds the sparse array's undefined where the method would stop at it otherwise)
+    **{f"Set {op}": "const a = []; a.length = 2 ** 32 - 1; new Set([1" + (", undefined" if op == "isSupersetOf" else "")
+       + "])." + op + "({size: 0, has: () => false, keys: () => a.values()})"
+       for op in ("union", "intersection", "difference", "symmetricDifference", "isSupersetOf", "isDisjointFrom")},
 }
 
 
@@ -137,6 +145,25 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     "[1, 2, 3].values().reduce((a, b) => a + b, 10)", "(() => { const r = []; [5, 6].values().forEach((v, i) => "
     "r.push(v, i)); return r; })()", "[1].values().drop(-1)", "[1].values().filter(5)", "[].values().reduce(Math.max)",
     "Iterator.prototype.drop.call({next() { return {done: true}; }}, 3).next()",
+    "[1, 2, NaN].values().includes(NaN)", "[1, 2].values().includes(3)", "[1, [2, 3], null].values().join('-')",
+    "[].values().join()", "Iterator.prototype.includes.name + Iterator.prototype.join.length",
+    "(() => { let closed = 0; const it = {next: () => ({done: false, value: 1}), return() { closed++; return {}; }};"
+    " return [Iterator.prototype.includes.call(it, 1), closed]; })()",
+    "Math.sumPrecise([1e20, 0.1, -1e20])", "Math.sumPrecise(new Set([1, 2]))",
+    "(() => { try { return Math.sumPrecise(5); } catch (e) { return e.name; } })()",
+    "(() => { try { return Math.sumPrecise(['1']); } catch (e) { return e.name; } })()",
+    "[...new Set([1, 2]).union(new Set([2, 3]))]", "[...new Set([1, 2, 3]).intersection(new Set([2, 3, 4]))]",
+    "[...new Set([1, 2, 3]).difference(new Set([2]))]", "[...new Set([1, 2]).symmetricDifference(new Set([2, 3]))]",
+    "[new Set([1, 2]).isSupersetOf(new Set([1])), new Set([1]).isDisjointFrom(new Set([2])),"
+    " new Set([1]).isSubsetOf(new Set([1, 2]))]",
+    "[...new Set([1, 2, 3]).intersection({size: 1, has: x => x > 1, keys: () => [2, 9].values()})]",
+    "(() => { const seen = []; const o = {get size() { seen.push('size'); return 1; }, get has() { seen.push('has');"
+    " return function (v) { return this === o; }; }, get keys() { seen.push('keys'); return function () {"
+    " return [this === o].values(); }; }}; return [[...new Set([5]).union(o)], seen]; })()",
+    "(() => { try { new Set().union({size: 1, has: 1, keys() {}}); } catch (e) { return e.name; } })()",
+    "(() => { try { new Set().union(null); } catch (e) { return e.name; } })()",
+    "(() => { try { new Set([1, 2]).union({size: 0, has() {}, keys: () => 5}); } catch (e) { return e.name; } })()",
+    "Set.prototype.union.name + Set.prototype.isDisjointFrom.name",
     "/a+(b)/.exec('caab')", "[...'a1b2'.matchAll(/\\d/g)].map(m => m[0] + m.index)", "/x/y.test('ax')",
     "(() => { const r = /a/g; r.exec('aa'); return [r.lastIndex, r.exec('aa').index, r.lastIndex]; })()",
 ])
