@@ -155,6 +155,7 @@ class Host:
             raise HostCallError(f"kv_set: value of {len(value)} chars is over the {MAX_VALUE_CHARS} limit")
         if "\x00" in value:  # PostgreSQL stores no NUL: refused on every database alike
             raise HostCallError("kv_set: the value must not contain a NUL character; encode binary data (base64)")
+        _check_unicode("kv_set: the value", value)
         key = _key(key)
         self.kv_writes += 1
         try:
@@ -184,6 +185,7 @@ class Host:
         """
         self._check("http", "http_get")
         url = str(url)
+        _check_unicode("http_get: the URL", url)
         started = time.monotonic()
         deadline = min(self.deadline, started + HTTP_TIMEOUT_SECONDS)
         for hop in range(HTTP_MAX_REDIRECTS + 1):
@@ -303,4 +305,16 @@ def _key(key: Any) -> str:
         raise HostCallError(f"kv key must be a non-empty string of at most {MAX_KEY_CHARS} chars, got {key!r}")
     if "\x00" in key:  # PostgreSQL stores no NUL: refused on every database alike
         raise HostCallError(f"kv key must not contain a NUL character, got {key!r}")
+    _check_unicode("kv key", key)
     return key
+
+
+def _check_unicode(what: str, text: str) -> None:
+    """Refuse a lone UTF-16 surrogate, which a JS guest's strings can hold and UTF-8 cannot encode."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise HostCallError(f"{what} is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at "
+                                f"character {exc.start}; send whole characters (a surrogate pair), or encode "
+                                "binary data (base64)") from None

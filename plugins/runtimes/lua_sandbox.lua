@@ -149,9 +149,20 @@ end
 
 -- The gate's message of a quota that ended the call: "execapp: quota_<resource>: <message>".
 local QUOTA = "execapp: quota_"
+local utf8_ok, ascii_only = utf8.len, string.gsub
 local function host_call(name, ...)
   if B.loading then
     error(name .. ": the host API is not available while the plugin's top level runs; call it from a handler", 3)
+  end
+  -- The host's arguments cross as text: bytes that are not UTF-8 failed inside lupa's conversion
+  -- with a bare codec message. (Strict utf8.len: surrogates and overlongs are refused too.) A
+  -- log line is diagnostics: its non-ASCII bytes become "?" instead.
+  for i = 1, select("#", ...) do
+    local a = select(i, ...)
+    if type(a) == "string" and not utf8_ok(a) then
+      if name == "log" then return host_call(name, (ascii_only(a, "[\128-\255]", "?"))) end
+      error(name .. ": argument " .. i .. " is not valid UTF-8 text; send text, or encode binary data (hex, base64)", 3)
+    end
   end
   B.hosted = true
   local ok, v, stop = py_host(name, ...)

@@ -1,4 +1,4 @@
-"""A NUL in a client's or a plugin's text never fails a database write (execapp.dbtext): on
+"""A NUL (or a lone surrogate) in a client's or a plugin's text never fails a database write (execapp.dbtext): on
 PostgreSQL, which refuses NUL in text and jsonb, one such event used to fail the whole batch of
 failure traces of its flush, and one such error message every profile write of its batch."""
 from __future__ import annotations
@@ -18,10 +18,12 @@ from execapp.dbtext import clean_json, clean_text
 from tests.conftest import ROOT, manage
 
 
-def test_clean_text_and_json_replace_nul_and_nothing_else() -> None:
+def test_clean_text_and_json_replace_nul_and_lone_surrogates_and_nothing_else() -> None:
     assert clean_text("a\x00b\x00") == "a\ufffdb\ufffd"
-    plain = "nothing to do \u00e9\n"
-    assert clean_text(plain) is plain
+    # A plugin's JSON can spell a lone surrogate (JS's "\ud800"), which UTF-8 cannot encode.
+    assert clean_text("\u00e9\ud800x\udfff\x00") == "\u00e9\ufffdx\ufffd\ufffd"
+    plain, emoji = "nothing to do \u00e9\n", "\U0001f600 pair"
+    assert clean_text(plain) is plain and clean_text(emoji) is emoji
     value = {"k\x00": ["x\x00", 1, None, {"n": "\x00"}], "ok": 2.5, "t": True}
     assert clean_json(value) == {"k\ufffd": ["x\ufffd", 1, None, {"n": "\ufffd"}], "ok": 2.5, "t": True}
 
@@ -46,10 +48,12 @@ CHILD = textwrap.dedent(r"""
 
     recorder = history.Recorder(SimpleNamespace(engine=Engine(pool_enabled=False), id="w"))
     recorder._write_failures([failed("u1", "bad\x00id", "/boom \x00", "fail\x00ed"),
-                              failed("u2", "good", "/boom", "failed")])
+                              failed("u2", "good", "/boom", "failed"),
+                              failed("u3", "lone", "/boom \udc00", "fail\ud800ed")])
     found = history.get("tenant:a", "bad\x00id")  # looked up as stored
     engine = Engine(pool_enabled=False)
-    for name, error in (("command:nul", "bad\x00message"), ("command:fine", "plain")):
+    for name, error in (("command:nul", "bad\x00message"), ("command:fine", "plain"),
+                        ("command:lone", "bad\ud83dmessage")):
         engine.profile_for(name).record(0.001, error=error)
     ProfileStore(engine).flush()
     print(json.dumps({
@@ -77,6 +81,8 @@ def test_a_nul_from_a_client_or_a_plugin_fails_no_write_on_postgres(postgres_url
     finally:
         with psycopg.connect(postgres_url, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    assert got["traces"] == ["bad\ufffdid", "good"] and got["written"] == 2  # the good one was not lost with it
+    # the good one was not lost with them
+    assert got["traces"] == ["bad\ufffdid", "good", "lone"] and got["written"] == 3
     assert got["found"] == ["bad\ufffdid", [["/boom \ufffd", {"key\ufffd": "value\ufffd"}]], "fail\ufffded"]
-    assert got["errors"] == {"command:nul": "bad\ufffdmessage", "command:fine": "plain"}
+    assert got["errors"] == {"command:nul": "bad\ufffdmessage", "command:fine": "plain",
+                             "command:lone": "bad\ufffdmessage"}

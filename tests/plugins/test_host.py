@@ -123,3 +123,26 @@ def test_kv_refuses_a_nul_in_a_key_or_a_value_before_touching_the_store() -> Non
     with pytest.raises(HostCallError, match="must not contain a NUL"):
         h.kv_get("a\x00b")
     assert h.kv_writes == 0  # neither refused write counted against the quota
+
+
+def test_host_text_refuses_a_lone_surrogate_with_what_to_send_instead() -> None:
+    # A JS guest's string can hold one ("\ud800"); UTF-8 cannot encode it, and the store's own
+    # encode failed with a bare codec message.
+    h = host(permissions=("kv", "http"))
+    with pytest.raises(HostCallError, match=r"kv_set: the value is not valid Unicode: a lone surrogate \(U\+D800\)"):
+        h.kv_set("k", "ok \ud800")
+    with pytest.raises(HostCallError, match=r"kv key is not valid Unicode: .*U\+DC00\) at character 1"):
+        h.kv_get("a\udc00")
+    with pytest.raises(HostCallError, match="http_get: the URL is not valid Unicode"):
+        h.http_get("http://127.0.0.1/\ud800")
+    assert h.kv_writes == 0 and h.http_requests == 0
+
+
+def test_lua_host_arguments_that_are_not_utf8_get_a_clear_error_and_a_log_line_is_kept(caplog) -> None:
+    code = ('function t(e) local ok, err = pcall(kv_set, "k", "\\xff\\xfe") log("bytes \\xff\\xc3 here \\u{e9}") '
+            'return err end')
+    loaded = LoadedPlugin(PluginSpec(name="bin", runtime="lua", code=code, permissions=frozenset({"kv", "log"})))
+    caplog.set_level("INFO", logger="plugins.guest")
+    assert loaded.call("t", {"args": ""}) == ("kv_set: argument 2 is not valid UTF-8 text; send text, or encode "
+                                              "binary data (hex, base64)")
+    assert "[bin] bytes ?? here ??" in caplog.text  # (its non-ASCII bytes, the valid ones too, become "?")
