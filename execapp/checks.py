@@ -53,6 +53,7 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     errors += _inline_timeout_checks()
     errors += _watchdog_checks()
     errors += _frame_depth_checks()
+    errors += _decode_share_checks()
     errors += _env_checks()
     errors += _history_checks()
     errors += _duration_bucket_checks()
@@ -153,6 +154,17 @@ def _duration_bucket_checks() -> list[checks.CheckMessage]:
 #: Python's JSON decoder and copy.deepcopy recurse once per level; past a few hundred a frame can
 #: exhaust the interpreter's recursion limit (1000) on its way to a handler.
 _SAFE_FRAME_DEPTH = 200
+
+
+def _decode_share_checks() -> list[checks.CheckMessage]:
+    """DECODE_SHARE_PER_OWNER: a fraction of one event loop, in (0, 1]."""
+    value = conf.get("DECODE_SHARE_PER_OWNER")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1:
+        return []
+    return [checks.Error(f"EXECAPP['DECODE_SHARE_PER_OWNER'] is {value!r}{_from('DECODE_SHARE_PER_OWNER')}, it must "
+                         "be a fraction of one event loop above 0 and at most 1",
+                         hint=f"Set it to a number like 0.25 (the default: {conf.DEFAULTS['DECODE_SHARE_PER_OWNER']}); "
+                         "1 lets one owner's frames take the whole loop.", id="execapp.E042")]
 
 
 def _frame_depth_checks() -> list[checks.CheckMessage]:

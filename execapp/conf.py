@@ -36,6 +36,12 @@ DEFAULTS: dict[str, Any] = {
     # tenant's connection flood (each holds buffers, an outbox and its sessions' fan-out) cannot
     # take the worker's memory and file descriptors from the others.
     "MAX_CONNECTIONS_PER_OWNER": 1000,
+    # The share of one worker's event loop one owner's frames may spend being decoded (a fraction
+    # in (0, 1]; execapp/loop_share.py). A 64 KB frame of nested arrays takes ~10 ms to decode:
+    # past its share an owner's connections stop reading until it refills (TCP backpressure on
+    # that client), so one tenant's frames cannot hold the loop every connection shares. A
+    # single-tenant deployment whose one owner sends heavy frames at high rates may raise it.
+    "DECODE_SHARE_PER_OWNER": 0.25,
     # Deepest nesting of arrays/objects in a frame (the event object is level 1), checked before
     # the JSON decoder runs: deeper frames get "too_deep" (docs/protocol.md).
     "MAX_FRAME_DEPTH": 32,

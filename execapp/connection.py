@@ -10,6 +10,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
+from time import monotonic
 from typing import Any, Awaitable, Callable, Coroutine, Protocol
 
 from . import extensions, history, metrics, resend
@@ -17,6 +18,7 @@ from .codes import ERROR, OK
 from .engine import Completion, Event
 from .engine.event import EventRun, Outcome, OutcomeCallback
 from .engine.ratelog import RateLimitedLog
+from .loop_share import LoopShare
 from .outbox import Outbox, OutboxLimits, text_size
 from .protocol import (
     MAX_SESSIONS_PER_CONNECTION,
@@ -71,7 +73,7 @@ class Connection:
     def __init__(self, engine: Dispatcher, worker: Admission, limits: Limits, send: Callable[[str], Awaitable[None]],
                  publish: Callable[[str, str], Awaitable[None]] | None = None,
                  join: Callable[[str], Awaitable[None]] | None = None, owner: str | None = None,
-                 outbox_limits: OutboxLimits | None = None) -> None:
+                 outbox_limits: OutboxLimits | None = None, decode_share: LoopShare | None = None) -> None:
         if (publish is not None or join is not None) and not owner:
             raise ValueError("a Connection with session groups needs its owner (e.g. 'tenant:acme'): group names "
                              "are namespaced by owner")
@@ -92,6 +94,9 @@ class Connection:
         self.group_outbox = (Outbox(self._publish_one, "execapp-ws-group", warn=True, limits=bounds)
                              if publish is not None else None)
         self._join = join
+        #: The loop time this connection's owner may spend decoding frames (execapp.loop_share;
+        #: shared by the owner's connections on this worker); None: not limited.
+        self._decode_share = decode_share
         self.sessions: set[str] = set()
         #: event id -> its session (None without one), from acceptance until its done is queued.
         self.in_flight: dict[str, str | None] = {}
@@ -118,8 +123,20 @@ class Connection:
                 await self.outbox.wait_room()
             if self.group_outbox is not None and self.group_outbox.full:
                 await self.group_outbox.wait_room()
+            # The owner spent its share of the loop on decoding: stop reading until it refilled.
+            share = self._decode_share
+            if share is not None and share.level < 0 and share.owed:
+                metrics.LOOP_SHARE_WAITS.inc()
+                await share.wait()
             try:
-                event, resend_ = parse_request(text, data, self.limits)
+                if share is not None:
+                    started = monotonic()
+                    try:
+                        event, resend_ = parse_request(text, data, self.limits)
+                    finally:  # a refused frame cost its decoding too
+                        share.spend_since(started)
+                else:
+                    event, resend_ = parse_request(text, data, self.limits)
                 if len(self.in_flight) >= self.limits.max_in_flight:
                     raise ProtocolError("rate_limited", f"this connection has {len(self.in_flight)} events in flight, "
                                                         f"the limit is {self.limits.max_in_flight} (EXECAPP["

@@ -56,6 +56,9 @@ HANDLER_DURATION = Histogram("execapp_handler_duration_seconds", "Handler run ti
 HANDLER_RUNS = Counter("execapp_handler_runs_total", "Handler runs by outcome (ok, handler_error, timeout, "
                        "overloaded).", ["outcome"])
 EVENTS = Counter("execapp_events_total", "Events by the terminal outcome their client was told.", ["outcome"])
+LOOP_SHARE_WAITS = Counter("execapp_loop_share_waits_total", "Times a connection stopped reading its frames because "
+                           "its owner had spent its share of the event loop on decoding them "
+                           "(EXECAPP['DECODE_SHARE_PER_OWNER']).")
 EVENTS_DISPATCHED = Counter("execapp_events_dispatched_total", "Events handed to an engine.")
 PROMOTIONS = Counter("execapp_profile_promotions_total", "Matchers promoted to the pool.", ["matcher"])
 DEMOTIONS = Counter("execapp_profile_demotions_total", "Matchers demoted to inline.", ["matcher"])

@@ -13,6 +13,7 @@ from typing import Any
 
 from . import conf, extensions
 from .engine import Engine, ExecPool, ExecProfile
+from .loop_share import LoopShare
 from .seams import Service, ServiceFactory
 from .watchdog_worker import WorkerWatch
 
@@ -79,6 +80,7 @@ class Worker:
         self.draining = False
         #: Open WebSocket connections by owner (connection_opened / connection_closed).
         self._connections: dict[str, int] = {}
+        self._decode_shares: dict[str, LoopShare] = {}
         #: Set once this worker asked its supervisor for a replacement (too many stuck pool threads).
         self.recycling = False
         # Under the execapp.serve supervisor: this process's watchdog slot. The engine marks every
@@ -161,6 +163,15 @@ class Worker:
             self._connections[owner] = n
         else:
             self._connections.pop(owner, None)
+            self._decode_shares.pop(owner, None)
+
+    def decode_share(self, owner: str, share: float) -> LoopShare:
+        """The share of this worker's loop ``owner``'s connections spend on decoding frames, one for
+        all of them (event loop; dropped with the owner's last connection)."""
+        found = self._decode_shares.get(owner)
+        if found is None:
+            found = self._decode_shares[owner] = LoopShare(share)
+        return found
 
     def begin_event(self) -> bool:
         """Admit one event (True: now counted in flight) or refuse it (False: draining, reply `draining`)."""

@@ -1,0 +1,148 @@
+"""An owner's share of the event loop for decoding its frames (execapp.loop_share): spent by each
+frame's decoding, refilled at the share's rate, and once overspent the owner's connections wait
+before their next frame is read, while other owners' are read as before."""
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from typing import Any
+
+import pytest
+
+from execapp import loop_share
+from execapp.connection import Connection
+from execapp.engine import Engine
+from execapp.loop_share import LoopShare
+from execapp.protocol import Limits, parse_request
+
+from .ws_fixtures import Admission, channel_layer, ws_worker  # noqa: F401
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(loop_share.time, "monotonic", c)
+    return c
+
+
+def test_a_share_refills_at_its_rate_up_to_its_burst(clock: Clock) -> None:
+    share = LoopShare(0.25)  # 0.25 s of loop time per second, at most 0.25 s banked
+    share.spend_since(clock.now - 0.2)  # a 0.2 s decode
+    assert share.level == pytest.approx(0.05) and not share.owed
+    share.spend_since(clock.now - 0.1)
+    assert share.level == pytest.approx(-0.05) and share.owed
+    clock.now += 0.1  # 0.025 s back
+    assert share.owed
+    clock.now += 0.11  # repaid
+    assert not share.owed
+    clock.now += 100  # idle for long: no more than the burst is banked
+    share.spend_since(clock.now)
+    assert share.level == pytest.approx(0.25)
+
+
+def test_a_share_waits_for_what_was_overspent_at_its_rate(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock.now += seconds
+
+    monkeypatch.setattr(loop_share.asyncio, "sleep", sleep)
+    share = LoopShare(0.1)
+    share.spend_since(clock.now - 0.3)  # 0.2 s past the 0.1 s banked: 2 s at 0.1 s per second
+    asyncio.run(share.wait())
+    assert slept == [pytest.approx(2.0)] and share.throttled == 1 and not share.owed
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_a_share_is_a_fraction_of_one_loop(share: float) -> None:
+    with pytest.raises(ValueError, match="fraction of one event loop"):
+        LoopShare(share)
+
+
+def _heavy(i: int) -> str:
+    """A 59 KB frame of nested arrays, within the depth limit: the costliest kind to decode."""
+    groups = ",".join(["[" * 28 + "]" * 28] * 1000)
+    return '{"id":"h%d","type":"message","text":"/ping","data":{"a":[%s]}}' % (i, groups)
+
+
+async def test_an_owner_past_its_decode_share_is_read_no_faster_than_the_share_allows() -> None:
+    engine = Engine(pool_enabled=False)
+    engine.add(engine.make_matcher("command", "ping", lambda ctx: "pong", plugin="test"))
+    frames = [_heavy(i) for i in range(400)]
+    # What one frame costs here (median of 5): the bound below is in frames, from this.
+    costs = []
+    for frame in frames[:5]:
+        started = time.perf_counter()
+        parse_request(frame, None, Limits())
+        costs.append(time.perf_counter() - started)
+    cost = statistics.median(costs)
+    share = LoopShare(0.05)
+    sent: list[str] = []
+
+    async def send(text: str) -> None:
+        sent.append(text)
+
+    conn = Connection(engine, Admission(), Limits(), send, owner="tenant:heavy", decode_share=share)
+
+    async def feed() -> int:
+        n = 0
+        for frame in frames:
+            await conn.receive(frame)
+            n += 1
+        return n
+
+    window = 1.0
+    reading = asyncio.ensure_future(feed())
+    started = time.monotonic()
+    # Another owner's connection is read meanwhile, each frame at once (its own share is untouched).
+    calm_sent: list[str] = []
+
+    async def calm_send(text: str) -> None:
+        calm_sent.append(text)
+
+    calm = Connection(engine, Admission(), Limits(), calm_send, owner="tenant:calm", decode_share=LoopShare(0.05))
+    for i in range(5):
+        await asyncio.wait_for(calm.receive(json.dumps({"id": f"c{i}", "text": "/ping"})), 5.0)
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(max(0.0, window - (time.monotonic() - started)))
+    elapsed = time.monotonic() - started
+    read = len({json.loads(f)["id"] for f in sent if json.loads(f).get("type") == "done"})
+    reading.cancel()
+    conn.close()
+    calm.close()
+    await asyncio.sleep(0.05)
+    # Its burst (0.05 s) plus 0.05 s per second of decoding, and the frame that overspent it;
+    # unthrottled it would have read elapsed / cost frames (~10x as many).
+    allowed = (share.capacity + elapsed * share.share) / cost + 2
+    assert share.throttled >= 1
+    assert read <= 1.5 * allowed, (read, allowed, cost)
+    assert read < elapsed / cost / 3, (read, elapsed, cost)  # far from what the loop could have decoded
+    assert sum(json.loads(f).get("type") == "done" for f in calm_sent) == 5
+
+
+@pytest.mark.parametrize("channel_layer", ["memory"], indirect=True)
+def test_one_owner_s_connections_share_one_decode_share_dropped_with_the_last(channel_layer: str,
+                                                                            ws_worker: Any) -> None:
+    worker = ws_worker
+    assert worker.connection_opened("tenant:a", 10) and worker.connection_opened("tenant:a", 10)
+    assert worker.connection_opened("tenant:b", 10)
+    a = worker.decode_share("tenant:a", 0.25)
+    assert worker.decode_share("tenant:a", 0.25) is a and worker.decode_share("tenant:b", 0.25) is not a
+    worker.connection_closed("tenant:a")
+    assert worker.decode_share("tenant:a", 0.25) is a  # one connection of the owner is still open
+    worker.connection_closed("tenant:a")
+    assert worker.decode_share("tenant:a", 0.25) is not a  # a fresh one for its next connection
+    worker.connection_closed("tenant:b")
