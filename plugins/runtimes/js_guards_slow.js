@@ -125,6 +125,16 @@ return {
     for (let k = 0; k < n; k++) put(copy, k, r[k]);
     return copy;
   },
+  // An array-like as a genuine array, its length read once and each element once, in order,
+  // from this (polled) loop. Past MAX_LENGTH it is refused (the natives take at most 65,535
+  // arguments or allocate per element: none of them gets that far).
+  list(o) {
+    const n = toLength(o.length);
+    if (n > MAX_LENGTH) throw tooLong("a list (an argument list or an array-like source)", n);
+    const a = [];
+    for (let k = 0; k < n; k++) put(a, k, o[k]);
+    return a;
+  },
   // Math.sumPrecise's argument, with its iterator stepped in bytecode (`stepped`); a value that is
   // not iterable is handed on for the native to refuse as it would.
   iterable(items, stepped) {

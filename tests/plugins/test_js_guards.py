@@ -42,6 +42,26 @@ ESCAPES = {  # each ran for minutes (natively, with no interrupt poll) before it
     "a RegExp's long literal, match": LONG_PATTERN + "s.match(n)",
     "a RegExp's long literal, replace": LONG_PATTERN + "s.replace(new RegExp(n, 'g'), 'x')",
     "String.raw": "String.raw({raw: {length: 2 ** 31}})",
+    # each hole or missing index looked up along a deep prototype chain, in C
+    **{f"deep prototype chain: {name}": "let p = " + proto + "; for (let i = 0; i < 30000; i++) p = Object.create(p);"
+       + source + expr for name, (proto, source, expr) in {
+           "slice": ("Array.prototype", "const a = []; a.length = 4e6; Object.setPrototypeOf(a, p);", "a.slice()"),
+           "reverse": ("Array.prototype", "const a = []; a.length = 4e6; Object.setPrototypeOf(a, p);", "a.reverse()"),
+           "Array.prototype's own": ("Object.prototype", "Object.setPrototypeOf(Array.prototype, p); const a = [];"
+                                     " a.length = 4e6;", "a.slice()"),
+           "apply": ("Array.prototype", "const a = []; a.length = 65000; Object.setPrototypeOf(a, p);",
+                     "Math.max.apply(null, a)"),
+           "Reflect.apply of an array-like": ("{}", "const a = Object.create(p); a.length = 65000;",
+                                              "Reflect.apply(Math.max, null, a)"),
+           "spread": ("Array.prototype", "const a = []; a.length = 2e5; Object.setPrototypeOf(a, p);", "[...a]"),
+           "Array.from": ("Array.prototype", "const a = []; a.length = 2e5; Object.setPrototypeOf(a, p);",
+                          "Array.from(a)"),
+           "Array.from of an array-like": ("{}", "const a = Object.create(p); a.length = 2e5;", "Array.from(a)"),
+           "a typed array of an array-like": ("{}", "const a = Object.create(p); a.length = 4e6;",
+                                              "new Uint8Array(a)"),
+           "a typed array of an array": ("Array.prototype", "const a = []; a.length = 4e6; Object.setPrototypeOf(a, p);",
+                                         "new Uint8Array(a)"),
+       }.items()},
     # C loops that drive a built-in iterator (QuickJS calls its next without a call, no poll)
     "Iterator includes": "const a = []; a.length = 2 ** 32 - 1; a.values().includes(1)",
     "Iterator join": "const a = []; a.length = 2 ** 32 - 1; a.values().join('')",
@@ -164,6 +184,30 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     "(() => { try { new Set().union(null); } catch (e) { return e.name; } })()",
     "(() => { try { new Set([1, 2]).union({size: 0, has() {}, keys: () => 5}); } catch (e) { return e.name; } })()",
     "Set.prototype.union.name + Set.prototype.isDisjointFrom.name",
+    "Math.max.apply(null, [1, 5, 3])", "Math.max.apply(null, {length: 2, 0: 4, 1: 9})",
+    "(function () { return Array.prototype.join.apply(arguments, ['-']); })(1, 2)",
+    "(() => { try { Math.max.apply(null, 5); } catch (e) { return e.name; } })()", "Math.max.apply(null, null)",
+    "Reflect.apply(Math.min, null, {length: 3, 0: 3, 1: 1, 2: 2})", "Reflect.construct(Array, [3]).length",
+    "(() => { function F() { this.t = new.target === F; } const o = Reflect.construct(Date, [0], F);"
+    " return [o instanceof F, Reflect.construct(F, []).t]; })()",
+    "[...[1, , 3]]", "[...'ab']", "Array.from({length: 3, 1: 'x'})", "Array.from([1, 2], x => x * 2)",
+    "Array.from(new Set([1, 1, 2]))", "(() => { class A extends Array {} return A.from([1]) instanceof A; })()",
+    "[...[1, 2].entries()]", "[...[7, 8].keys()]", "Array.prototype[Symbol.iterator] === Array.prototype.values",
+    "(() => { const a = [1, 2]; Object.setPrototypeOf(a, Object.create(Array.prototype)); return [...a, ...a.entries()]; })()",
+    "[...Array.prototype.values.call({length: 2, 0: 'a'})]",
+    "Array.from(new Uint8Array([1, 2, 300]))", "new Uint8Array({length: 3, 0: 7, 2: 9})", "new Int16Array([1, 2])",
+    "new Float64Array(new Set([1.5]))", "new Uint8Array(new ArrayBuffer(8), 2, 3).length",
+    "Uint8Array.from({length: 2, 0: 1})", "Float32Array.of(1, 2)",
+    "(() => { const u = new Uint8Array(4); u.set({length: 2, 0: 5, 1: 6}, 1); u.set([9]); return u; })()",
+    "[Uint8Array.name, Uint8Array.length, Uint8Array.BYTES_PER_ELEMENT, BigInt64Array.BYTES_PER_ELEMENT]",
+    "[new Uint8Array(2) instanceof Uint8Array, new Uint8Array(2).constructor === Uint8Array,"
+    " Object.getPrototypeOf(Uint8Array) === Object.getPrototypeOf(Int8Array)]",
+    "(() => { class X extends Uint8Array {} const x = new X([1, 2, 3]);"
+    " return [x instanceof X, x.length, x.subarray(1) instanceof X, x.map(v => v * 2) instanceof X]; })()",
+    "(() => { try { Uint8Array(2); } catch (e) { return e.name; } })()",
+    "(() => { try { new Uint8Array(-1); } catch (e) { return e.name; } })()",
+    "Object.keys(Object.getOwnPropertyDescriptor(globalThis, 'Uint8Array')).join()",
+    "new BigInt64Array([1n, 2n]).join()",
     "/a+(b)/.exec('caab')", "[...'a1b2'.matchAll(/\\d/g)].map(m => m[0] + m.index)", "/x/y.test('ax')",
     "(() => { const r = /a/g; r.exec('aa'); return [r.lastIndex, r.exec('aa').index, r.lastIndex]; })()",
 ])
