@@ -46,7 +46,8 @@
   // String.prototype.slice, say, could hand a native search the whole string again.
   const slow = () => slowPaths ??= NativeFunction("c", __GUARDS_SLOW__)({
     apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
-    sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong});
+    sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, ownKeys: Reflect.ownKeys,
+    getOwnDescriptor: Reflect.getOwnPropertyDescriptor, ITERATOR: Symbol.iterator});
 
   // -- Array.prototype: its methods walk `length` in C (`a.length = 2**31; a.join()`, indexOf,
   // fill, sort, forEach over holes... ran for minutes). Each refuses a length past MAX_LENGTH,
@@ -135,6 +136,9 @@
   // any other list is copied into one in bytecode (polled), and an array iterator over anything
   // else is stepped like the iterators above.
   if (typeof nativeMap === "function") {
+    // (Everything these call later is captured here: a guest's own Symbol or ArrayBuffer.isView
+    // could otherwise pass a list to the native unchecked.)
+    const ITER = Symbol.iterator, isView = ArrayBuffer.isView;
     const list = (v) => v === null || typeof v !== "object" || genuine(v) ? v : slow().list(v);
     const nFnApply = Function.prototype.apply, nConstruct = Reflect.construct, nFrom = Array.from;
     assign(Function.prototype, {apply(thisArg, args) { return apply(nFnApply, this, [thisArg, list(args)]); }});
@@ -146,27 +150,40 @@
     });
     const nValues = AP.values, nEntries = AP.entries;
     const values = {values() { const it = apply(nValues, this, []); return genuine(this) ? it : stepped(it); }}.values;
-    assign(AP, {values, [Symbol.iterator]: values,
+    assign(AP, {values, [ITER]: values,
                 entries() { const it = apply(nEntries, this, []); return genuine(this) ? it : stepped(it); }});
     // An array-like without an iterator is read by index; one with an iterator goes through it.
-    const source = (v) => v === null || typeof v !== "object" || genuine(v) || typeof v[Symbol.iterator] === "function"
+    const source = (v) => v === null || typeof v !== "object" || genuine(v) || typeof v[ITER] === "function"
       ? v : slow().list(v);
     assign(Array, {from(items, ...rest) { return apply(nFrom, this, [source(items), ...rest]); }});
     const TA = getProto(Int8Array), nTAFrom = TA.from, nSet = TA.prototype.set;
     assign(TA, {from(items, ...rest) { return apply(nTAFrom, this, [source(items), ...rest]); }});
     assign(TA.prototype, {set(items, ...rest) {
-      return apply(nSet, this, [ArrayBuffer.isView(items) ? items : source(items), ...rest]);
+      return apply(nSet, this, [isView(items) ? items : source(items), ...rest]);
     }});
+    // Property descriptors are read field by field (enumerable, configurable, value, writable,
+    // get, set: each a lookup along the descriptor's chain) for every property at once: with a
+    // 30,000-deep chain behind one descriptor used for 50,000 keys, Object.defineProperties ran
+    // for minutes. They are read in bytecode, in the native's order, into plain descriptors.
+    const nDefineProps = Object.defineProperties, nCreate = Object.create;
+    assign(Object, {
+      defineProperties(o, props) { return nDefineProps(o, slow().descriptors(props)); },
+      create(proto, props) { return props === undefined ? nCreate(proto) : nCreate(proto, slow().descriptors(props)); },
+    });
     // The typed array constructors read an array-like first argument by index too: each is
     // replaced by one that copies such an argument first (a buffer, a view, an iterable or a
     // genuine array goes to the native as it is), with the same prototype, statics and
     // subclassing. Made in every Context: ~30 us of a per_request call (accessors that would
     // make them at first use cost as much).
-    const isView = ArrayBuffer.isView, byteLengths = [ArrayBuffer, g.SharedArrayBuffer].map((B) =>
+    const byteLengths = [ArrayBuffer, g.SharedArrayBuffer].map((B) =>
       typeof B === "function" ? Reflect.getOwnPropertyDescriptor(B.prototype, "byteLength").get : null);
-    const isBuffer = (v) => byteLengths.some((get) => {
-      try { return get !== null && (apply(get, v, []), true); } catch (_) { return false; }
-    });
+    const isBuffer = (v) => {  // (no method calls: Array.prototype.some is the guest's by then)
+      for (let i = 0; i < 2; i++) {
+        const get = byteLengths[i];
+        try { if (get !== null) { apply(get, v, []); return true; } } catch (_) { /* not this kind */ }
+      }
+      return false;
+    };
     for (const N of [Int8Array, Uint8Array, Uint8ClampedArray, Int16Array, Uint16Array, Int32Array, Uint32Array,
                      g.Float16Array, Float32Array, Float64Array, g.BigInt64Array, g.BigUint64Array]) {
       if (typeof N !== "function") continue;

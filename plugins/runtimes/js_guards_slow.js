@@ -4,7 +4,9 @@
 // the prelude is read and run in each new Context). `c` holds the intrinsics the prelude
 // captured before any guest code ran; it returns the implementations.
 const {apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
-       sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong} = c;
+       sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, ownKeys, getOwnDescriptor,
+       ITERATOR} = c;
+const FIELDS = ["enumerable", "configurable", "value", "writable", "get", "set"];
 // CreateDataProperty: a plain `a[i] = v` would call a setter the guest put on Array.prototype.
 const put = (a, k, v) => {
   if (!defineProp(a, k, {value: v, writable: true, enumerable: true, configurable: true}))
@@ -135,13 +137,32 @@ return {
     for (let k = 0; k < n; k++) put(a, k, o[k]);
     return a;
   },
+  // Object.defineProperties' (and Object.create's) properties object as one whose descriptors
+  // are plain objects with no prototype: read here as ToPropertyDescriptor reads them (own
+  // enumerable keys in order, then each descriptor's fields, `in` before each read). What is
+  // not an object is handed on for the native to refuse as it would.
+  descriptors(props) {
+    if (props === null || (typeof props !== "object" && typeof props !== "function")) return props;
+    // Index loops: `for...of` would call Array.prototype[Symbol.iterator], the guest's by now.
+    const out = {__proto__: null}, keys = ownKeys(props);
+    for (let i = 0; i < keys.length; i++) {
+      const k = keys[i], own = getOwnDescriptor(props, k);
+      if (own === undefined || !own.enumerable) continue;
+      const d = props[k];
+      if (d === null || (typeof d !== "object" && typeof d !== "function")) { out[k] = d; continue; }
+      const desc = {__proto__: null};
+      for (let j = 0; j < FIELDS.length; j++) if (FIELDS[j] in d) desc[FIELDS[j]] = d[FIELDS[j]];
+      out[k] = desc;
+    }
+    return out;
+  },
   // Math.sumPrecise's argument, with its iterator stepped in bytecode (`stepped`); a value that is
   // not iterable is handed on for the native to refuse as it would.
   iterable(items, stepped) {
     if (items == null) return items;
-    const f = items[Symbol.iterator];
+    const f = items[ITERATOR];
     if (typeof f !== "function") return items;
-    return {[Symbol.iterator]() {
+    return {[ITERATOR]() {
       const it = apply(f, items, []);
       return it !== null && typeof it === "object" ? stepped(it) : it;
     }};

@@ -59,8 +59,19 @@ ESCAPES = {  # each ran for minutes (natively, with no interrupt poll) before it
            "Array.from of an array-like": ("{}", "const a = Object.create(p); a.length = 2e5;", "Array.from(a)"),
            "a typed array of an array-like": ("{}", "const a = Object.create(p); a.length = 4e6;",
                                               "new Uint8Array(a)"),
-           "a typed array of an array": ("Array.prototype", "const a = []; a.length = 4e6; Object.setPrototypeOf(a, p);",
+           "a typed array of an array": ("Array.prototype",
+                                         "const a = []; a.length = 4e6; Object.setPrototypeOf(a, p);",
                                          "new Uint8Array(a)"),
+           # the guards call nothing the guest may have replaced by then
+           "a typed array's set, with the guest's own isView and some": (
+               "{}", "ArrayBuffer.isView = () => true; Array.prototype.some = () => true; Symbol.iterator = 'x';"
+                     " const a = Object.create(p); a.length = 4e6;", "new Uint8Array(4e6).set(a); new Uint8Array(a)"),
+           "Object.defineProperties": ("{}", "const d = Object.create(p), props = {};"
+                                       " for (let i = 0; i < 5e4; i++) props['k' + i] = d;",
+                                       "Object.defineProperties({}, props)"),
+           "Object.create's properties": ("{}", "const d = Object.create(p), props = {};"
+                                          " for (let i = 0; i < 5e4; i++) props['k' + i] = d;",
+                                          "Object.create(null, props)"),
        }.items()},
     # C loops that drive a built-in iterator (QuickJS calls its next without a call, no poll)
     "Iterator includes": "const a = []; a.length = 2 ** 32 - 1; a.values().includes(1)",
@@ -193,7 +204,8 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     "[...[1, , 3]]", "[...'ab']", "Array.from({length: 3, 1: 'x'})", "Array.from([1, 2], x => x * 2)",
     "Array.from(new Set([1, 1, 2]))", "(() => { class A extends Array {} return A.from([1]) instanceof A; })()",
     "[...[1, 2].entries()]", "[...[7, 8].keys()]", "Array.prototype[Symbol.iterator] === Array.prototype.values",
-    "(() => { const a = [1, 2]; Object.setPrototypeOf(a, Object.create(Array.prototype)); return [...a, ...a.entries()]; })()",
+    "(() => { const a = [1, 2]; Object.setPrototypeOf(a, Object.create(Array.prototype));"
+    " return [...a, ...a.entries()]; })()",
     "[...Array.prototype.values.call({length: 2, 0: 'a'})]",
     "Array.from(new Uint8Array([1, 2, 300]))", "new Uint8Array({length: 3, 0: 7, 2: 9})", "new Int16Array([1, 2])",
     "new Float64Array(new Set([1.5]))", "new Uint8Array(new ArrayBuffer(8), 2, 3).length",
@@ -208,6 +220,19 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     "(() => { try { new Uint8Array(-1); } catch (e) { return e.name; } })()",
     "Object.keys(Object.getOwnPropertyDescriptor(globalThis, 'Uint8Array')).join()",
     "new BigInt64Array([1n, 2n]).join()",
+    "(() => { const o = Object.defineProperties({}, {a: {value: 1, enumerable: true}, b: {get() { return 2; }},"
+    " [Symbol.for('s')]: {value: 3}, 1: {value: 4, writable: true}}); return [o.a, o.b, o[Symbol.for('s')], o[1],"
+    " Object.keys(o), JSON.stringify(Object.getOwnPropertyDescriptors(o))]; })()",
+    "(() => { const seen = []; const d = new Proxy({value: 1, writable: true}, {has: (t, k) => (seen.push('has ' +"
+    " String(k)), k in t), get: (t, k) => (seen.push('get ' + String(k)), t[k])});"
+    " Object.defineProperties({}, {x: d}); return seen; })()",
+    "(() => { try { Object.defineProperties({}, {x: {get: 1}}); } catch (e) { return e.name; } })()",
+    "(() => { try { Object.defineProperties({}, {x: 5}); } catch (e) { return e.name; } })()",
+    "(() => { try { Object.defineProperties({}, null); } catch (e) { return e.name; } })()",
+    "(() => { const o = Object.create({p: 1}, {own: {value: 2, enumerable: true}}); return [o.p, o.own,"
+    " Object.keys(o)]; })()", "Object.getPrototypeOf(Object.create(null)) === null",
+    "(() => { try { Object.create(5); } catch (e) { return e.name; } })()",
+    "Object.defineProperties({}, Object.create({inherited: {value: 1}}))",
     "/a+(b)/.exec('caab')", "[...'a1b2'.matchAll(/\\d/g)].map(m => m[0] + m.index)", "/x/y.test('ax')",
     "(() => { const r = /a/g; r.exec('aa'); return [r.lastIndex, r.exec('aa').index, r.lastIndex]; })()",
 ])
