@@ -33,20 +33,24 @@
     apply(addProxy, proxies, [r.proxy]);
     return r;
   };
-  // ... and whose holes the natives look up in Array.prototype and Object.prototype only: a hole
-  // is looked up along the prototype chain in C, with no poll, so a sparse array whose chain is
-  // 1,000 objects deep made `a.slice()` of 4M holes 4 billion steps (it ran for minutes). Such an
-  // array (or any array, once Array.prototype's own prototype is changed) takes the view path.
-  const getProto = Object.getPrototypeOf, OP = Object.prototype;
-  const genuine = (o) => isArray(o) && !apply(isProxy, proxies, [o]) && getProto(o) === AP &&
-                         getProto(AP) === OP;
+  // ... and whose prototype chain is short: a hole is looked up (and a write looks for a setter)
+  // along the chain in C, with no poll, so a sparse array whose chain is 1,000 objects deep made
+  // `a.slice()` of 4M holes 4 billion steps (it ran for minutes). An array with a longer chain
+  // (or any array, once Array.prototype's own chain is made longer) takes the view path.
+  const getProto = Object.getPrototypeOf, SHORT_CHAIN = 8;
+  const shallow = (o) => {  // at most SHORT_CHAIN prototypes behind o (o itself is no proxy)
+    for (let i = 0; i <= SHORT_CHAIN && o !== null; i++) o = getProto(o);
+    return o === null;
+  };
+  const genuine = (o) => isArray(o) && !apply(isProxy, proxies, [o]) && shallow(o);
 
   let slowPaths = null;
   // Everything the slow paths use was captured above, before any guest code: a guest's own
   // String.prototype.slice, say, could hand a native search the whole string again.
   const slow = () => slowPaths ??= NativeFunction("c", __GUARDS_SLOW__)({
     apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
-    sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, ownKeys: Reflect.ownKeys,
+    sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet: Reflect.set,
+    ownKeys: Reflect.ownKeys,
     getOwnDescriptor: Reflect.getOwnPropertyDescriptor, ITERATOR: Symbol.iterator});
 
   // -- Array.prototype: its methods walk `length` in C (`a.length = 2**31; a.join()`, indexOf,
@@ -169,6 +173,11 @@
     assign(Object, {
       defineProperties(o, props) { return nDefineProps(o, slow().descriptors(props)); },
       create(proto, props) { return props === undefined ? nCreate(proto) : nCreate(proto, slow().descriptors(props)); },
+      // Each key written looks for a setter along the target's chain: a deep one, in bytecode.
+      assign(target, ...sources) {
+        return target !== null && typeof target === "object" && !apply(isProxy, proxies, [target]) && !shallow(target)
+          ? slow().assign(target, sources) : apply(assign, Object, arguments);
+      },
     });
     // The typed array constructors read an array-like first argument by index too: each is
     // replaced by one that copies such an argument first (a buffer, a view, an iterable or a

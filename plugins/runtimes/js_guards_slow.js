@@ -4,8 +4,8 @@
 // the prelude is read and run in each new Context). `c` holds the intrinsics the prelude
 // captured before any guest code ran; it returns the implementations.
 const {apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
-       sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, ownKeys, getOwnDescriptor,
-       ITERATOR} = c;
+       sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
+       getOwnDescriptor, ITERATOR} = c;
 const FIELDS = ["enumerable", "configurable", "value", "writable", "get", "set"];
 // CreateDataProperty: a plain `a[i] = v` would call a setter the guest put on Array.prototype.
 const put = (a, k, v) => {
@@ -56,7 +56,10 @@ return {
   view(native, self, args, name) {
     const o = toObject(self), n = toLength(o.length);
     if (n > MAX_LENGTH) throw tooLong("Array.prototype." + name, n);
-    const v = new NativeProxy(o, {get: (t, k) => k === "length" ? n : reflectGet(t, k, t)});
+    // Every read, presence check and write goes through a trap (a polled call): each may walk a
+    // long prototype chain in C, once.
+    const v = new NativeProxy(o, {get: (t, k) => k === "length" ? n : reflectGet(t, k, t), has: (t, k) => k in t,
+                                  set: (t, k, value) => reflectSet(t, k, value, t)});
     const r = apply(native, v, args);
     return r === v ? o : r;
   },
@@ -155,6 +158,22 @@ return {
       out[k] = desc;
     }
     return out;
+  },
+  // Object.assign onto a target with a long prototype chain: each source's own enumerable
+  // properties copied one by one from this (polled) loop, each by the native onto the target.
+  assign(target, sources) {
+    for (let i = 0; i < sources.length; i++) {
+      const s = sources[i];
+      if (s == null) continue;
+      const from = toObject(s), keys = ownKeys(from);
+      for (let j = 0; j < keys.length; j++) {
+        const k = keys[j], own = getOwnDescriptor(from, k);
+        if (own !== undefined && own.enumerable && !reflectSet(target, k, from[k], target))
+          throw new TypeError("Object.assign: cannot assign to read only property " +
+                              (typeof k === "symbol" ? "(a symbol)" : "'" + k + "'"));
+      }
+    }
+    return target;
   },
   // Math.sumPrecise's argument, with its iterator stepped in bytecode (`stepped`); a value that is
   // not iterable is handed on for the native to refuse as it would.

@@ -66,6 +66,8 @@ ESCAPES = {  # each ran for minutes (natively, with no interrupt poll) before it
            "a typed array's set, with the guest's own isView and some": (
                "{}", "ArrayBuffer.isView = () => true; Array.prototype.some = () => true; Symbol.iterator = 'x';"
                      " const a = Object.create(p); a.length = 4e6;", "new Uint8Array(4e6).set(a); new Uint8Array(a)"),
+           "Object.assign onto it": ("{}", "const t = Object.create(p), src = {};"
+                                     " for (let i = 0; i < 5e4; i++) src['k' + i] = 1;", "Object.assign(t, src)"),
            "Object.defineProperties": ("{}", "const d = Object.create(p), props = {};"
                                        " for (let i = 0; i < 5e4; i++) props['k' + i] = d;",
                                        "Object.defineProperties({}, props)"),
@@ -220,6 +222,16 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     "(() => { try { new Uint8Array(-1); } catch (e) { return e.name; } })()",
     "Object.keys(Object.getOwnPropertyDescriptor(globalThis, 'Uint8Array')).join()",
     "new BigInt64Array([1n, 2n]).join()",
+    "Object.assign({a: 1}, {b: 2}, null, 'xy', {[Symbol.for('s')]: 3})",
+    "(() => { let p = {}; for (let i = 0; i < 20; i++) p = Object.create(p); const t = Object.create(p);"
+    " Object.assign(t, {a: 1}, {b: 2, a: 3}); return [t.a, t.b, Object.keys(t)]; })()",
+    "(() => { let p = {set x(v) { this.seen = v * 2; }}; for (let i = 0; i < 20; i++) p = Object.create(p);"
+    " const t = Object.create(p); Object.assign(t, {x: 21}); return [t.seen, Object.keys(t)]; })()",
+    "(() => { let p = Object.freeze({ro: 1}); for (let i = 0; i < 20; i++) p = Object.create(p);"
+    " try { Object.assign(Object.create(p), {ro: 2}); } catch (e) { return e.name; } })()",
+    "(() => { let p = Array.prototype; for (let i = 0; i < 20; i++) p = Object.create(p); const a = [3, , 1];"
+    " Object.setPrototypeOf(a, p); return [a.slice(), a.indexOf(1), a.includes(undefined), a.join('-'),"
+    " a.fill(7, 1, 2), a.reverse(), [...a], Array.from(a)]; })()",
     "(() => { const o = Object.defineProperties({}, {a: {value: 1, enumerable: true}, b: {get() { return 2; }},"
     " [Symbol.for('s')]: {value: 3}, 1: {value: 4, writable: true}}); return [o.a, o.b, o[Symbol.for('s')], o[1],"
     " Object.keys(o), JSON.stringify(Object.getOwnPropertyDescriptors(o))]; })()",
