@@ -164,7 +164,7 @@ def _decode_share_checks() -> list[checks.CheckMessage]:
     return [checks.Error(f"EXECAPP['DECODE_SHARE_PER_OWNER'] is {value!r}{_from('DECODE_SHARE_PER_OWNER')}, it must "
                          "be a fraction of one event loop above 0 and at most 1",
                          hint=f"Set it to a number like 0.25 (the default: {conf.DEFAULTS['DECODE_SHARE_PER_OWNER']}); "
-                         "1 lets one owner's frames take the whole loop.", id="execapp.E042")]
+                         "1 lets one owner's frames take the whole loop.", id="execapp.E045")]
 
 
 def _frame_depth_checks() -> list[checks.CheckMessage]:

@@ -136,14 +136,16 @@
   // source (Array.from, a typed array's from and set). Each missing index is looked up along the
   // source's prototype chain in C, and a chain 30,000 objects deep made each of 65,000 lookups
   // that long (`Math.max.apply(null, a)`, `[...a]`, `Array.from(a)`: minutes). A genuine array
-  // (genuine(): its prototype is Array.prototype's, unchanged) goes to the native as it is;
+  // (genuine(): no proxy, a short prototype chain) goes to the native as it is;
   // any other list is copied into one in bytecode (polled), and an array iterator over anything
   // else is stepped like the iterators above.
   if (typeof nativeMap === "function") {
     // (Everything these call later is captured here: a guest's own Symbol or ArrayBuffer.isView
     // could otherwise pass a list to the native unchecked.)
     const ITER = Symbol.iterator, isView = ArrayBuffer.isView;
-    const list = (v) => v === null || typeof v !== "object" || genuine(v) ? v : slow().list(v);
+    // (A function is an object too: its `length` can be redefined and its chain made long.)
+    const primitive = (v) => v === null || (typeof v !== "object" && typeof v !== "function");
+    const list = (v) => primitive(v) || genuine(v) ? v : slow().list(v);
     const nFnApply = Function.prototype.apply, nConstruct = Reflect.construct, nFrom = Array.from;
     assign(Function.prototype, {apply(thisArg, args) { return apply(nFnApply, this, [thisArg, list(args)]); }});
     assign(Reflect, {
@@ -157,8 +159,7 @@
     assign(AP, {values, [ITER]: values,
                 entries() { const it = apply(nEntries, this, []); return genuine(this) ? it : stepped(it); }});
     // An array-like without an iterator is read by index; one with an iterator goes through it.
-    const source = (v) => v === null || typeof v !== "object" || genuine(v) || typeof v[ITER] === "function"
-      ? v : slow().list(v);
+    const source = (v) => primitive(v) || genuine(v) || typeof v[ITER] === "function" ? v : slow().list(v);
     assign(Array, {from(items, ...rest) { return apply(nFrom, this, [source(items), ...rest]); }});
     const TA = getProto(Int8Array), nTAFrom = TA.from, nSet = TA.prototype.set;
     assign(TA, {from(items, ...rest) { return apply(nTAFrom, this, [source(items), ...rest]); }});
@@ -196,16 +197,17 @@
     for (const N of [Int8Array, Uint8Array, Uint8ClampedArray, Int16Array, Uint16Array, Int32Array, Uint32Array,
                      g.Float16Array, Float32Array, Float64Array, g.BigInt64Array, g.BigUint64Array]) {
       if (typeof N !== "function") continue;
-      const W = {[N.name]: function (a, b, c) {
-        if (new.target === undefined) throw new TypeError("constructor " + N.name + " requires 'new'");
-        const args = a !== null && typeof a === "object" && !isView(a) && !isBuffer(a) ? [source(a), b, c] : arguments;
+      const name = N.name;
+      const W = {[name]: function (a, b, c) {
+        if (new.target === undefined) throw new TypeError("constructor " + name + " requires 'new'");
+        const args = !primitive(a) && !isView(a) && !isBuffer(a) ? [source(a), b, c] : arguments;
         return nConstruct(N, args, new.target === W ? N : new.target);
-      }}[N.name];
+      }}[name];
       defineProp(W, "prototype", {value: N.prototype, writable: false});
       defineProp(W, "BYTES_PER_ELEMENT", {value: N.BYTES_PER_ELEMENT});
       defineProp(N.prototype, "constructor", {value: W});
       Reflect.setPrototypeOf(W, TA);
-      defineProp(g, N.name, {value: W});
+      defineProp(g, name, {value: W});
     }
   }
 

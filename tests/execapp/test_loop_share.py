@@ -146,3 +146,14 @@ def test_one_owner_s_connections_share_one_decode_share_dropped_with_the_last(ch
     worker.connection_closed("tenant:a")
     assert worker.decode_share("tenant:a", 0.25) is not a  # a fresh one for its next connection
     worker.connection_closed("tenant:b")
+
+
+@pytest.mark.parametrize("value", [0, -0.1, 1.5, "half", True, None])
+def test_a_decode_share_that_is_not_a_fraction_of_the_loop_fails_the_system_check(settings: Any, value: Any) -> None:
+    from execapp.checks import check_execapp_settings
+
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "DECODE_SHARE_PER_OWNER": value}
+    found = {m.id: m for m in check_execapp_settings()}
+    assert "execapp.E045" in found and "DECODE_SHARE_PER_OWNER" in found["execapp.E045"].msg
+    settings.EXECAPP = {**settings.EXECAPP, "DECODE_SHARE_PER_OWNER": 0.5}
+    assert "execapp.E045" not in {m.id for m in check_execapp_settings()}

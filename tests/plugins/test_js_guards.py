@@ -53,6 +53,9 @@ ESCAPES = {  # each ran for minutes (natively, with no interrupt poll) before it
                      "Math.max.apply(null, a)"),
            "Reflect.apply of an array-like": ("{}", "const a = Object.create(p); a.length = 65000;",
                                               "Reflect.apply(Math.max, null, a)"),
+           "apply of a function as an array-like": ("{}", "const a = function () {}; Object.defineProperty(a,"
+                                                    " 'length', {value: 65000}); Object.setPrototypeOf(a, p);",
+                                                    "Math.max.apply(null, a)"),
            "spread": ("Array.prototype", "const a = []; a.length = 2e5; Object.setPrototypeOf(a, p);", "[...a]"),
            "Array.from": ("Array.prototype", "const a = []; a.length = 2e5; Object.setPrototypeOf(a, p);",
                           "Array.from(a)"),
