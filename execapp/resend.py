@@ -44,6 +44,10 @@ LOCAL_MAX_KEYS = 100_000
 #: Most of them one owner may hold: past it that owner's own oldest go, never another owner's
 #: (one tenant sending many distinct ids must not make other tenants' completed events run again).
 LOCAL_MAX_KEYS_PER_OWNER = 10_000
+#: Most records one owner may hold in the Redis ledger (~100 bytes each): past it that owner's
+#: own oldest go, as in the in-process ledger, so one tenant's flood of distinct ids cannot grow
+#: the Redis every worker (and the channel layer) shares without bound.
+REDIS_MAX_KEYS_PER_OWNER = 100_000
 NEW, RUNNING, DONE = "new", "running", "done"
 
 
@@ -92,11 +96,24 @@ class Ledger(Protocol):
     def release(self, owner: str, event_id: str, worker: str) -> None: ...
 
 
-# Claim: an existing value wins (its remaining time too); otherwise this worker's lease.
+# Claim: an existing value wins (its remaining time too); otherwise this worker's lease, and the
+# record joins its owner's share (KEYS[2], a sorted set scored by when the record may expire at
+# the latest): past ARGV[3] records the owner's oldest are deleted. ARGV[4] is the retention. (A
+# run that outlasts its first lease leaves the share that much before its record expires.)
 _CLAIM = """
 local v = redis.call('GET', KEYS[1])
 if v then return {v, redis.call('PTTL', KEYS[1])} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local t = redis.call('TIME')
+local now, life = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), tonumber(ARGV[4]) + tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+redis.call('ZADD', KEYS[2], now + life, KEYS[1])
+local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[3])
+if over > 0 then
+  local old = redis.call('ZPOPMIN', KEYS[2], over)
+  for i = 1, #old, 2 do redis.call('DEL', old[i]) end
+end
+redis.call('PEXPIRE', KEYS[2], life)
 return false
 """
 # Renew (or release, with ARGV[2] = 0) only the leases this worker still holds.
@@ -133,7 +150,10 @@ class RedisLedger:
         return self.prefix + pair_key(owner, event_id)
 
     def claim(self, owner: str, event_id: str, worker: str, lease: float) -> Claim:
-        found = self._claim(keys=[self._key(owner, event_id)], args=[f"run {worker}", int(lease * 1000)])
+        share = self.prefix + "owner:" + pair_key(owner, "")
+        retention = int(float(conf.get("RESEND_RETENTION_SECONDS")) * 1000)
+        found = self._claim(keys=[self._key(owner, event_id), share],
+                            args=[f"run {worker}", int(lease * 1000), REDIS_MAX_KEYS_PER_OWNER, retention])
         if not found:
             return Claim(NEW)
         value, ttl = found

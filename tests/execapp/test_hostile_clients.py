@@ -197,6 +197,27 @@ def test_one_owner_s_many_resend_ids_do_not_evict_another_owner_s_records(monkey
     assert ledger.claim("tenant:hostile", "id-0", "w", 60).state == resend.NEW
 
 
+@pytest.mark.redis
+def test_one_owner_s_flood_of_resend_ids_is_capped_in_the_redis_ledger(redis_url: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # The Redis ledger had no share per owner: one tenant's distinct ids each left a record for
+    # the retention (600 s) in the Redis every worker and the channel layer share.
+    monkeypatch.setattr(resend, "REDIS_MAX_KEYS_PER_OWNER", 10)
+    ledger = resend.RedisLedger(redis_url)
+    assert ledger.claim("tenant:victim", "order-1", "w", 60).state == resend.NEW
+    ledger.done("tenant:victim", "order-1", "uid-1", 600)
+    for i in range(200):
+        ledger.claim("tenant:hostile", f"id-{i}", "w", 60)
+    from execapp.history_store import pair_key
+
+    records = list(ledger.client.scan_iter(ledger.prefix + pair_key("tenant:hostile", "") + "*"))
+    assert len(records) == 10  # the hostile owner's newest 10
+    assert ledger.claim("tenant:victim", "order-1", "w", 60).state == resend.DONE
+    # The hostile owner's own oldest went, its newest are kept.
+    assert ledger.claim("tenant:hostile", "id-199", "w", 60).state == resend.RUNNING
+    assert ledger.claim("tenant:hostile", "id-0", "w", 60).state == resend.NEW
+
+
 async def test_resends_of_one_id_from_many_connections_run_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # 10 connections of one owner resend the same id 10 times each while it runs: one run, every
     # other copy gets resend_in_progress (with retry_after_ms) or, on its own connection,
