@@ -42,7 +42,8 @@
     for (let i = 0; i <= SHORT_CHAIN && o !== null; i++) o = getProto(o);
     return o === null;
   };
-  const genuine = (o) => isArray(o) && !apply(isProxy, proxies, [o]) && shallow(o);
+  const shortChain = (o) => !apply(isProxy, proxies, [o]) && shallow(o);
+  const genuine = (o) => isArray(o) && shortChain(o);
 
   let slowPaths = null;
   // Everything the slow paths use was captured above, before any guest code: a guest's own
@@ -145,7 +146,9 @@
     const ITER = Symbol.iterator, isView = ArrayBuffer.isView;
     // (A function is an object too: its `length` can be redefined and its chain made long.)
     const primitive = (v) => v === null || (typeof v !== "object" && typeof v !== "function");
-    const list = (v) => primitive(v) || genuine(v) ? v : slow().list(v);
+    // A list whose chain is short is read natively (`f.apply(this, arguments)`, an array-like of
+    // plain objects: each lookup at most SHORT_CHAIN steps); a proxy or a long chain is copied.
+    const list = (v) => primitive(v) || shortChain(v) ? v : slow().list(v);
     const nFnApply = Function.prototype.apply, nConstruct = Reflect.construct, nFrom = Array.from;
     assign(Function.prototype, {apply(thisArg, args) { return apply(nFnApply, this, [thisArg, list(args)]); }});
     assign(Reflect, {
@@ -159,7 +162,7 @@
     assign(AP, {values, [ITER]: values,
                 entries() { const it = apply(nEntries, this, []); return genuine(this) ? it : stepped(it); }});
     // An array-like without an iterator is read by index; one with an iterator goes through it.
-    const source = (v) => primitive(v) || genuine(v) || typeof v[ITER] === "function" ? v : slow().list(v);
+    const source = (v) => primitive(v) || shortChain(v) || typeof v[ITER] === "function" ? v : slow().list(v);
     assign(Array, {from(items, ...rest) { return apply(nFrom, this, [source(items), ...rest]); }});
     const TA = getProto(Int8Array), nTAFrom = TA.from, nSet = TA.prototype.set;
     assign(TA, {from(items, ...rest) { return apply(nTAFrom, this, [source(items), ...rest]); }});
