@@ -65,6 +65,11 @@ REFUSAL_TRACES_PER_SECOND = 20
 _refusal_budgets: dict[str, list[float]] = {}
 #: A trace whose event has not completed after this long is written as ``incomplete``.
 PENDING_SECONDS = 900.0
+#: Failed events of one owner written to the database per second at most, by this worker; the
+#: rest are counted (``db_skipped``) and stay in the recent store. A quota on the database: a
+#: tenant whose events all fail (a broken plugin, or on purpose) cannot fill the database, or take
+#: every other tenant's place in a flush, at the rate it can send.
+DB_ROWS_PER_OWNER_PER_SECOND = 100
 #: Failed events written to the database per flush at most; the rest stay in the recent store only
 #: (counted in ``Recorder.db_skipped``), so a failure storm cannot flood the database.
 DB_ROWS_PER_FLUSH = 2000
@@ -255,6 +260,8 @@ class Recorder:
         self.dropped = 0
         self.db_written = 0
         self.db_skipped = 0
+        #: owner -> [window start (monotonic), failure rows written in it] (DB_ROWS_PER_OWNER_PER_SECOND).
+        self._db_budgets: dict[str, list[float]] = {}
         self.store_errors = 0
         self._last_prune = 0.0
         worker.engine.add_observer(_observe)
@@ -429,6 +436,7 @@ class Recorder:
     def _write_failures(self, failed: list[Record]) -> None:
         from .models import EventTrace
 
+        failed = self._within_owner_budgets(failed)
         if len(failed) > DB_ROWS_PER_FLUSH:
             self.db_skipped += len(failed) - DB_ROWS_PER_FLUSH
             failed = failed[:DB_ROWS_PER_FLUSH]
@@ -449,6 +457,21 @@ class Recorder:
         except Exception as exc:
             self.db_skipped += len(rows)
             _rare.warning(("db", type(exc).__name__), "writing %d failed event traces failed: %r", len(rows), exc)
+
+    def _within_owner_budgets(self, failed: list[Record]) -> list[Record]:
+        """The failures each owner's database budget still allows this second (the rest counted)."""
+        now, budgets, kept = time.monotonic(), self._db_budgets, []
+        for r in failed:
+            budget = budgets.get(r.owner)  # [window start, rows in it]
+            if budget is None or now - budget[0] >= 1.0:
+                if budget is None and len(budgets) >= 10_000:  # owners are few: a bounded table
+                    budgets.clear()
+                budget = budgets[r.owner] = [now, 0]
+            if budget[1] < DB_ROWS_PER_OWNER_PER_SECOND:
+                budget[1] += 1
+                kept.append(r)
+        self.db_skipped += len(failed) - len(kept)
+        return kept
 
     def stats(self) -> dict[str, Any]:
         """What the recorder did: traces recorded, dropped, written to the database, pending."""

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from execapp import history, history_store
 from execapp import worker as worker_module
-from execapp.engine import Event
+from execapp.engine import Engine, Event
 from execapp.history_record import Handler, Record, pair_key, to_json
 from execapp.history_store import Filters, LocalStore, RedisStore, Summary
 from execapp.models import EventTrace
@@ -579,3 +579,24 @@ def test_the_local_store_adds_nothing_for_the_garbage_collector_to_walk() -> Non
     assert not any(gc.is_tracked(v) for v in [*store._by_uid.values(), *store._by_key.values()])
     assert json.loads(store.body("u3") or "") == json.loads(to_json(_record(3)))
     assert json.loads(store.body("f1") or "") == json.loads(to_json(_record(1, uid="f1", id="e-f", ts=1000.5)))
+
+
+def test_one_owner_s_failures_reach_the_database_at_its_budget_and_leave_the_others_room(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A tenant whose events all fail wrote a row per event at the rate it could send (the flush
+    # cap, 2,000 rows, filled by it alone left no room for the others).
+    monkeypatch.setattr(history, "DB_ROWS_PER_OWNER_PER_SECOND", 5)
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(history.time, "monotonic", lambda: 1000.0)  # one budget window
+    rec = history.Recorder(SimpleNamespace(engine=Engine(pool_enabled=False), id="w1"))
+
+    def failed(n: int, owner: str) -> Record:
+        handler = Handler("command:boom", "p", "sync", 0.0, None, 0.001, "handler_error", "failed", ())
+        return Record(f"u-{owner}-{n}", f"e{n}", owner, None, "message", "/boom", 5, "w1", 1000.0, "error", "",
+                      ("handler_error",), 0.001, 1, 1, 1, None, (handler,), False)
+
+    rec._write_failures([failed(i, "tenant:flood") for i in range(20)] + [failed(i, "tenant:calm") for i in range(3)])
+    rows = list(EventTrace.objects.values_list("owner", flat=True))
+    assert rows.count("tenant:flood") == 5 and rows.count("tenant:calm") == 3
+    assert rec.db_written == 8 and rec.db_skipped == 15
