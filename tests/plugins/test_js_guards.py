@@ -256,6 +256,50 @@ def test_guarded_array_and_string_built_ins_answer_as_the_natives(expr: str) -> 
     assert got == want, expr
 
 
+# Everyday code that goes through most wrappers at once (subclasses, generators, spreads, rest and
+# destructuring, Map/Set, typed arrays, array-likes, `arguments`, apply, iterator helpers).
+REAL_WORLD = """
+(() => {
+  const out = [];
+  class Vec extends Array { sum() { return this.reduce((a, b) => a + b, 0); } }
+  const v = Vec.from([1, 2, 3]); out.push(v.sum(), v instanceof Vec, v.map(x => x * 2) instanceof Vec);
+  function* gen() { yield 1; yield* [2, 3]; }
+  out.push([...gen()], Array.from(gen(), x => x * 10), Math.max(...gen()));
+  const m = new Map([["a", 1], ["b", 2]]); out.push([...m], [...m.keys()], Object.fromEntries(m));
+  const s = new Set([1, 2, 3]); out.push([...s.union(new Set([4]))], s.isSubsetOf(new Set([1, 2, 3, 4])));
+  const [a, , b = 5, ...rest] = [1, 2, undefined, 4, 5]; out.push(a, b, rest);
+  const {x, ...others} = {x: 1, y: 2, z: 3}; out.push(x, others);
+  out.push(Object.assign({}, {a: 1}, {b: 2}), Object.entries({p: 1}), JSON.parse(JSON.stringify({d: [1, {e: 2}]})));
+  const u8 = new Uint8Array([1, 2, 3]); out.push(Array.from(u8), [...u8], u8.map(v => v * 2), Uint8Array.from(s));
+  const f64 = new Float64Array(3); f64.set([1.5, 2.5], 1); out.push(Array.from(f64));
+  out.push(Array.prototype.slice.call({0: "a", 1: "b", length: 2}), Array.prototype.map.call("abc",
+    c => c.toUpperCase()));
+  function varargs() { return Array.prototype.slice.call(arguments).concat(Array.from(arguments)); }
+  out.push(varargs(1, 2), Math.min.apply(Math, [5, 3, 9]), (function () { return Math.max.apply(null, arguments);
+  })(4, 8));
+  out.push([3, 1, 2].sort(), [3, 1, 2].toSorted((p, q) => q - p), [1, [2, [3, [4]]]].flat(Infinity));
+  out.push("a-b-c".split("-"), "abc".replace("b", "x"), "aaa".replaceAll("a", "b"), "hello".includes("ell"));
+  out.push(Reflect.ownKeys({a: 1, [Symbol.iterator]: 2}).length,
+    Object.create(null, {k: {value: 1, enumerable: true}}).k);
+  const proto = {greet() { return "hi " + this.name; }}; const o = Object.create(proto); o.name = "x";
+  out.push(o.greet());
+  out.push(Array.from({length: 3}, (_, i) => i * i), Array.of(7, 8), new Array(3).fill(0));
+  out.push([..."héllo"].length, [...new Set("aab")].join(""), Array.from(new Map([[1, 2]]).entries()));
+  const it = [1, 2, 3, 4].values().filter(n => n % 2 === 0).map(n => n * 3);
+  out.push([...it], [5, 6].values().drop(1).toArray());
+  out.push(Reflect.apply(String.prototype.slice, "abcdef", [1, 3]), Reflect.construct(Date, [0]).getTime());
+  out.push(Function.prototype.apply.call(Math.max, null, [1, 9, 3]),
+    ((...args) => args.length)(...new Array(100).fill(0)));
+  return out;
+})()
+"""
+
+
+def test_everyday_code_through_the_wrappers_answers_as_without_them() -> None:
+    got, want = both(REAL_WORLD)
+    assert got == want and not got.startswith("threw"), got
+
+
 def test_proxies_still_work_and_each_is_known_to_the_guards() -> None:
     got = GUARDED.eval("(() => { const {proxy, revoke} = Proxy.revocable({a: 1}, {}); const v = proxy.a; revoke();"
                        " return v + ',' + new Proxy({}, {get: () => 7}).x + ',' + typeof Proxy; })()")
