@@ -1,6 +1,7 @@
 """execapp's models: API tokens for WebSocket clients and persisted execution profiles."""
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import secrets
 from typing import Any
@@ -12,6 +13,10 @@ from django.utils import timezone
 def hash_token(raw: str) -> str:
     """The stored form of a token: only its SHA-256 is kept."""
     return hashlib.sha256(raw.encode()).hexdigest()
+
+
+#: How precisely a token's ``last_used_at`` is kept (one database write per token per this long).
+LAST_USED_RESOLUTION = dt.timedelta(minutes=1)
 
 
 class ApiToken(models.Model):
@@ -55,14 +60,17 @@ class ApiToken(models.Model):
 
     @classmethod
     def authenticate(cls, raw: str) -> "ApiToken | None":
-        """The live token matching ``raw`` (and its last-used time bumped), or None."""
+        """The live token matching ``raw`` (its last-used time bumped, to the minute), or None."""
         if not raw:
             return None
         token = cls.objects.filter(token_hash=hash_token(raw), revoked_at__isnull=True).first()
         if token is not None:
             now = timezone.now()
-            cls.objects.filter(pk=token.pk).update(last_used_at=now)
-            token.last_used_at = now
+            # At most one write a minute per token: a client reconnecting as fast as it can (or a
+            # reconnect storm of thousands) made one UPDATE per handshake.
+            if token.last_used_at is None or now - token.last_used_at >= LAST_USED_RESOLUTION:
+                cls.objects.filter(pk=token.pk).update(last_used_at=now)
+                token.last_used_at = now
         return token
 
     def revoke(self) -> None:

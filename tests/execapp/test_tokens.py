@@ -58,3 +58,21 @@ def test_the_admin_revokes_selected_tokens(admin_client: Any) -> None:
     assert ApiToken.authenticate(raw) is None
     listing = admin_client.get("/admin/execapp/apitoken/")
     assert listing.status_code == 200 and b"bulk" in listing.content
+
+
+def test_a_token_s_last_use_is_written_at_most_once_a_minute() -> None:
+    # A client reconnecting as fast as it can made one UPDATE per handshake.
+    import datetime as dt
+
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    _, raw = ApiToken.issue("busy")
+    with CaptureQueriesContext(connection) as queries:
+        for _ in range(20):
+            assert ApiToken.authenticate(raw) is not None
+    assert sum(q["sql"].lstrip().upper().startswith("UPDATE") for q in queries.captured_queries) == 1
+    first = ApiToken.objects.get(name="busy").last_used_at
+    ApiToken.objects.filter(name="busy").update(last_used_at=first - dt.timedelta(minutes=2))
+    ApiToken.authenticate(raw)
+    assert ApiToken.objects.get(name="busy").last_used_at >= first  # a minute on: written again
