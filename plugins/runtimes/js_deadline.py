@@ -25,7 +25,7 @@ every time it enters JS. So:
   reaches a poll point still runs to its end (docs/plugins.md lists the known ones);
 - "uncatchable" holds for ``try``/``catch`` in bytecode only: a built-in that calls guest code
   and turns its exception into a value (the Promise constructor with its executor, an async
-  function's body, Promise combinators, disposers) catches the interrupt too, and its caller
+  function's body, Promise combinators) catches the interrupt too, and its caller
   runs on. Nested (``new Promise(() => { for (;;) new Promise(() => { for (;;) {} }) })``), the
   interrupt lands in the innermost loop nearly every time and the guest never stopped. So a
   call still running ``ESCALATE`` after its interrupt fired gets its runtime's stack limit set
