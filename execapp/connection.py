@@ -129,14 +129,12 @@ class Connection:
                 metrics.LOOP_SHARE_WAITS.inc()
                 await share.wait()
             try:
-                if share is not None:
-                    started = monotonic()
-                    try:
-                        event, resend_ = parse_request(text, data, self.limits)
-                    finally:  # a refused frame cost its decoding too
-                        share.spend_since(started)
-                else:
+                started = monotonic()
+                try:
                     event, resend_ = parse_request(text, data, self.limits)
+                finally:  # a refused frame cost its decoding too
+                    if share is not None:
+                        share.spend_since(started)
                 if len(self.in_flight) >= self.limits.max_in_flight:
                     raise ProtocolError("rate_limited", f"this connection has {len(self.in_flight)} events in flight, "
                                                         f"the limit is {self.limits.max_in_flight} (EXECAPP["

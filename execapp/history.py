@@ -199,18 +199,23 @@ def refused(conn: Any, code: str, message: str, event_id: str | None) -> None:
     if len(_buffer) >= BUFFER_LIMIT:
         next(_dropped)
         return
-    if event_id is not None:
-        owner = getattr(conn, "owner", "") or ""
-        now = _mono()
-        budget = _refusal_budgets.get(owner)  # [window start, traces in it]
-        if budget is None or now - budget[0] >= 1.0:
-            if budget is None and len(_refusal_budgets) >= 10_000:  # owners are few: a bounded table
-                _refusal_budgets.clear()
-            budget = _refusal_budgets[owner] = [now, 0]
-        budget[1] += 1
-        if budget[1] > REFUSAL_TRACES_PER_SECOND:
-            event_id = None
+    if event_id is not None and not _within_second(_refusal_budgets, getattr(conn, "owner", "") or "",
+                                                   REFUSAL_TRACES_PER_SECOND):
+        event_id = None
     _buffer.append((None, conn, code, message, event_id, time.time()))
+
+
+def _within_second(windows: dict[str, list[float]], owner: str, limit: int) -> bool:
+    """Count one more for ``owner`` in its one-second window of ``windows`` (owner -> [window start
+    (monotonic), count]); True while the count is within ``limit``."""
+    now = _mono()
+    window = windows.get(owner)
+    if window is None or now - window[0] >= 1.0:
+        if window is None and len(windows) >= 10_000:  # owners are few: a bounded table
+            windows.clear()
+        window = windows[owner] = [now, 0]
+    window[1] += 1
+    return window[1] <= limit
 
 
 def _observe(m: Any, exec_class: ExecClass, elapsed: float, code: str, event: Any) -> None:
@@ -460,16 +465,7 @@ class Recorder:
 
     def _within_owner_budgets(self, failed: list[Record]) -> list[Record]:
         """The failures each owner's database budget still allows this second (the rest counted)."""
-        now, budgets, kept = time.monotonic(), self._db_budgets, []
-        for r in failed:
-            budget = budgets.get(r.owner)  # [window start, rows in it]
-            if budget is None or now - budget[0] >= 1.0:
-                if budget is None and len(budgets) >= 10_000:  # owners are few: a bounded table
-                    budgets.clear()
-                budget = budgets[r.owner] = [now, 0]
-            if budget[1] < DB_ROWS_PER_OWNER_PER_SECOND:
-                budget[1] += 1
-                kept.append(r)
+        kept = [r for r in failed if _within_second(self._db_budgets, r.owner, DB_ROWS_PER_OWNER_PER_SECOND)]
         self.db_skipped += len(failed) - len(kept)
         return kept
 

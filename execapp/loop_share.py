@@ -7,7 +7,7 @@ that every other connection of the worker shares. Each owner's connections on a 
 share one ``LoopShare`` (execapp.worker): past its share the connections stop reading their
 frames until it refilled, which is TCP backpressure on that client and nobody else.
 
-Used on the event loop only (charge and wait run in the consumers' receive), so no lock.
+Used on the event loop only (``spend_since`` and ``wait`` run in ``Connection.receive``), so no lock.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 
 
 class LoopShare:
-    """``share`` seconds of loop time per second (at most ``share`` seconds banked), spent by ``charge``."""
+    """``share`` seconds of loop time per second (at most ``share`` seconds banked), spent by ``spend_since``."""
 
     __slots__ = ("share", "capacity", "level", "_at", "throttled")
 

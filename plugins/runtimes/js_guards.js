@@ -9,6 +9,8 @@
   const apply = Reflect.apply, isArray = Array.isArray, NativeFunction = Function, NativeProxy = Proxy;
   const reflectGet = Reflect.get, defineProp = Reflect.defineProperty, toObject = Object, trunc = Math.trunc;
   const SPLIT = Symbol.split, REPLACE = Symbol.replace, MATCH = Symbol.match, spreadable = Symbol.isConcatSpreadable;
+  const ITER = Symbol.iterator, reflectSet = Reflect.set, ownKeys = Reflect.ownKeys;
+  const getOwnDescriptor = Reflect.getOwnPropertyDescriptor;
   const NativeRegExp = RegExp, rxReplace = RegExp.prototype[REPLACE];
   const AP = Array.prototype, SP = String.prototype, MAX_LENGTH = 1 << 22, SEARCH_MAX = 1 << 22;
   const tooLong = (what, n) => new RangeError(what + " on a length of " + n + ": the sandbox allows at most " +
@@ -50,9 +52,8 @@
   // String.prototype.slice, say, could hand a native search the whole string again.
   const slow = () => slowPaths ??= NativeFunction("c", __GUARDS_SLOW__)({
     apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
-    sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet: Reflect.set,
-    ownKeys: Reflect.ownKeys,
-    getOwnDescriptor: Reflect.getOwnPropertyDescriptor, ITERATOR: Symbol.iterator});
+    sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
+    getOwnDescriptor, ITERATOR: ITER});
 
   // -- Array.prototype: its methods walk `length` in C (`a.length = 2**31; a.join()`, indexOf,
   // fill, sort, forEach over holes... ran for minutes). Each refuses a length past MAX_LENGTH,
@@ -143,7 +144,7 @@
   if (typeof nativeMap === "function") {
     // (Everything these call later is captured here: a guest's own Symbol or ArrayBuffer.isView
     // could otherwise pass a list to the native unchecked.)
-    const ITER = Symbol.iterator, isView = ArrayBuffer.isView;
+    const isView = ArrayBuffer.isView;
     // (A function is an object too: its `length` can be redefined and its chain made long.)
     const primitive = (v) => v === null || (typeof v !== "object" && typeof v !== "function");
     // A list whose chain is short is read natively (`f.apply(this, arguments)`, an array-like of

@@ -588,7 +588,7 @@ def test_one_owner_s_failures_reach_the_database_at_its_budget_and_leave_the_oth
     monkeypatch.setattr(history, "DB_ROWS_PER_OWNER_PER_SECOND", 5)
     from types import SimpleNamespace
 
-    monkeypatch.setattr(history.time, "monotonic", lambda: 1000.0)  # one budget window
+    monkeypatch.setattr(history, "_mono", lambda: 1000.0)  # one budget window
     rec = history.Recorder(SimpleNamespace(engine=Engine(pool_enabled=False), id="w1"))
 
     def failed(n: int, owner: str) -> Record:

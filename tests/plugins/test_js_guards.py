@@ -82,6 +82,9 @@ ESCAPES = {  # each ran for minutes (natively, with no interrupt poll) before it
     "Iterator includes": "const a = []; a.length = 2 ** 32 - 1; a.values().includes(1)",
     "Iterator join": "const a = []; a.length = 2 ** 32 - 1; a.values().join('')",
     "Math.sumPrecise": "const a = []; a.length = 2 ** 32 - 1; Math.sumPrecise(a.keys())",
+    # the slow paths, compiled at first use, get what was captured before any guest code
+    "Math.sumPrecise, with the guest's own Symbol by then": "const a = []; a.length = 2 ** 32 - 1; const k = a.keys();"
+                                                          " globalThis.Symbol = {iterator: 'x'}; Math.sumPrecise(k)",
     # (the receiver holds the sparse array's undefined where the method would stop at it otherwise)
     **{f"Set {op}": "const a = []; a.length = 2 ** 32 - 1; new Set([1" + (", undefined" if op == "isSupersetOf" else "")
        + "])." + op + "({size: 0, has: () => false, keys: () => a.values()})"
