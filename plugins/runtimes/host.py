@@ -153,9 +153,7 @@ class Host:
             raise HostCallError(f"kv_set: value must be a string or a number, not {type(value).__name__}")
         if len(value) > MAX_VALUE_CHARS:
             raise HostCallError(f"kv_set: value of {len(value)} chars is over the {MAX_VALUE_CHARS} limit")
-        if "\x00" in value:  # PostgreSQL stores no NUL: refused on every database alike
-            raise HostCallError("kv_set: the value must not contain a NUL character; encode binary data (base64)")
-        _check_unicode("kv_set: the value", value)
+        _check_text("kv_set: the value", value)
         key = _key(key)
         self.kv_writes += 1
         try:
@@ -185,7 +183,7 @@ class Host:
         """
         self._check("http", "http_get")
         url = str(url)
-        _check_unicode("http_get: the URL", url)
+        _check_text("http_get: the URL", url)
         started = time.monotonic()
         deadline = min(self.deadline, started + HTTP_TIMEOUT_SECONDS)
         for hop in range(HTTP_MAX_REDIRECTS + 1):
@@ -303,14 +301,15 @@ def _key(key: Any) -> str:
     key = str(key) if isinstance(key, (int, float)) else key
     if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
         raise HostCallError(f"kv key must be a non-empty string of at most {MAX_KEY_CHARS} chars, got {key!r}")
-    if "\x00" in key:  # PostgreSQL stores no NUL: refused on every database alike
-        raise HostCallError(f"kv key must not contain a NUL character, got {key!r}")
-    _check_unicode("kv key", key)
+    _check_text("kv key", key)
     return key
 
 
-def _check_unicode(what: str, text: str) -> None:
-    """Refuse a lone UTF-16 surrogate, which a JS guest's strings can hold and UTF-8 cannot encode."""
+def _check_text(what: str, text: str) -> None:
+    """Refuse what no database stores as text, on every database alike: a NUL (PostgreSQL refuses
+    it) and a lone UTF-16 surrogate (a JS guest's strings can hold one; UTF-8 cannot encode it)."""
+    if "\x00" in text:
+        raise HostCallError(f"{what} must not contain a NUL character; encode binary data (base64)")
     if not text.isascii():
         try:
             text.encode("utf-8")
