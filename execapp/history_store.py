@@ -286,6 +286,18 @@ return n
 """
 
 
+def _encodable(body: str) -> str:
+    """``body`` (a trace's JSON) as text UTF-8 can carry: a plugin's reply or error may hold a lone
+    surrogate (JavaScript's ``"\\ud800"``), which the Redis client cannot encode; it failed the
+    whole flush. Escaped instead, it reads back as it was kept (as in the in-process store)."""
+    if not body.isascii():
+        try:
+            body.encode()
+        except UnicodeEncodeError:
+            return json.dumps(json.loads(body))  # ensure_ascii: every non-ASCII character escaped
+    return body
+
+
 class RedisStore:
     """The newest ``max_events`` traces of every worker sharing ``REDIS_URL`` (see KEY_PREFIX)."""
 
@@ -305,7 +317,7 @@ class RedisStore:
             return
         args: list[Any] = [self.max_events, self.prefix]
         for r in records:
-            args += [r[UID], key_of(r), Summary.of(r).to_line(), to_json(r)]
+            args += [r[UID], key_of(r), Summary.of(r).to_line(), _encodable(to_json(r))]
         self._add(keys=[self.log_key], args=args)
 
     def scan(self) -> Iterator[Scanned]:

@@ -600,3 +600,18 @@ def test_one_owner_s_failures_reach_the_database_at_its_budget_and_leave_the_oth
     rows = list(EventTrace.objects.values_list("owner", flat=True))
     assert rows.count("tenant:flood") == 5 and rows.count("tenant:calm") == 3
     assert rec.db_written == 8 and rec.db_skipped == 15
+
+
+@pytest.mark.redis
+def test_a_lone_surrogate_in_a_plugin_s_reply_fails_no_flush_of_the_redis_store(redis_url: str) -> None:
+    # A JS plugin's reply or error can hold one ("\ud800"); the Redis client could not encode the
+    # trace and the whole flush was lost.
+    store = RedisStore(redis_url, 100)
+    handler = Handler("command:boom", "p", "sync", 0.0, None, 0.001, "handler_error", "bad \ud800 message",
+                      (("re\udc00ply \u00e9", None),))
+    lone = Record("u-lone", "e1", "tenant:a", None, "message", "/boom", 5, "w1", 1000.0, "error", "",
+                  ("handler_error",), 0.001, 1, 1, 1, None, (handler,), False)
+    plain = lone._replace(uid="u-plain", id="e2", handlers=())
+    store.add([lone, plain])
+    assert json.loads(store.body("u-lone"))["handlers"][0]["message"] == "bad \ud800 message"  # as kept
+    assert store.body("u-plain") is not None
