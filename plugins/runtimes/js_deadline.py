@@ -101,7 +101,7 @@ class Slot:
     the watchdog writes the interrupt only while ``deadline`` is that of a call past it.
     """
 
-    __slots__ = ("deadline", "flipping", "fired", "_limit", "_counter", "_runtime", "_clamped", "_key", "_owner")
+    __slots__ = ("deadline", "flipping", "fired", "_limit", "_counter", "_context", "_clamped", "_key", "_owner")
 
     def __init__(self, ctx: Any) -> None:
         self.deadline = IDLE
@@ -109,7 +109,7 @@ class Slot:
         #: time.monotonic() of the first interrupt written (0.0: none). Never reset: a Context
         #: whose call was interrupted is discarded (js.py), so its slot sees no other call.
         self.fired = 0.0
-        self._runtime = ctypes.c_void_p.from_address(id(ctx) + _RUNTIME).value
+        self._context = id(ctx)  # its JSRuntime is read only if the escalation needs it (rarely)
         self._clamped = False
         # Point into the Context's C structs: written only while a call runs (deadline set),
         # and the running call holds the Context alive.
@@ -140,7 +140,7 @@ class Slot:
                     # Still running: the interrupt was caught by a built-in (module docstring).
                     # Two plain stores into the runtime, read by the guest's thread at its next
                     # call's stack check (as the limit word above is read at its next poll).
-                    _set_stack_size(self._runtime, 1)
+                    _set_stack_size(ctypes.c_void_p.from_address(self._context + _RUNTIME).value, 1)
                     self._clamped = True
         finally:
             self.flipping = False
