@@ -17,6 +17,7 @@ from . import extensions, history, metrics, resend
 from .codes import ERROR, OK
 from .engine import Completion, Event
 from .engine.event import EventRun, Outcome, OutcomeCallback
+from .engine.linear_regex import MatchClock
 from .engine.ratelog import RateLimitedLog
 from .loop_share import LoopShare
 from .outbox import Outbox, OutboxLimits, text_size
@@ -168,7 +169,10 @@ class Connection:
                 # in other connections' frames first: fewer wake-ups per event under load); pooled
                 # ones start in threads. With the "wait" overflow policy ``rest`` awaits a pool
                 # slot: backpressure on this client only.
+                matching = MatchClock.seconds
                 run, rest = self.engine.start_event(event, self._on_outcome)
+                if share is not None:  # a plugin's regex against this owner's text: its loop time too
+                    share.spend(MatchClock.seconds - matching)
                 if rest is not None:
                     self._dispatching = None
                     await rest

@@ -38,6 +38,10 @@ class LoopShare:
         self.level = (level if level < self.capacity else self.capacity) - (now - started)
         self._at = now
 
+    def spend(self, seconds: float) -> None:
+        """Spend ``seconds`` of loop time measured elsewhere (a dispatch's regex matching)."""
+        self.level -= seconds
+
     @property
     def owed(self) -> bool:
         """True while more was spent than the share allows: the next frame waits (``wait``)."""

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 from django.core.exceptions import ValidationError
@@ -10,6 +9,7 @@ from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 
 from execapp import conf
+from execapp.engine.linear_regex import LinearRegex, RegexRefused
 
 from . import spec as specs
 from .errors import CompileError, PluginInvalid
@@ -216,10 +216,9 @@ class Binding(models.Model):
         """The pattern must make a valid matcher; raises PluginInvalid."""
         if self.kind == "regex":
             try:
-                re.compile(self.pattern)
-            except re.error as exc:
-                raise PluginInvalid(f"plugin {self.plugin.name!r} handler {self.handler!r}: regex "
-                                    f"{self.pattern!r} does not compile: {exc}") from None
+                LinearRegex(self.pattern)
+            except RegexRefused as exc:
+                raise PluginInvalid(f"plugin {self.plugin.name!r} handler {self.handler!r}: {exc}") from None
         elif self.kind == "command":
             word = self.pattern.lstrip("/")
             if not word or " " in word:

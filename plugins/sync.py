@@ -21,8 +21,8 @@ retried after ``REFUSAL_RETRY_SECONDS`` in case the machine was only busy.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
-import re
 import threading
 import time
 import weakref
@@ -32,6 +32,7 @@ from django.db import close_old_connections
 
 from execapp import conf
 from execapp.engine import Matcher
+from execapp.engine.linear_regex import LinearRegex, RegexRefused
 from execapp.seams import EngineLike, WorkerLike
 
 from .errors import PluginInvalid
@@ -173,6 +174,16 @@ def _set_hints(enabled: list[Any], not_loaded: dict[str, str]) -> None:
     _hints = hints
 
 
+@functools.lru_cache(maxsize=256)
+def _hint_regex(pattern: str) -> LinearRegex | None:
+    """A disabled binding's pattern, compiled once; None if it does not compile. RE2 like the
+    matchers themselves: this runs on the loop for every message that matched nothing."""
+    try:
+        return LinearRegex(pattern)
+    except RegexRefused:
+        return None
+
+
 def unmatched_hint(event_type: str, text: str) -> str | None:
     """Why an event matched no handler, when a disabled or unloaded plugin binds it (the hint
     provider plugins.apps registers with execapp.extensions): "/slow: plugin 'slow' is disabled"."""
@@ -190,11 +201,8 @@ def unmatched_hint(event_type: str, text: str) -> str | None:
     if event_type == "message":
         for (kind, pattern), why in hints.items():
             if kind == "regex":
-                try:
-                    found = re.search(pattern, text) is not None
-                except re.error:
-                    continue
-                if found:
+                regex = _hint_regex(pattern)
+                if regex is not None and regex.search(text):
                     return f"no enabled handler matched; regex {pattern!r} would have: {why}"
     return None
 

@@ -207,7 +207,7 @@ class Engine:
     def on_regex(self, pattern: str, handler: Handler, *, priority: int = 0, block: bool = False,
                  matcher_name: str | None = None, plugin: str | None = None,
                  timeout: float | None = None) -> Matcher:
-        """Run ``handler`` for messages whose text matches ``pattern`` (re.search)."""
+        """Run ``handler`` for messages whose text matches ``pattern`` anywhere (RE2: linear_regex)."""
         return self._register(MatcherKind.REGEX, pattern, handler, priority, block, matcher_name, plugin, timeout)
 
     def on_event(self, event_type: str, handler: Handler, *, priority: int = 0, block: bool = False,

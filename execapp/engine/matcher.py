@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import enum
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import ConfigError
+from .linear_regex import LinearRegex, RegexRefused
 from .profile import ExecProfile
 
 Handler = Callable[[Any], Any]
@@ -59,7 +59,7 @@ class Matcher:
     plugin: str | None = None
     seq: int = 0  # registration order, the tie-break for equal priorities
     timeout: float | None = None
-    _regex: re.Pattern | None = field(default=None, repr=False)
+    _regex: LinearRegex | None = field(default=None, repr=False)
     mark: bytes = field(default=b"", repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -73,9 +73,9 @@ class Matcher:
         self.mark = make_mark(self.name)  # made once: the inline path only copies it
         if self.kind is MatcherKind.REGEX:
             try:
-                self._regex = re.compile(self.pattern)
-            except re.error as exc:
-                raise ConfigError(f"matcher {self.name!r}: regex {self.pattern!r} does not compile: {exc}") from exc
+                self._regex = LinearRegex(self.pattern)
+            except RegexRefused as exc:
+                raise ConfigError(f"matcher {self.name!r}: {exc}") from None
         elif self.kind is MatcherKind.COMMAND:
             self.pattern = self.pattern.lstrip("/")
             if not self.pattern or " " in self.pattern:

@@ -157,3 +157,24 @@ def test_a_decode_share_that_is_not_a_fraction_of_the_loop_fails_the_system_chec
     assert "execapp.E045" in found and "DECODE_SHARE_PER_OWNER" in found["execapp.E045"].msg
     settings.EXECAPP = {**settings.EXECAPP, "DECODE_SHARE_PER_OWNER": 0.5}
     assert "execapp.E045" not in {m.id for m in check_execapp_settings()}
+
+
+async def test_a_plugins_regex_against_an_owners_text_is_charged_to_that_owners_share(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A regex matcher's time is loop time the frame cost, like its decoding: RE2 is linear, but a
+    64 KB message against a pattern whose DFA explodes still takes tens of ms."""
+    from execapp.engine import linear_regex
+
+    ticks = iter([0.0, 0.3] * 10)  # each match "takes" 0.3 s
+    monkeypatch.setattr(linear_regex, "perf_counter", lambda: next(ticks))
+    engine = Engine(pool_enabled=False)
+    engine.add(engine.make_matcher("regex", "forbidden", lambda ctx: "no", plugin="test"))
+    share, other = LoopShare(0.25), LoopShare(0.25)
+
+    async def send(text: str) -> None:
+        pass
+
+    conn = Connection(engine, Admission(), Limits(), send, owner="tenant:regex", decode_share=share)
+    await conn.receive(json.dumps({"id": "r1", "text": "a message"}))
+    assert share.level < -0.04 and share.owed  # 0.25 banked, 0.3 spent
+    assert other.level == pytest.approx(0.25) and not other.owed

@@ -6,6 +6,7 @@ import html
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
+from execapp.engine.linear_regex import LinearRegex
 from plugins.errors import PluginInvalid
 from plugins.models import Binding, Plugin, RegistryState
 from plugins.runtimes.wasm import wat_to_wasm
@@ -28,6 +29,30 @@ def test_a_binding_to_a_missing_handler_is_refused() -> None:
     with pytest.raises(PluginInvalid) as info:
         Binding.objects.create(plugin=plugin, pattern="bye", handler="bye")
     assert "plugin 'p': handler 'bye' is not defined" in str(info.value) and "hello" in str(info.value)
+
+
+def test_a_regex_binding_needs_a_pattern_re2_runs_in_linear_time() -> None:
+    plugin = Plugin.objects.create(name="p", runtime="js", source="function hello(ev) { return 'hi'; }")
+    with pytest.raises(PluginInvalid, match=r"plugin 'p' handler 'hello': regex 'hel\(\?=lo\)' is not RE2 syntax"):
+        Binding.objects.create(plugin=plugin, kind="regex", pattern="hel(?=lo)", handler="hello")
+    Binding.objects.create(plugin=plugin, kind="regex", pattern="(?i)^hel+o", handler="hello")
+    assert plugin.bindings.count() == 1
+
+
+def test_a_disabled_bindings_regex_hint_is_matched_in_linear_time() -> None:
+    """The hint for a message nobody matched tries the disabled bindings' patterns on the loop."""
+    from plugins import sync
+
+    sync._hints = {("regex", r"(a+)+$"): "plugin 'p' is disabled"}
+    try:
+        # With backtracking, this holds the GIL for hours (a child process would be needed to
+        # see it fail; the engine's own test does that): RE2 answers at once.
+        assert sync.unmatched_hint("message", "a" * 40 + "b") is None
+        assert sync.unmatched_hint("message", "aaa") == ("no enabled handler matched; regex '(a+)+$' would have: "
+                                                         "plugin 'p' is disabled")
+        assert isinstance(sync._hint_regex(r"(a+)+$"), LinearRegex)
+    finally:
+        sync._hints = {}
 
 
 def test_editing_code_away_from_a_bound_handler_is_refused() -> None:

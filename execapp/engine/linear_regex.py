@@ -1,0 +1,86 @@
+"""A regex matcher's pattern: RE2, matched in time linear in the text, the time it takes counted.
+
+Why not ``re``: a matcher's pattern comes from a plugin, and every plugin is hostile until proven
+otherwise. Python's backtracking ``re`` takes exponential time on patterns like ``(a+)+$`` (1.5 s
+for a 25-character message, hours for 40) and holds the GIL all along, on the event loop: one
+short frame froze the whole worker, with no deadline or supervisor able to stop it. RE2 has no
+backtracking; its cost is bounded by the text's length times the compiled program's size, which
+``MAX_PROGRAM_SIZE`` bounds. What remains (up to tens of ms for a 64 KB message against a
+pattern whose DFA states explode) is counted in ``MatchClock.seconds``, which the WebSocket
+path charges to the sending owner's share of the loop (execapp.connection).
+
+RE2 syntax is Python's without lookarounds and backreferences; ``\\d``, ``\\w``, ``\\s`` and
+``\\b`` are ASCII. A pattern RE2 refuses raises ``RegexRefused`` with RE2's reason.
+"""
+from __future__ import annotations
+
+from time import perf_counter
+
+import re2
+from re2 import _re2
+
+#: The largest compiled program a pattern may have (RE2 instructions). ``x{1000}`` is 1,004;
+#: an everyday pattern a few dozen. A match costs at most the text's length times this (RE2's
+#: NFA), much less when its DFA applies.
+MAX_PROGRAM_SIZE = 2000
+
+_OPTIONS = re2.Options()
+_OPTIONS.log_errors = False  # RE2 would log every refused pattern to stderr
+_OPTIONS.never_capture = True  # a matcher asks "does it match" only: no submatch engine, the DFA
+_UNANCHORED = _re2.RE2.Anchor.UNANCHORED
+_NO_MATCH = (-1, -1)
+
+
+class RegexRefused(ValueError):
+    """A pattern RE2 cannot compile, or whose program is over MAX_PROGRAM_SIZE."""
+
+
+class MatchClock:
+    """Seconds spent matching regex patterns in this process: a caller reads it before and after
+    a dispatch to learn that dispatch's share (the loop is one thread; another thread's matching
+    in between is attributed to it too, which only errs towards charging more)."""
+
+    seconds = 0.0
+
+
+# The last text encoded and its bytes: an event is tried against each regex candidate in turn.
+_last: list = [None, b""]
+
+
+class LinearRegex:
+    """A compiled pattern; ``search(text)`` is True when it matches anywhere in ``text``, else None."""
+
+    __slots__ = ("pattern", "_match")
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        try:
+            regexp = _re2.RE2(pattern.encode("utf-8"), _OPTIONS)
+        except UnicodeEncodeError:
+            raise RegexRefused(f"regex {pattern!r} holds a lone surrogate; write the character itself") from None
+        if not regexp.ok():
+            why = regexp.error()
+            why = why.decode("utf-8", "replace") if isinstance(why, bytes) else why
+            if "\\u" in pattern:
+                why += r"; write \x{e9} where Python's re takes \u00e9"
+            raise RegexRefused(f"regex {pattern!r} is not RE2 syntax ({why}); matchers use RE2, which "
+                               "matches in linear time: no lookarounds or backreferences") from None
+        size = regexp.ProgramSize()
+        if size > MAX_PROGRAM_SIZE:
+            raise RegexRefused(f"regex {pattern!r} compiles to {size} RE2 instructions, over the limit of "
+                               f"{MAX_PROGRAM_SIZE}; use smaller repetition counts (x{{1000}} is ~1,000)")
+        self._match = regexp.Match
+
+    def search(self, text: str) -> bool | None:
+        last = _last
+        if last[0] is text:
+            data = last[1]
+        else:
+            # surrogatepass: a lone surrogate (refused by the protocol, possible from Python
+            # callers) becomes bytes that match nothing but themselves, not an exception.
+            data = last[1] = text.encode("utf-8", "surrogatepass")
+            last[0] = text
+        started = perf_counter()
+        found = self._match(_UNANCHORED, data, 0, len(data))[0] != _NO_MATCH
+        MatchClock.seconds += perf_counter() - started
+        return True if found else None

@@ -1,0 +1,77 @@
+"""Regex matchers match in linear time (RE2): a plugin's pattern cannot stall the loop by
+backtracking, and a pattern RE2 cannot run in linear time is refused with the reason."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from execapp.engine import ConfigError, Engine
+from execapp.engine.linear_regex import MAX_PROGRAM_SIZE, LinearRegex, MatchClock, RegexRefused
+
+# Patterns Python's re backtracks on exponentially, each with a text it never finishes.
+CATASTROPHIC = [
+    (r"(a+)+$", "a" * 60 + "b"),
+    (r"(a|aa)*c", "a" * 80),
+    (r"^(\w+\s?)*$", "word " * 30 + "!"),
+    (r"(x+x+)+y", "x" * 60),
+]
+
+
+def test_catastrophic_patterns_end_at_once_through_the_engine() -> None:
+    # In a child: with backtracking, each of these holds the GIL for hours, which no timeout in
+    # this process could interrupt. 60 s is far past RE2 (microseconds) and far short of re.
+    script = textwrap.dedent(f"""
+        from execapp.engine import Engine, Event
+        from execapp.engine.linear_regex import LinearRegex
+        cases = {CATASTROPHIC!r}
+        engine = Engine(pool_enabled=False)
+        for i, (pattern, text) in enumerate(cases):
+            engine.on_regex(pattern, lambda ctx: "matched", matcher_name=f"m{{i}}")
+        for pattern, text in cases:
+            assert engine.process_event_sync(Event(text=text)).replies is not None
+            assert LinearRegex(pattern).search(text) is None, pattern
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("pattern, text, found", [
+    (r"(?i)\bforbidden\b", "it is FORBIDDEN here", True),
+    (r"(?i)\bforbidden\b", "forbiddenness", None),
+    (r"^/x", "/x y", True),
+    (r"^/x", "a /x", None),
+    ("café", "un café", True),
+    (r"caf\x{e9}", "un café", True),
+    (r"", "", True),
+    (r"\d{3}", "ab 123", True),
+])
+def test_everyday_patterns_match_as_re_does(pattern: str, text: str, found: bool | None) -> None:
+    import re
+
+    assert LinearRegex(pattern).search(text) is found
+    if "\\x{" not in pattern:  # RE2's spelling of a code point
+        assert (re.search(pattern, text) is not None) == bool(found)
+
+
+@pytest.mark.parametrize("pattern, why", [
+    (r"(a)\1", "not RE2 syntax"),
+    (r"foo(?=bar)", "not RE2 syntax"),
+    (r"(", "not RE2 syntax"),
+    (r"caf\u00e9", r"write \\x\{e9\}"),
+    ("x{1000}" * 3, f"over the limit of {MAX_PROGRAM_SIZE}"),
+])
+def test_a_pattern_that_cannot_run_in_linear_time_is_refused_with_the_reason(pattern: str, why: str) -> None:
+    with pytest.raises(RegexRefused, match=why):
+        LinearRegex(pattern)
+    with pytest.raises(ConfigError, match="matcher 'm'.*" + why.split()[0]):
+        Engine(pool_enabled=False).on_regex(pattern, lambda ctx: None, matcher_name="m")
+
+
+def test_the_time_spent_matching_is_counted() -> None:
+    before = MatchClock.seconds
+    LinearRegex(r"(.*a){20}").search("a" * 20000)
+    assert MatchClock.seconds > before
