@@ -20,9 +20,10 @@ inline, refusal policies): what that costs per event is what this module measure
    0.9 (the target range) and 1.1 (past saturation). The slow events need 10% of the rate x
    0.2 s of threads: past 3,200 events/s they overflow 64 threads for both (the minimal
    dispatcher's executor queues them without bound; the engine's default policy ``wait`` parks
-   each dispatch until a slot frees); the fast events are what is compared. 5 alternating
-   runs of 1.5 s per rate; the row under each p99 gives the ratio of every run pair (run back
-   to back), which shows how much of a difference is the neighbours' load.
+   each dispatch until a slot frees); the fast events are what is compared. 7 pairs of runs of
+   1.5 s per rate, each strategy first in every other pair; the row under each p99 gives the
+   ratio of every run pair (run back to back), which shows how much of a difference is the
+   neighbours' load.
 
 The adaptive engine is driven as a caller on the loop should drive it: ``Engine.start_event``
 (no coroutine unless a handler waits for a slot) on a prebuilt Event per kind, as the minimal
@@ -57,13 +58,19 @@ def _log(label: str, name: str, r: dict[str, Any]) -> None:
           f"{r['diagnostics']}", file=sys.stderr, flush=True)
 
 
+def _order(rep: int) -> tuple[str, ...]:
+    """The strategies in the order of repetition ``rep``: each goes first every other time, so
+    that neither always runs right after the other's threads and garbage."""
+    return STRATEGIES if rep % 2 == 0 else STRATEGIES[::-1]
+
+
 def bench_peak(profiles: dict[str, dict[str, Any]], window: float, grace: float, reps: int
                ) -> dict[str, dict[str, float]]:
     """Per strategy offered PEAK_OFFER fast events/s: median throughput (events/s) and the
     median and lowest loop CPU per completed event (seconds)."""
     got: dict[str, list[dict[str, Any]]] = {name: [] for name in STRATEGIES}
-    for _ in range(reps):
-        for name in STRATEGIES:
+    for rep in range(reps):
+        for name in _order(rep):
             r = _mixed(name, profiles, PEAK_OFFER, window, grace, slow_every=0)
             _log(f"peak (offered {PEAK_OFFER:.0f}/s)", name, r)
             got[name].append(r)
@@ -82,8 +89,8 @@ def bench_rates(profiles: dict[str, dict[str, Any]], peak: float, window: float,
     for fraction in FRACTIONS:
         rate = round(fraction * peak, -1)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in STRATEGIES}
-        for _ in range(reps):
-            for name in STRATEGIES:
+        for rep in range(reps):
+            for name in _order(rep):
                 r = _mixed(name, profiles, rate, window, grace)
                 _log(f"{rate:.0f}/s", name, r)
                 runs[name].append(r)
@@ -105,7 +112,9 @@ def _pairs_row(label: str, base: list[float], ours: list[float]) -> dict[str, An
 
 def run(quick: bool) -> list[dict[str, Any]]:
     """Peak and mixed-workload rows, adaptive vs minimal (see the module docstring)."""
-    window, grace, reps = (1.0, 0.4, 1) if quick else (1.5, 0.5, 5)
+    # 7 pairs per rate: a pair's p99 ratio ranges 0.2-8x on this 2-core machine (one run of the
+    # pair loses the loop to a neighbour), and a median of 5 still followed one or two of them.
+    window, grace, reps = (1.0, 0.4, 1) if quick else (1.5, 0.5, 7)
     profiles = _trained_profiles()
     peak = bench_peak(profiles, 1.5 if not quick else window, grace, 5 if not quick else 1)
     base, ours = peak["minimal"], peak["adaptive:wait"]
