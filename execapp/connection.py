@@ -171,7 +171,9 @@ class Connection:
                 # slot: backpressure on this client only.
                 matching = MatchClock.seconds
                 run, rest = self.engine.start_event(event, self._on_outcome)
-                if share is not None:  # a plugin's regex against this owner's text: its loop time too
+                # A plugin's regex against this owner's text is its loop time too (0.0 when no
+                # regex candidate was tried, as for a command: then no call).
+                if share is not None and MatchClock.seconds != matching:
                     share.spend(MatchClock.seconds - matching)
                 if rest is not None:
                     self._dispatching = None
