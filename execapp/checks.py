@@ -241,8 +241,10 @@ def _watchdog_checks() -> list[checks.CheckMessage]:
 
 @checks.register()
 def check_health_and_metrics_access(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    """Validate the /healthz check timings and the /metrics access settings (networks, token)."""
+    """Validate the /healthz check timings, the /metrics access settings (networks, token) and the
+    networks plugins may reach."""
     from .metrics_access import MetricsAccessConfigError, allowed_networks, metrics_token
+    from .networks import parse_networks
 
     errors: list[checks.CheckMessage] = []
     for key in ("HEALTH_CHECK_TIMEOUT_SECONDS", "HEALTH_CHECK_CACHE_SECONDS"):
@@ -256,6 +258,12 @@ def check_health_and_metrics_access(app_configs: Any = None, **kwargs: Any) -> l
     except MetricsAccessConfigError as exc:
         errors.append(checks.Error(str(exc), hint="Until fixed, /metrics refuses every scrape.", id="execapp.E061"))
         networks = ()
+    value = conf.get("PLUGIN_HTTP_ALLOWED_NETWORKS")
+    try:
+        parse_networks(() if value is None else value, "EXECAPP['PLUGIN_HTTP_ALLOWED_NETWORKS']")
+    except ValueError as exc:
+        errors.append(checks.Error(str(exc), hint="Until fixed, every plugin's http_get is refused.",
+                                   id="execapp.E063"))
     try:
         token = metrics_token()
     except MetricsAccessConfigError as exc:

@@ -88,6 +88,9 @@ DEFAULTS: dict[str, Any] = {
     # "Authorization: Bearer <token>".
     "METRICS_TOKEN": None,
     "METRICS_ALLOWED_NETWORKS": None,
+    # Non-public networks plugins' http_get may reach (a list of CIDRs, or comma-separated text);
+    # None: public addresses only (plugins/runtimes/deadline_net.py).
+    "PLUGIN_HTTP_ALLOWED_NETWORKS": None,
     # Event history (execapp/history.py, docs/observability.md "Event history"): every event's
     # trace in a bounded recent store (Redis with REDIS_URL, else this process), failures also in
     # the database for HISTORY_FAILURE_DAYS (`manage.py prune_history`). 0 events: store none

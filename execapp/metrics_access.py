@@ -11,16 +11,15 @@ import hmac
 import ipaddress
 import logging
 import os
-from typing import Any, Union
+from typing import Any
 
 from django.http import HttpRequest
 
 from . import conf
 from .engine.ratelog import RateLimitedLog
+from .networks import Network, parse_networks
 
 log = RateLimitedLog(logging.getLogger("execapp.metrics"), interval=60.0)
-
-Network = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
 
 #: Without any setting: only this host (a Prometheus on the same machine still scrapes).
 LOOPBACK = ("127.0.0.0/8", "::1/128")
@@ -49,19 +48,7 @@ def allowed_networks() -> tuple[Network, ...]:
     source = "EXECAPP['METRICS_ALLOWED_NETWORKS']"
     if value is None:
         value, source = os.environ.get("METRICS_ALLOWED_NETWORKS") or LOOPBACK, "METRICS_ALLOWED_NETWORKS"
-    if isinstance(value, str):
-        value = [part for part in value.split(",") if part.strip()]
-    if not isinstance(value, (list, tuple)):
-        raise MetricsAccessConfigError(f"{source} is {type(value).__name__} {value!r}: set a list of networks "
-                                       "like ['127.0.0.0/8', '::1/128', '10.0.0.0/8']")
-    networks = []
-    for entry in value:
-        try:
-            networks.append(ipaddress.ip_network(str(entry).strip(), strict=False))
-        except ValueError:
-            raise MetricsAccessConfigError(f"{source} entry {entry!r} is not a network: write an address or a CIDR "
-                                           "network such as '10.0.0.0/8' or '::1/128'") from None
-    return tuple(networks)
+    return parse_networks(value, source, MetricsAccessConfigError)
 
 
 def _client_in(address: str, networks: tuple[Network, ...]) -> bool:

@@ -5,15 +5,64 @@ never trips it. These sockets re-arm their timeout to what is left of the deadli
 every read and write (http.client reads through sock.makefile, i.e. recv_into), and fail at
 once when nothing is left, so name lookup, connect, TLS handshake, headers and body together
 end by the deadline (plugins.runtimes.host). No Django, no plugin state.
+
+Where a connection may go: a plugin's allowlist names hosts, but whoever controls a name's DNS
+(a plugin's author, for "api.their-plugin.example") decides which address it reaches. So every
+resolved address is checked before the connect, and only public unicast addresses are used
+(``reachable``): not loopback, private, link-local (cloud metadata at 169.254.169.254), shared,
+reserved or multicast ones, nor an IPv6 address embedding such an IPv4 one. The socket connects
+to the very address that was checked, so a DNS answer that changes between two lookups (DNS
+rebinding) changes nothing. The caller passes the non-public networks an operator allowed.
 """
 from __future__ import annotations
 
+import ipaddress
 import socket
 import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Iterator, Sequence, Union
+
+Address = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
+Network = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
+
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052: the last 32 bits are an IPv4 address
+
+
+class AddressRefused(OSError):
+    """Every address a host name resolved to is one a plugin may not reach."""
+
+    def __init__(self, host: str, addresses: list[str]) -> None:
+        super().__init__(f"{host!r} resolves only to {', '.join(addresses[:4])}, "
+                         f"{'a non-public address' if len(addresses) == 1 else 'non-public addresses'}")
+        self.host, self.addresses = host, addresses
+
+
+def _embedded(ip: Address) -> Iterator[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address carries (mapped, 6to4, Teredo, NAT64)."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            yield ip.ipv4_mapped
+        if ip.sixtofour is not None:
+            yield ip.sixtofour
+        if ip.teredo is not None:
+            yield from ip.teredo
+        if ip in _NAT64:
+            yield ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+
+
+def _public(ip: Address) -> bool:
+    return ip.is_global and not (ip.is_multicast or ip.is_reserved or ip.is_link_local or ip.is_loopback
+                                 or getattr(ip, "is_site_local", False))  # fec0::/10, deprecated but routed
+
+
+def reachable(ip: Address, allowed: Sequence[Network] = ()) -> bool:
+    """True for a public unicast address whose embedded IPv4 addresses are public too, or for an
+    address in one of the ``allowed`` networks (an operator's choice)."""
+    if any(ip.version == net.version and ip in net for net in allowed):
+        return True
+    return _public(ip) and all(_public(v4) for v4 in _embedded(ip))
 
 
 class _DeadlineIO:
@@ -76,10 +125,15 @@ def _resolve(host: str, port: int, deadline: float) -> list:
     return _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM).result(timeout=left)
 
 
-def connect(host: str, port: int, deadline: float) -> socket.socket:
-    """A TCP connection to ``host``, made and then used within ``deadline``."""
+def connect(host: str, port: int, deadline: float, allowed: Sequence[Network] = ()) -> socket.socket:
+    """A TCP connection to ``host``, made and then used within ``deadline``, to one of its addresses
+    that is ``reachable`` (raises AddressRefused when none is)."""
     error: OSError | None = None
+    refused: list[str] = []
     for family, kind, proto, _, address in _resolve(host, port, deadline):
+        if not reachable(ipaddress.ip_address(address[0]), allowed):
+            refused.append(address[0])
+            continue
         sock = _DeadlineSocket(family, kind, proto)
         sock.deadline = deadline
         try:
@@ -95,6 +149,8 @@ def connect(host: str, port: int, deadline: float) -> socket.socket:
         except OSError as exc:
             sock.close()
             error = exc
+    if error is None and refused:
+        raise AddressRefused(host, refused)
     raise error or OSError(f"no address for {host!r}")
 
 

@@ -18,11 +18,12 @@ module, like every runtime, knows no backend and imports no Django.
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import logging
 import socket
 import time
 import urllib.parse
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from ..errors import GuestQuota, GuestTimeout, HostDenied
 from ..spec import PluginSpec
@@ -42,6 +43,17 @@ HTTP_MAX_BYTES = 64 * 1024
 HTTP_MAX_REDIRECTS = 5
 HTTP_CHUNK = 16 * 1024
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
+
+
+#: The non-public networks ``http_get`` may reach (deadline_net.reachable), read at each call:
+#: the plugins app installs a reader of EXECAPP['PLUGIN_HTTP_ALLOWED_NETWORKS']; none without it.
+_allowed_networks: Callable[[], Sequence[deadline_net.Network]] = tuple
+
+
+def install_allowed_networks(reader: Callable[[], Sequence[deadline_net.Network]]) -> None:
+    """Set what ``http_get`` reads for the non-public networks an operator allowed."""
+    global _allowed_networks
+    _allowed_networks = reader
 
 
 class HostCallError(Exception):
@@ -206,6 +218,11 @@ class Host:
             self.http_requests += 1
             try:
                 status, location, body = self._fetch(parsed, deadline)
+            except deadline_net.AddressRefused as exc:
+                raise self._deny(f"http_get {url} denied ({exc})",
+                                 f"http_get: {exc}; plugins reach public addresses only (an operator can allow a "
+                                 "network with EXECAPP['PLUGIN_HTTP_ALLOWED_NETWORKS'], or list the address itself "
+                                 "on the plugin's HTTP allowlist)") from None
             except (TimeoutError, socket.timeout):
                 if time.monotonic() >= self.deadline or deadline == self.deadline:
                     raise GuestTimeout(f"http_get: {url} ran past the plugin's "
@@ -224,6 +241,18 @@ class Host:
             return body.decode("utf-8", "replace")
         raise HostCallError(f"http_get: more than {HTTP_MAX_REDIRECTS} redirects from {url}")
 
+    def _networks(self, host: str) -> list[deadline_net.Network]:
+        """The non-public networks this connection may reach: the operator's, plus the host itself
+        when it is an address the plugin's allowlist names exactly (also the operator's choice)."""
+        try:
+            networks = list(_allowed_networks())
+        except ValueError as exc:  # fail closed: `manage.py check` reports the setting too
+            raise HostCallError(f"http_get: refused, the worker's allowed networks are invalid: {exc}") from None
+        literal = _ip_literal(host)
+        if literal is not None and host_allowed(host, self.spec.http_allowlist):
+            networks.append(ipaddress.ip_network(literal))
+        return networks
+
     def _fetch(self, parsed: urllib.parse.SplitResult, deadline: float) -> tuple[int, str | None, bytes]:
         """One GET: ``(status, Location header, body)``; the body only for a 2xx answer."""
         host = parsed.hostname or ""
@@ -231,7 +260,7 @@ class Host:
         port = parsed.port or (443 if https else 80)
         conn = http.client.HTTPConnection(host, port)
         try:
-            sock = conn.sock = deadline_net.connect(host, port, deadline)
+            sock = conn.sock = deadline_net.connect(host, port, deadline, self._networks(host))
             if https:
                 conn.sock = deadline_net.tls(sock, host, deadline)
             # The socket is connected and deadline-bound: http.client only writes and reads it.
@@ -276,14 +305,24 @@ class Host:
                                         f"{self.quotas.http_bytes}; fetch less, or raise the quota")
 
 
+def _ip_literal(host: str) -> deadline_net.Address | None:
+    """``host`` as an IP address if it is one (``[::1]`` as an allowlist entry too), else None."""
+    try:
+        return ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+
+
 def host_allowed(hostname: str, allowlist: tuple[str, ...]) -> bool:
-    """True if ``hostname`` is listed exactly, or matches a ``*.domain`` entry."""
+    """True if ``hostname`` is listed exactly, or is a name (not an address) matching a ``*.domain`` entry."""
     hostname = hostname.lower().rstrip(".")
+    address = _ip_literal(hostname)
     for entry in allowlist:
         entry = entry.lower().strip()
-        if entry.startswith("*.") and (hostname.endswith(entry[1:]) or hostname == entry[2:]):
-            return True
-        if hostname == entry:
+        if address is not None:  # 127.0.0.1 and ::1 match only themselves, in any spelling
+            if _ip_literal(entry) == address:
+                return True
+        elif hostname == entry or entry.startswith("*.") and (hostname.endswith(entry[1:]) or hostname == entry[2:]):
             return True
     return False
 

@@ -121,3 +121,11 @@ def test_a_real_server_with_a_token_and_a_same_host_proxy(asgi_server_factory: A
     assert status == 200 and "execapp_events_total" in body
     status, body = get(Authorization=f"Bearer {TOKEN}", **{"X-Forwarded-For": "203.0.113.7"})
     assert status == 403 and "203.0.113.7" in body
+
+
+def test_an_invalid_list_of_networks_plugins_may_reach_fails_the_checks(settings: Any) -> None:
+    settings.EXECAPP = {"PLUGIN_HTTP_ALLOWED_NETWORKS": ["10.0.0.0/8", "intranet"]}
+    errors = [m for m in checks.run_checks() if m.id == "execapp.E063"]
+    assert len(errors) == 1 and "'intranet' is not a network" in errors[0].msg
+    settings.EXECAPP = {"PLUGIN_HTTP_ALLOWED_NETWORKS": "10.0.0.0/8, fd00::/8"}
+    assert "execapp.E063" not in {m.id for m in checks.run_checks()}

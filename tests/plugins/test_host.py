@@ -1,6 +1,7 @@
 """The host API: permissions, the HTTP allowlist with a real local server, caps and deadlines."""
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -10,6 +11,7 @@ import pytest
 from execapp.engine import HandlerError, HandlerTimeout
 from plugins.errors import HostDenied
 from plugins.loaded import LoadedPlugin
+from plugins.runtimes.deadline_net import reachable
 from plugins.runtimes.host import HTTP_MAX_BYTES, Host, HostCallError, host_allowed
 from plugins.spec import PluginSpec
 
@@ -21,6 +23,11 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/redirect":
             self.send_response(302)
             self.send_header("Location", "http://elsewhere.invalid/")
+            self.end_headers()
+            return
+        elif self.path == "/to-localhost":  # an allowlisted name, but one that resolves to loopback
+            self.send_response(302)
+            self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/")
             self.end_headers()
             return
         else:
@@ -60,6 +67,46 @@ def test_http_get_refuses_hosts_off_the_allowlist(http_server: str) -> None:
         host().http_get(http_server + "/redirect")
     with pytest.raises(HostDenied, match="no 'http' permission"):
         host(permissions=("log",)).http_get(http_server + "/")
+
+
+@pytest.mark.parametrize("address, public", [
+    ("8.8.8.8", True), ("2606:4700::1111", True), ("2002:808:808::1", True),
+    ("127.0.0.1", False), ("10.1.2.3", False), ("172.16.0.1", False), ("192.168.1.1", False),
+    ("169.254.169.254", False), ("100.64.0.1", False), ("0.0.0.0", False), ("224.0.0.1", False),
+    ("255.255.255.255", False), ("240.0.0.1", False), ("::1", False), ("::", False), ("fe80::1", False),
+    ("fc00::1", False), ("fec0::1", False), ("ff02::1", False), ("::ffff:127.0.0.1", False),
+    ("64:ff9b::7f00:1", False), ("2002:7f00:1::1", False), ("2001:db8::1", False),
+])
+def test_only_public_unicast_addresses_are_reachable(address: str, public: bool) -> None:
+    assert reachable(ipaddress.ip_address(address)) is public
+    if not public and ":" not in address:  # an operator's network makes it reachable
+        assert reachable(ipaddress.ip_address(address), [ipaddress.ip_network(address)])
+
+
+def test_a_name_that_resolves_to_a_non_public_address_is_refused(http_server: str, settings) -> None:
+    """The allowlist names a host; whoever controls its DNS picks the address: loopback here,
+    cloud metadata or an internal service in production."""
+    port = http_server.rsplit(":", 1)[1]
+    h = host(allow=("localhost",))
+    with pytest.raises(HostDenied, match=r"'localhost' resolves only to .*non-public.*PLUGIN_HTTP_ALLOWED_NETWORKS"):
+        h.http_get(f"http://localhost:{port}/")
+    assert h.denied == 1
+    # ... and so is a redirect from an allowed address to such a name.
+    with pytest.raises(HostDenied, match="resolves only to"):
+        host(allow=("127.0.0.1", "localhost")).http_get(http_server + "/to-localhost")
+    # An operator can allow the network.
+    settings.EXECAPP = {"PLUGIN_HTTP_ALLOWED_NETWORKS": "127.0.0.0/8"}
+    assert host(allow=("localhost",)).http_get(f"http://localhost:{port}/") == "hello from the host"
+    settings.EXECAPP = {"PLUGIN_HTTP_ALLOWED_NETWORKS": ["not-a-network"]}
+    with pytest.raises(HostCallError, match="allowed networks are invalid.*'not-a-network' is not a network"):
+        host().http_get(http_server + "/")
+
+
+def test_an_address_reaches_only_itself_on_the_allowlist(http_server: str) -> None:
+    assert host_allowed("::1", ("[::1]",)) and host_allowed("127.0.0.1", (" 127.0.0.1 ",))
+    assert not host_allowed("127.0.0.1", ("*.0.0.1",)) and host_allowed("a.example.com", ("*.example.com",))
+    with pytest.raises(HostDenied, match="not on plugin 'h'"):
+        host(allow=("*.0.0.1",)).http_get(http_server + "/")
 
 
 def test_http_get_caps_the_response(http_server: str) -> None:
