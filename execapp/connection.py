@@ -17,7 +17,6 @@ from . import extensions, history, metrics, resend
 from .codes import ERROR, OK
 from .engine import Completion, Event
 from .engine.event import EventRun, Outcome, OutcomeCallback
-from .engine.linear_regex import MatchClock
 from .engine.ratelog import RateLimitedLog
 from .loop_share import LoopShare
 from .outbox import Outbox, OutboxLimits, text_size
@@ -95,8 +94,9 @@ class Connection:
         self.group_outbox = (Outbox(self._publish_one, "execapp-ws-group", warn=True, limits=bounds)
                              if publish is not None else None)
         self._join = join
-        #: The loop time this connection's owner may spend decoding frames (execapp.loop_share;
-        #: shared by the owner's connections on this worker); None: not limited.
+        #: The loop time this connection's owner may spend on its frames (decoding, dispatch) while
+        #: other owners are active (execapp.loop_share; shared by the owner's connections on this
+        #: worker); None: not limited.
         self._decode_share = decode_share
         self.sessions: set[str] = set()
         #: event id -> its session (None without one), from acceptance until its done is queued.
@@ -124,9 +124,9 @@ class Connection:
                 await self.outbox.wait_room()
             if self.group_outbox is not None and self.group_outbox.full:
                 await self.group_outbox.wait_room()
-            # The owner spent its share of the loop on decoding: stop reading until it refilled.
+            # The owner spent its share of the loop while others wanted it: stop reading until it refilled.
             share = self._decode_share
-            if share is not None and share.level < 0 and share.owed:
+            if share is not None and share.level < 0 and share.enforced and share.owed:
                 metrics.LOOP_SHARE_WAITS.inc()
                 await share.wait()
             try:
@@ -169,12 +169,14 @@ class Connection:
                 # in other connections' frames first: fewer wake-ups per event under load); pooled
                 # ones start in threads. With the "wait" overflow policy ``rest`` awaits a pool
                 # slot: backpressure on this client only.
-                matching = MatchClock.seconds
-                run, rest = self.engine.start_event(event, self._on_outcome)
-                # A plugin's regex against this owner's text is its loop time too (0.0 when no
-                # regex candidate was tried, as for a command: then no call).
-                if share is not None and MatchClock.seconds != matching:
-                    share.spend(MatchClock.seconds - matching)
+                if share is None:
+                    run, rest = self.engine.start_event(event, self._on_outcome)
+                else:  # the dispatch is this owner's loop time too: regex matching, inline handlers
+                    started = monotonic()
+                    try:
+                        run, rest = self.engine.start_event(event, self._on_outcome)
+                    finally:
+                        share.spend_since(started)
                 if rest is not None:
                     self._dispatching = None
                     await rest

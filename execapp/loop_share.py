@@ -1,11 +1,19 @@
 """A share of the event loop's time: a token bucket of seconds, charged for work done on the loop.
 
-Why: one frame of at most ``MAX_FRAME_BYTES`` costs up to ~10 ms of decoding on the loop (a
-64 KB frame of nested arrays; tests/execapp/test_hostile_clients.py), and size and depth limits
-bound one frame, not how many arrive. A client sending such frames back to back held the loop
-that every other connection of the worker shares. Each owner's connections on a worker now
-share one ``LoopShare`` (execapp.worker): past its share the connections stop reading their
-frames until it refilled, which is TCP backpressure on that client and nobody else.
+Why: one worker's event loop serves every connection of every owner on it, and size and depth
+limits bound one frame, not how many arrive. A client sending 64 KB frames of nested arrays
+back to back (~5-10 ms of decoding each), or cheap frames over many connections whose handlers
+run inline, held the loop that every other owner's connections share. Each owner's connections
+on a worker now share one ``LoopShare`` (execapp.worker), charged for the loop time each frame
+costs: its decoding, and its dispatch (regex matching, inline handlers, outcome frames). Past
+its share the owner's connections stop reading until it refilled, which is TCP backpressure on
+that client and nobody else.
+
+Only while it takes from someone: the shares of one worker form a ``ShareGroup``, which knows
+whether more than one owner sent a frame within the last ``window``. An owner alone on a worker
+(a single-tenant deployment, a benchmark) is never throttled; once another owner is active,
+each gets at least its share, and the whole loop split evenly when fewer than ``1 / share``
+owners are busy (work-conserving between heavy owners).
 
 Used on the event loop only (``spend_since`` and ``wait`` run in ``Connection.receive``), so no lock.
 """
@@ -15,12 +23,43 @@ import asyncio
 import time
 
 
+class ShareGroup:
+    """The loop shares of one worker's owners: which were active within ``window`` seconds."""
+
+    __slots__ = ("window", "contended", "fair", "_active", "_pruned")
+
+    def __init__(self, window: float = 1.0) -> None:
+        self.window = window
+        #: More than one owner sent a frame within the window: shares are enforced.
+        self.contended = False
+        #: The loop split evenly between the active owners (each share is at least this).
+        self.fair = 1.0
+        self._active: dict[LoopShare, float] = {}
+        self._pruned = time.monotonic()
+
+    def saw(self, share: "LoopShare", now: float) -> None:
+        """``share`` spent loop time at ``now``: O(1), and once a window O(active owners)."""
+        active = self._active
+        new = share not in active
+        active[share] = now
+        if now - self._pruned >= self.window:
+            self._pruned = now
+            limit = now - self.window
+            for stale in [s for s, at in active.items() if at < limit]:
+                del active[stale]
+        elif not new:
+            return
+        # A second owner shows up (or one went quiet): enforced at once, relaxed within a window.
+        self.contended = len(active) > 1
+        self.fair = 1.0 / len(active)
+
+
 class LoopShare:
     """``share`` seconds of loop time per second (at most ``share`` seconds banked), spent by ``spend_since``."""
 
-    __slots__ = ("share", "capacity", "level", "_at", "throttled")
+    __slots__ = ("share", "capacity", "level", "_at", "throttled", "group")
 
-    def __init__(self, share: float, burst_seconds: float = 1.0) -> None:
+    def __init__(self, share: float, burst_seconds: float = 1.0, group: ShareGroup | None = None) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"a loop share is a fraction of one event loop in (0, 1], got {share!r}")
         self.share = share
@@ -29,27 +68,44 @@ class LoopShare:
         self._at = time.monotonic()
         #: Times a connection waited for this share to refill (execapp_loop_share_waits_total).
         self.throttled = 0
+        #: The worker's shares; None: this one alone, always enforced.
+        self.group = group
 
     def spend_since(self, started: float) -> None:
         """Spend the loop time since ``started`` (a ``time.monotonic()`` reading); the level may go
-        below zero: the next ``wait`` repays it. (One clock reading serves the cost and the refill.)"""
+        below zero while the share is enforced: the next ``wait`` repays it. (One clock reading
+        serves the cost and the refill.)"""
         now = time.monotonic()
-        level = self.level + (now - self._at) * self.share
-        self.level = (level if level < self.capacity else self.capacity) - (now - started)
+        level = self.level + (now - self._at) * self.rate
+        level = (level if level < self.capacity else self.capacity) - (now - started)
+        group = self.group
+        if group is not None:
+            group.saw(self, now)
+            # Time spent while no other owner was active is no debt to repay once one is.
+            if level < 0 and not group.contended:
+                level = 0.0
+        self.level = level
         self._at = now
 
-    def spend(self, seconds: float) -> None:
-        """Spend ``seconds`` of loop time measured elsewhere (a dispatch's regex matching)."""
-        self.level -= seconds
+    @property
+    def rate(self) -> float:
+        """Loop seconds per second this share refills at: its share, or the even split if more."""
+        group = self.group
+        return self.share if group is None or group.fair < self.share else group.fair
+
+    @property
+    def enforced(self) -> bool:
+        """True while this owner takes from others: another owner was active within the window."""
+        return self.group is None or self.group.contended
 
     @property
     def owed(self) -> bool:
         """True while more was spent than the share allows: the next frame waits (``wait``)."""
-        return self.level < 0 and self.level + (time.monotonic() - self._at) * self.share < 0
+        return self.level < 0 and self.level + (time.monotonic() - self._at) * self.rate < 0
 
     async def wait(self) -> None:
         """Sleep until the share is back to zero (what the owner overspent, at the share's rate)."""
         self.throttled += 1
         while self.owed:
-            deficit = -(self.level + (time.monotonic() - self._at) * self.share)
-            await asyncio.sleep(deficit / self.share)
+            deficit = -(self.level + (time.monotonic() - self._at) * self.rate)
+            await asyncio.sleep(deficit / self.rate)

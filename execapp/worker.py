@@ -13,7 +13,7 @@ from typing import Any
 
 from . import conf, extensions
 from .engine import Engine, ExecPool, ExecProfile
-from .loop_share import LoopShare
+from .loop_share import LoopShare, ShareGroup
 from .seams import Service, ServiceFactory
 from .watchdog_worker import WorkerWatch
 
@@ -81,6 +81,7 @@ class Worker:
         #: Open WebSocket connections by owner (connection_opened / connection_closed).
         self._connections: dict[str, int] = {}
         self._decode_shares: dict[str, LoopShare] = {}
+        self._share_group = ShareGroup()  # enforces the shares only while two owners are active
         #: Set once this worker asked its supervisor for a replacement (too many stuck pool threads).
         self.recycling = False
         # Under the execapp.serve supervisor: this process's watchdog slot. The engine marks every
@@ -166,11 +167,12 @@ class Worker:
             self._decode_shares.pop(owner, None)
 
     def decode_share(self, owner: str, share: float) -> LoopShare:
-        """The share of this worker's loop ``owner``'s connections spend on decoding frames, one for
-        all of them (event loop; dropped with the owner's last connection)."""
+        """The share of this worker's loop ``owner``'s connections may spend on their frames while
+        other owners are active, one for all of them (event loop; dropped with the owner's last
+        connection)."""
         found = self._decode_shares.get(owner)
         if found is None:
-            found = self._decode_shares[owner] = LoopShare(share)
+            found = self._decode_shares[owner] = LoopShare(share, group=self._share_group)
         return found
 
     def begin_event(self) -> bool:

@@ -6,15 +6,13 @@ for a 25-character message, hours for 40) and holds the GIL all along, on the ev
 short frame froze the whole worker, with no deadline or supervisor able to stop it. RE2 has no
 backtracking; its cost is bounded by the text's length times the compiled program's size, which
 ``MAX_PROGRAM_SIZE`` bounds. What remains (up to tens of ms for a 64 KB message against a
-pattern whose DFA states explode) is counted in ``MatchClock.seconds``, which the WebSocket
-path charges to the sending owner's share of the loop (execapp.connection).
+pattern whose DFA states explode) is part of the dispatch's time, which the WebSocket path
+charges to the sending owner's share of the loop (execapp.loop_share).
 
 RE2 syntax is Python's without lookarounds and backreferences; ``\\d``, ``\\w``, ``\\s`` and
 ``\\b`` are ASCII. A pattern RE2 refuses raises ``RegexRefused`` with RE2's reason.
 """
 from __future__ import annotations
-
-from time import perf_counter
 
 import re2
 from re2 import _re2
@@ -33,14 +31,6 @@ _NO_MATCH = (-1, -1)
 
 class RegexRefused(ValueError):
     """A pattern RE2 cannot compile, or whose program is over MAX_PROGRAM_SIZE."""
-
-
-class MatchClock:
-    """Seconds spent matching regex patterns in this process: a caller reads it before and after
-    a dispatch to learn that dispatch's share (the loop is one thread; another thread's matching
-    in between is attributed to it too, which only errs towards charging more)."""
-
-    seconds = 0.0
 
 
 # The last text encoded and its bytes: an event is tried against each regex candidate in turn.
@@ -80,7 +70,4 @@ class LinearRegex:
             # callers) becomes bytes that match nothing but themselves, not an exception.
             data = last[1] = text.encode("utf-8", "surrogatepass")
             last[0] = text
-        started = perf_counter()
-        found = self._match(_UNANCHORED, data, 0, len(data))[0] != _NO_MATCH
-        MatchClock.seconds += perf_counter() - started
-        return True if found else None
+        return True if self._match(_UNANCHORED, data, 0, len(data))[0] != _NO_MATCH else None

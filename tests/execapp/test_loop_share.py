@@ -89,7 +89,13 @@ async def test_an_owner_past_its_decode_share_is_read_no_faster_than_the_share_a
         parse_request(frame, None, Limits())
         costs.append(time.perf_counter() - started)
     cost = statistics.median(costs)
-    share = LoopShare(0.05)
+    # Twenty other owners active as well (the window outlasts the test): with only two, each
+    # could take half the loop; with 22 every one gets its configured 0.05.
+    group = loop_share.ShareGroup(window=30.0)
+    for _ in range(20):
+        LoopShare(0.05, group=group).spend_since(time.monotonic())
+    share = LoopShare(0.05, group=group)
+    assert share.rate == 0.05
     sent: list[str] = []
 
     async def send(text: str) -> None:
@@ -113,7 +119,8 @@ async def test_an_owner_past_its_decode_share_is_read_no_faster_than_the_share_a
     async def calm_send(text: str) -> None:
         calm_sent.append(text)
 
-    calm = Connection(engine, Admission(), Limits(), calm_send, owner="tenant:calm", decode_share=LoopShare(0.05))
+    calm = Connection(engine, Admission(), Limits(), calm_send, owner="tenant:calm",
+                      decode_share=LoopShare(0.05, group=group))
     for i in range(5):
         await asyncio.wait_for(calm.receive(json.dumps({"id": f"c{i}", "text": "/ping"})), 5.0)
         await asyncio.sleep(0.1)
@@ -159,22 +166,49 @@ def test_a_decode_share_that_is_not_a_fraction_of_the_loop_fails_the_system_chec
     assert "execapp.E045" not in {m.id for m in check_execapp_settings()}
 
 
-async def test_a_plugins_regex_against_an_owners_text_is_charged_to_that_owners_share(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A regex matcher's time is loop time the frame cost, like its decoding: RE2 is linear, but a
-    64 KB message against a pattern whose DFA explodes still takes tens of ms."""
-    from execapp.engine import linear_regex
+def test_a_share_is_enforced_only_while_another_owner_is_active(clock: Clock) -> None:
+    """Alone on a worker an owner may use the whole loop (and owes nothing for it); a second active
+    owner makes both shares count at once, and the loop is split evenly while that is more."""
+    group = loop_share.ShareGroup(window=1.0)
+    a, b = LoopShare(0.25, group=group), LoopShare(0.25, group=group)
+    a.spend_since(clock.now - 5.0)  # 5 s of loop alone: no debt
+    assert not a.enforced and a.level == 0.0 and not a.owed
+    clock.now += 0.01
+    b.spend_since(clock.now)  # another owner shows up
+    assert a.enforced and b.enforced and a.rate == b.rate == 0.5  # two owners: half the loop each
+    a.spend_since(clock.now - 0.3)
+    assert a.owed
+    for _ in range(3):  # b goes quiet: relaxed within two windows
+        clock.now += 0.6
+        a.spend_since(clock.now)
+    assert not a.enforced and a.rate == 1.0 and not a.owed  # alone again: the whole loop
 
-    ticks = iter([0.0, 0.3] * 10)  # each match "takes" 0.3 s
-    monkeypatch.setattr(linear_regex, "perf_counter", lambda: next(ticks))
+
+async def test_an_owner_s_dispatch_is_charged_to_its_share_while_another_owner_is_active(
+        clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inline handlers and regex matching are the owner's loop time too: cheap frames whose handlers
+    run on the loop, sent over many connections, held it as heavy frames did."""
+    from execapp import connection
+
+    monkeypatch.setattr(connection, "monotonic", clock)
+
+    def burn(ctx: Any) -> str:  # an inline handler that takes 0.2 s of the loop
+        clock.now += 0.2
+        return "done"
+
     engine = Engine(pool_enabled=False)
-    engine.add(engine.make_matcher("regex", "forbidden", lambda ctx: "no", plugin="test"))
-    share, other = LoopShare(0.25), LoopShare(0.25)
+    engine.add(engine.make_matcher("regex", "work", burn, plugin="test"))
+    group = loop_share.ShareGroup()
+    busy, calm = LoopShare(0.25, group=group), LoopShare(0.25, group=group)
 
     async def send(text: str) -> None:
         pass
 
-    conn = Connection(engine, Admission(), Limits(), send, owner="tenant:regex", decode_share=share)
-    await conn.receive(json.dumps({"id": "r1", "text": "a message"}))
-    assert share.level < -0.04 and share.owed  # 0.25 banked, 0.3 spent
-    assert other.level == pytest.approx(0.25) and not other.owed
+    conn = Connection(engine, Admission(), Limits(), send, owner="tenant:busy", decode_share=busy)
+    other = Connection(engine, Admission(), Limits(), send, owner="tenant:calm", decode_share=calm)
+    await other.receive(json.dumps({"id": "c1", "text": "hello"}))  # the other owner is active
+    await conn.receive(json.dumps({"id": "w1", "text": "work"}))
+    assert busy.level == pytest.approx(0.05) and not busy.owed  # 0.25 banked, 0.2 spent by the handler
+    await conn.receive(json.dumps({"id": "w2", "text": "work"}))
+    assert busy.owed and busy.enforced
+    assert calm.level == pytest.approx(0.25) and not calm.owed
