@@ -127,7 +127,9 @@ if LOG_FORMAT not in ("plain", "json"):
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+    # plain: a client's or a plugin's text in a message cannot start a line of its own (execapp/logtext.py).
+    "formatters": {"plain": {"()": "execapp.logtext.PlainFormatter",
+                             "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s"},
                    "json": {"()": "execapp.logjson.JsonFormatter"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT}},
     "loggers": {

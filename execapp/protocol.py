@@ -227,31 +227,58 @@ def _check_unicode(obj: Any) -> None:
         return
     except UnicodeEncodeError:
         pass
-    # The rare path: find where, iteratively (depth is already bounded, but no recursion anyway).
-    stack: list[tuple[str, Any]] = [("", obj)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if not _valid_unicode(value):
-                break
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if not _valid_unicode(key):
-                    path = f"{path}.<key>" if path else "<key>"
-                    break
-                stack.append((f"{path}.{key}" if path else key, item))
-            else:
-                continue
-            break
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
-    else:
-        path = "frame"
+    path = _unicode_path(obj)
     eid = obj.get("id")
     eid = eid if isinstance(eid, str) and 0 < len(eid) <= MAX_ID_CHARS and _valid_unicode(eid) else None
     raise ProtocolError("bad_event", f"{_clip(path or 'frame')}: not valid Unicode (a lone UTF-16 surrogate escape "
                                      "such as \\ud800); escape whole characters (a surrogate pair) or send UTF-8",
                         eid)
+
+
+#: What the search below descends into or checks; numbers, booleans and null cannot be invalid.
+_TEXT_OR_NESTED = frozenset((str, dict, list))
+
+
+def _unicode_path(obj: Any) -> str:
+    """Where in ``obj`` the first string (or key) that is not valid Unicode is, e.g. ``data.a[1].b``
+    (``data.<key>`` for a key); "" if none is.
+
+    O(size of obj): each value is reached through a link to its parent, ``(parent link, key or
+    index)``, and only the found one's path is written out. (Writing every value's path as it was
+    reached cost O(size x path length): a 64 KB frame of long nested keys over a list of 16,000
+    numbers made 500 MB of path strings, 0.3 s on the event loop.)
+    """
+    stack: list[tuple[Any, Any]] = [(None, obj)]
+    while stack:
+        link, value = stack.pop()
+        if value.__class__ is str:
+            if not _valid_unicode(value):
+                return _path(link)
+        elif value.__class__ is dict:
+            for key, item in value.items():
+                if not _valid_unicode(key):
+                    return _path((link, None))
+                if item.__class__ in _TEXT_OR_NESTED:
+                    stack.append(((link, key), item))
+        elif value.__class__ is list:
+            stack.extend(((link, i), item) for i, item in enumerate(value) if item.__class__ in _TEXT_OR_NESTED)
+    return ""
+
+
+def _path(link: Any) -> str:
+    """The text of a ``_unicode_path`` link: keys joined by dots, indexes in brackets, None as ``<key>``."""
+    steps: list[Any] = []
+    while link is not None:
+        link, step = link
+        steps.append(step)
+    out = ""
+    for step in reversed(steps):
+        if step.__class__ is int:
+            out += f"[{step}]"
+        else:
+            name = "<key>" if step is None else step
+            out = f"{out}.{name}" if out else name
+    return out
 
 
 def _valid_unicode(text: str) -> bool:

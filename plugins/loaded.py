@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable
 from execapp.engine import Context, ExecClass, HandlerTimeout
 
 from .errors import CompileError, PluginInvalid
-from .runtimes.base import Compiled
+from .runtimes.base import MAX_REPLY_BYTES, Compiled, reply_bytes
 from .runtimes.registry import compile_plugin
 from .spec import PluginSpec
 from .strategies import PluginCall, Slots, Strategy, make_strategy
@@ -29,6 +29,8 @@ COMPILED_CACHE_SIZE = 128
 #: that escapes it (a C call no hook reaches), so the grace is wide enough never to race the
 #: sandbox and small enough that such a run still ends within 2x its budget + 0.5 s.
 ENGINE_GRACE_SECONDS = 0.5
+#: A text reply this short is within MAX_REPLY_BYTES whatever its characters (4 bytes at most each).
+_SHORT_REPLY_CHARS = MAX_REPLY_BYTES // 4
 
 
 @atexit.register
@@ -124,6 +126,7 @@ class LoadedPlugin:
         call = self.call
         sync = ExecClass.SYNC
         own = self.spec.timeout
+        too_large = self.strategy.reply_too_large
 
         def run(ctx: Context) -> Any:
             event = ctx.event.to_dict()
@@ -131,7 +134,17 @@ class LoadedPlugin:
             inline = ctx.exec_class is sync
             deadline = ctx.deadline
             try:
-                return call(handler, event, not inline, deadline)
+                reply = call(handler, event, not inline, deadline)
+                # The reply's size is checked here, inside the handler's measured run, for every
+                # runtime: what comes after (its frame, the outbox, the write, the history) runs on
+                # the event loop outside that measure, in time linear in the reply. A short text
+                # (at most 4 bytes a character) needs no count.
+                if reply is None or (reply.__class__ is str and len(reply) <= _SHORT_REPLY_CHARS):
+                    return reply
+                size = reply_bytes(reply)
+                if size > MAX_REPLY_BYTES:
+                    raise too_large(handler, size)
+                return reply
             except HandlerTimeout as exc:
                 if inline and deadline is not None and _now() >= deadline:
                     # Stopped by the inline budget, not by the plugin's own timeout.

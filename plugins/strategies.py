@@ -38,7 +38,7 @@ from .errors import (
     PluginUnavailable,
     QuotaExceeded,
 )
-from .runtimes.base import Compiled, Instance
+from .runtimes.base import MAX_REPLY_BYTES, Compiled, Instance, clip_error
 from .spec import PluginSpec
 
 _Empty = queue.Empty
@@ -196,19 +196,31 @@ class Strategy(abc.ABC):
                                  "the plugin's current version, if the plugin is still enabled)")
 
     def _failed(self, handler: str, exc: GuestError) -> Exception:
-        """Count a guest failure and turn it into the engine's error naming plugin and handler."""
+        """Count a guest failure and turn it into the engine's error naming plugin and handler.
+
+        The guest's message is cut to MAX_ERROR_CHARS: it is the guest's own text (a JS throw of
+        a 16 MB string), and every copy of it downstream runs on the event loop."""
         spec = self.spec
         timeout = isinstance(exc, GuestTimeout)
         with self._lock:
             self.errors_total += not timeout
             self.timeouts_total += timeout
+        detail = clip_error(str(exc))
         if timeout:
-            return HandlerTimeout(f"plugin {spec.name!r} handler {handler!r}: timeout: {exc}")
+            return HandlerTimeout(f"plugin {spec.name!r} handler {handler!r}: timeout: {detail}")
         if isinstance(exc, GuestQuota):
-            return QuotaExceeded(f"plugin {spec.name!r} handler {handler!r}: {exc.code}: {exc}", exc.code)
+            return QuotaExceeded(f"plugin {spec.name!r} handler {handler!r}: {exc.code}: {detail}", exc.code)
         if isinstance(exc, GuestMemory):
-            return PluginMemoryExceeded(f"plugin {spec.name!r} handler {handler!r}: {exc}")
-        return HandlerError(f"plugin {spec.name!r} handler {handler!r}: {spec.runtime} error: {exc}")
+            return PluginMemoryExceeded(f"plugin {spec.name!r} handler {handler!r}: {detail}")
+        return HandlerError(f"plugin {spec.name!r} handler {handler!r}: {spec.runtime} error: {detail}")
+
+    def reply_too_large(self, handler: str, size: int) -> HandlerError:
+        """Count a reply over MAX_REPLY_BYTES as the handler's error (plugins.loaded refuses it)."""
+        with self._lock:
+            self.errors_total += 1
+        return HandlerError(f"plugin {self.spec.name!r} handler {handler!r}: its reply is {size} bytes (UTF-8 of the "
+                            f"text, or of the data's JSON), over the limit of {MAX_REPLY_BYTES} bytes "
+                            "(MAX_REPLY_BYTES); reply with less, e.g. a summary or a key kept with kv_set")
 
     def _new(self) -> Instance:
         inst = self.compiled.new_instance()

@@ -7,8 +7,15 @@ from typing import Any, Callable, Protocol
 
 from ..spec import PluginSpec
 
-#: Bytes of JSON/text a reply may carry back from a guest.
+#: Bytes of JSON/text a reply may carry back from a guest, whatever its runtime (UTF-8 of the text
+#: reply, or of the data reply's JSON): checked for every call on its way to the engine
+#: (plugins.loaded), since each reply is encoded, queued and written on the event loop after its
+#: handler's time was measured.
 MAX_REPLY_BYTES = 256 * 1024
+#: Characters of a guest's error message kept (the rest is cut and counted; plugins.strategies):
+#: the message is copied into the error frame, the profile and the history on the event loop.
+#: Above the Lua sandbox's own cut (4 KiB and its note, lua_sandbox.lua), which stays as it is.
+MAX_ERROR_CHARS = 8192
 
 
 class Instance(Protocol):
@@ -81,6 +88,26 @@ def to_reply(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return str(value)
+
+
+def reply_bytes(value: Any) -> int:
+    """The UTF-8 size of a reply (what ``to_reply`` gives) as a client gets it: a text reply's own,
+    a data reply's JSON; 0 for None. O(1) for ASCII text, O(size) otherwise."""
+    if value is None:
+        return 0
+    if value.__class__ is not str:
+        try:
+            value = to_json(value)
+        except (TypeError, ValueError, RecursionError):  # not JSON: sent as a short repr (execapp.protocol)
+            return 0
+    return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+
+
+def clip_error(message: str) -> str:
+    """``message`` cut to MAX_ERROR_CHARS characters, saying how long it was."""
+    if len(message) <= MAX_ERROR_CHARS:
+        return message
+    return f"{message[:MAX_ERROR_CHARS]} ... (cut: the message was {len(message)} characters)"
 
 
 def _make_to_json() -> Any:

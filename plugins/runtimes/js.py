@@ -46,7 +46,7 @@ import quickjs
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from . import js_deadline
-from .base import FreshInstanceIsolation, scan_json, to_json, to_reply
+from .base import MAX_REPLY_BYTES, FreshInstanceIsolation, scan_json, to_json, to_reply
 from .host import Host
 
 if not quickjs._quickjs.__file__.endswith(".abi3.so"):
@@ -474,6 +474,9 @@ class JsInstance:
             if out == 1:  # another plain value: its JSON (else its toJSON threw: the state says so)
                 out = (self._value or self._entry("_value", "__execapp_value"))()
                 if out.__class__ is str:
+                    if len(out) > MAX_REPLY_BYTES:  # refused before it is parsed (plugins.loaded would after)
+                        raise GuestError(f"the reply's JSON is {len(out)} characters, over the limit of "
+                                         f"{MAX_REPLY_BYTES} bytes (MAX_REPLY_BYTES); reply with less")
                     value = scan_json(out, 0)[0]
                     return value if value.__class__ is str else to_reply(value)
             return self._steps((self._step or self._entry("_step", "__execapp_step"))(), deadline)

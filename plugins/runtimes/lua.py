@@ -28,8 +28,9 @@ Sandbox (built once per lupa runtime, in Lua, while the standard library is stil
 - what crosses into Python after the deadline runs no guest code and is bounded: an error
   object's ``__tostring`` runs in the sandbox under the call's deadline, its text is cut to
   4 KiB of valid UTF-8; a table reply is read raw, at most ``MAX_REPLY_VALUES`` values (a
-  table counted once per reference), ``MAX_DEPTH`` levels and strings up to the memory cap in
-  all, with string/number keys only, within the call's deadline.
+  table counted once per reference), ``MAX_DEPTH`` levels and strings up to ``MAX_REPLY_BYTES``
+  characters in all (or the memory cap if smaller), with string/number keys only, within the
+  call's deadline; any reply over ``MAX_REPLY_BYTES`` is refused by ``plugins.loaded``.
 ``GUARDS = False`` (or ``_LuaVM(..., guards=False)``) builds the sandbox without the guards and
 the watchdog, for benchmarks.
 
@@ -207,6 +208,9 @@ class _LuaVM:
             raise CompileError(f"the memory cap of {spec.memory_bytes} bytes is too small for the Lua "
                                "sandbox") from None
         self._table_from = self.rt.table_from
+        # A table reply's strings, in characters (each at least one byte of the reply's JSON):
+        # converting stops past them, before plugins.loaded refuses the reply as over MAX_REPLY_BYTES.
+        self._reply_chars = min(spec.memory_bytes, MAX_REPLY_BYTES)
 
     def load_env(self, deadline: float) -> Any:
         """Run the plugin's top level in a new environment; the environment, or raise."""
@@ -252,7 +256,7 @@ class _LuaVM:
                 irq.end_call()
         if status:
             _raise(status, value, self.spec)
-        return value if value.__class__ is str else to_reply(_to_python(value, self.spec.memory_bytes, deadline))
+        return value if value.__class__ is str else to_reply(_to_python(value, self._reply_chars, deadline))
 
     def call_fresh(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         """``handler`` on ``event`` in a fresh environment (the plugin's top level runs first)."""
@@ -275,7 +279,7 @@ class _LuaVM:
                 irq.end_call()
         if status:
             _raise(status, value, self.spec)
-        return value if value.__class__ is str else to_reply(_to_python(value, self.spec.memory_bytes, deadline))
+        return value if value.__class__ is str else to_reply(_to_python(value, self._reply_chars, deadline))
 
     def __del__(self) -> None:
         # Runs before the runtime is released: the watchdog must never write to a freed state.
@@ -389,8 +393,9 @@ class _Reply:
     def _charge(self, text: str) -> None:
         self.chars -= len(text)
         if self.chars < 0:
-            raise GuestError("the reply's strings are longer than the plugin's memory cap in all (a string "
-                             "referenced many times counts each time); return less text")
+            raise GuestError(f"the reply's strings are longer than {MAX_REPLY_BYTES} characters in all "
+                             "(MAX_REPLY_BYTES, or the memory cap if smaller; a string referenced many times "
+                             "counts each time); return less text")
 
 
 class LuaInstance(_LuaVM):
@@ -421,7 +426,7 @@ class LuaInstance(_LuaVM):
                 irq.end_call()
         if status:
             _raise(status, value, self.spec)
-        return value if value.__class__ is str else to_reply(_to_python(value, self.spec.memory_bytes, deadline))
+        return value if value.__class__ is str else to_reply(_to_python(value, self._reply_chars, deadline))
 
     def close(self) -> None:
         self._irq.forget()  # before the runtime can be freed

@@ -94,6 +94,43 @@ def test_each_hostile_frame_is_refused_with_its_code_or_accepted_within_the_limi
     assert outcomes == {name: code for name, _, code in HOSTILE_FRAMES}
 
 
+def _long_path_over_many_values(key_chars: int, depth: int, values: int) -> str:
+    """A frame whose lone surrogate sits after ``values`` numbers, under ``depth`` keys of ``key_chars``."""
+    inner = "[" + ",".join("0" for _ in range(values)) + ',"\\ud800"]'
+    for _ in range(depth):
+        inner = '{"%s":%s}' % ("K" * key_chars, inner)
+    return '{"id":"u","type":"t","data":' + inner + "}"
+
+
+def test_finding_a_lone_surrogate_costs_memory_linear_in_the_frame() -> None:
+    # Naming where the surrogate is once wrote out the path of every value on the way: 16,000
+    # numbers under a 32 KB path of keys were 500 MB of strings (0.3 s on the loop) for one frame.
+    import tracemalloc
+
+    frame = _long_path_over_many_values(1100, 29, 16000)
+    assert len(frame) <= Limits().max_frame_bytes
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError) as err:
+            parse_request(frame, None, Limits())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert err.value.code == "bad_event" and err.value.event_id == "u"
+    assert err.value.message.startswith("data.KKKK") and "not valid Unicode" in err.value.message
+    assert peak < 100 * len(frame), f"{peak} bytes at the peak for a {len(frame)}-character frame"
+
+
+@pytest.mark.parametrize("frame, where", [
+    ('{"type":"t","data":{"a":[0,{"b":[1,2,"\\udc00"]},3]}}', "data.a[1].b[2]"),
+    ('{"type":"t","data":{"a":{"b":{"\\ud800":0}}}}', "data.a.b.<key>"),
+])
+def test_a_lone_surrogate_is_named_by_its_path(frame: str, where: str) -> None:
+    with pytest.raises(ProtocolError) as err:
+        parse_request(frame, None, Limits())
+    assert err.value.message.startswith(where + ": not valid Unicode"), err.value.message
+
+
 @pytest.mark.parametrize("data", [b"", b"x" * 1000, b"x" * (70 * 1024)])
 def test_binary_frames_are_refused_whatever_their_size(data: bytes) -> None:
     with pytest.raises(ProtocolError) as err:

@@ -1,0 +1,39 @@
+"""Plain log lines: a client's or a plugin's text in a message cannot start a line of its own
+(execapp/logtext.py, the ``plain`` formatter of config/settings.py)."""
+from __future__ import annotations
+
+import logging
+import sys
+from logging.config import DictConfigurator
+from typing import Any
+
+from django.conf import settings
+
+
+def _plain() -> logging.Formatter:
+    """The project's plain formatter, built from settings.LOGGING as dictConfig builds it."""
+    config: Any = settings.LOGGING
+    return DictConfigurator(config).configure_formatter(dict(config["formatters"]["plain"]))
+
+
+def _record(msg: str, *args: Any, exc_info: Any = None) -> logging.LogRecord:
+    return logging.LogRecord("plugins.guest", logging.INFO, __file__, 1, msg, args, exc_info)
+
+
+def test_line_breaks_in_logged_values_are_escaped() -> None:
+    forged = "hello\n2025-01-01 00:00:00,000 ERROR execapp.auth forged\r\x1b[31m\u2028\x85end"
+    line = _plain().format(_record("[%s] %s", "evil", forged))
+    assert len(line.splitlines()) == 1, line
+    assert line.endswith("[evil] hello\\n2025-01-01 00:00:00,000 ERROR execapp.auth forged\\r\\x1b[31m\\u2028"
+                         "\\x85end"), line
+
+
+def test_ordinary_text_tabs_and_the_servers_traceback_stay_as_they_are() -> None:
+    plain = _plain()
+    assert plain.format(_record("a\tb é %s", "ü")).endswith(" a\tb é ü")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        line = plain.format(_record("failed: %s", "x\ny", exc_info=sys.exc_info()))
+    head, *traceback = line.splitlines()
+    assert head.endswith("failed: x\\ny") and traceback[0] == "Traceback (most recent call last):"
