@@ -48,17 +48,18 @@ def _frames(plugin: LoadedPlugin, handler: str, args: str) -> list[Any]:
     return [(o, outcome_frame(o)) for o in outcomes[:-1]]  # the last: the done
 
 
-@pytest.mark.parametrize("handler, args", [("text", f"x {BIG}"), ("data", str(BIG)), ("later", str(BIG))])
-def test_a_reply_over_the_limit_is_the_handlers_error_and_its_frame_stays_small(plugin: LoadedPlugin, handler: str,
-                                                                                args: str) -> None:
-    if handler not in plugin.compiled.handlers:
-        pytest.skip(f"{plugin.spec.runtime} has no {handler}")
-    [(outcome, frame)] = _frames(plugin, handler, args)
-    assert isinstance(outcome, Failure) and outcome.code == HandlerError.code, outcome
-    assert f"{MAX_REPLY_BYTES} " in outcome.message and "(MAX_REPLY_BYTES" in outcome.message, outcome.message
-    assert f"handler {handler!r}" in outcome.message
-    assert len(frame) < 2048, len(frame)
-    assert plugin.errors_total == 1
+def test_a_reply_over_the_limit_is_the_handlers_error_and_its_frame_stays_small(plugin: LoadedPlugin) -> None:
+    # "later" (a reply that comes back through a promise) exists where the runtime has promises.
+    cases = [("text", f"x {BIG}"), ("data", str(BIG)), ("later", str(BIG))]
+    cases = [(h, a) for h, a in cases if h in plugin.compiled.handlers]
+    assert {"text", "data"} <= {h for h, _ in cases}
+    for n, (handler, args) in enumerate(cases, 1):
+        [(outcome, frame)] = _frames(plugin, handler, args)
+        assert isinstance(outcome, Failure) and outcome.code == HandlerError.code, outcome
+        assert f"{MAX_REPLY_BYTES} " in outcome.message and "(MAX_REPLY_BYTES" in outcome.message, outcome.message
+        assert f"handler {handler!r}" in outcome.message
+        assert len(frame) < 2048, len(frame)
+        assert plugin.errors_total == n
 
 
 def test_a_reply_at_the_limit_in_utf8_bytes_passes_and_one_byte_more_does_not(plugin: LoadedPlugin) -> None:
