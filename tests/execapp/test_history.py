@@ -253,6 +253,36 @@ def test_the_local_store_keeps_the_newest_events_and_forgets_their_keys() -> Non
     assert json.loads(store.get("tenant:a", "e7") or "")["uid"] == "u7"
 
 
+def test_the_local_store_keeps_its_traces_within_its_bytes(settings: Any) -> None:
+    """Without Redis the recent store is the worker's memory: 100,000 traces of a plugin that replies
+    4 KiB and fails with an 8 KiB message (MAX_ERROR_CHARS) held 1.27 GB. HISTORY_LOCAL_MAX_BYTES
+    bounds it: the oldest go first, as past HISTORY_MAX_EVENTS."""
+    import tracemalloc
+
+    settings.EXECAPP = {"HISTORY_LOCAL_MAX_BYTES": 4 * 1024 * 1024}
+    history_store.reset_local()
+    store = history_store.store()
+    assert isinstance(store, LocalStore) and store.max_events == 100_000
+
+    def failed(n: int) -> Record:
+        handler = Handler("big.run", "big", "sync", 0.0, None, 0.001, "handler_error", f"{n}" + "m" * 8192,
+                          ((f"{n}" + "r" * 3900, None),))
+        return _record(n, outcome="error", codes=("handler_error",), errors=1, handlers=(handler,))
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for chunk in range(10):
+            store.add([failed(n) for n in range(chunk * 100, chunk * 100 + 100)])
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert store.bytes <= 4 * 1024 * 1024 and 100 < store.count() < 1000
+    assert held < 8 * 1024 * 1024, f"{held} bytes held"  # ~13 MB for the 1000 traces without the bound
+    assert store.get("tenant:a", "e999") is not None and store.get("tenant:a", "e0") is None  # oldest gone
+    history_store.reset_local()
+
+
 def test_a_record_as_json_keeps_every_field() -> None:
     failed = Handler("boom.boom", None, None, None, None, 0.0, "plugin_busy", 'busy "now"\n', ())
     data = {"nested": [1, 2.5, None, "x\u00e9"], "ok": True}
@@ -728,3 +758,4 @@ def test_the_buffer_is_bounded_in_bytes_too(monkeypatch: pytest.MonkeyPatch) -> 
     assert history._bytes_in == history._bytes_out  # all taken: the room is back
     _one_run(conn, Event(text="/ping", id="again"), ExecClass.SYNC, ("pong", None))
     assert len(history._buffer) == 1
+    history.discard_buffer()  # nothing left for the next test's recorder
