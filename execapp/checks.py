@@ -106,7 +106,8 @@ def _number(value: Any, integer: bool = False) -> bool:
 def _history_checks() -> list[checks.CheckMessage]:
     """The event history's settings (execapp/history.py): sizes and retention."""
     errors: list[checks.CheckMessage] = []
-    for key, integer, low in (("HISTORY_MAX_EVENTS", True, 0), ("HISTORY_FAILURE_DAYS", False, 0),
+    for key, integer, low in (("HISTORY_MAX_EVENTS", True, 0), ("HISTORY_LOCAL_MAX_BYTES", True, 0),
+                              ("HISTORY_FAILURE_DAYS", False, 0),
                               ("HISTORY_TEXT_CHARS", True, 0), ("HISTORY_REPLY_BYTES", True, 0)):
         value = conf.get(key)
         if not _number(value, integer) or value < low:

@@ -96,6 +96,10 @@ DEFAULTS: dict[str, Any] = {
     # the database for HISTORY_FAILURE_DAYS (`manage.py prune_history`). 0 events: store none
     # (failures are still counted for the dashboard and /metrics).
     "HISTORY_MAX_EVENTS": 100_000,
+    # Without Redis, the recent store is this process's memory: it also keeps at most about this
+    # many bytes of traces (oldest trimmed first), so traces of large replies and long plugin
+    # error messages (up to ~13 KB each) cannot make 100,000 of them a gigabyte of the worker.
+    "HISTORY_LOCAL_MAX_BYTES": 128 * 1024 * 1024,
     "HISTORY_FAILURE_DAYS": 7.0,
     # How much of an event a trace keeps: its text's first characters, its replies' bytes.
     "HISTORY_TEXT_CHARS": 200,

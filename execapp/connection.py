@@ -241,32 +241,34 @@ class Connection:
     def _deliver(self, outcome: Outcome) -> None:
         """Queue one outcome's frame for the client (and the session's group) on the loop."""
         eid = outcome.event_id
-        done = outcome.__class__ is Completion
+        if outcome.__class__ is not Completion:  # a reply or an error: its frame's size tells the history
+            session = self.in_flight.get(eid)
+            frame = outcome_frame(outcome, session)
+            size = text_size(frame)
+            history.delivered(self, outcome, size)
+            if not self.closed:
+                self._queue(frame, session, None, size)
+            return
         history.delivered(self, outcome)
         hint = None
-        if done:
-            session = self.in_flight.pop(eid, None)
-            if not outcome.matched:  # type: ignore[union-attr]
-                hint = self._hint(eid)
-            _COUNT_DONE[bool(outcome.errors)]()  # type: ignore[union-attr]
-            if self._resends and eid in self._resends:  # its done waits for the durable record
-                self._resends.discard(eid)
-                # Still in flight until that done is queued: a client sending resend events
-                # faster than records are written is held by its in-flight limit, not piling up
-                # record tasks (and executor threads, and admissions) without bound.
-                self.in_flight[eid] = session
-                task = self.loop.create_task(self._record_then_done(outcome, session, hint))
-                self._recording.add(task)
-                task.add_done_callback(self._recording.discard)
-                return
-        else:
-            session = self.in_flight.get(eid)
-        if self.closed:
-            if done:
-                self.worker.end_event()
+        session = self.in_flight.pop(eid, None)
+        if not outcome.matched:
+            hint = self._hint(eid)
+        _COUNT_DONE[bool(outcome.errors)]()
+        if self._resends and eid in self._resends:  # its done waits for the durable record
+            self._resends.discard(eid)
+            # Still in flight until that done is queued: a client sending resend events
+            # faster than records are written is held by its in-flight limit, not piling up
+            # record tasks (and executor threads, and admissions) without bound.
+            self.in_flight[eid] = session
+            task = self.loop.create_task(self._record_then_done(outcome, session, hint))
+            self._recording.add(task)
+            task.add_done_callback(self._recording.discard)
             return
-        frame = outcome_frame(outcome, session, hint)
-        self._queue(frame, session, self.worker.end_event if done else None)
+        if self.closed:
+            self.worker.end_event()
+            return
+        self._queue(outcome_frame(outcome, session, hint), session, self.worker.end_event)
 
     def _hint(self, eid: str) -> str | None:
         """Why event ``eid`` matched no handler, if anyone knows (execapp.extensions.unmatched_hint)."""
@@ -279,9 +281,11 @@ class Connection:
             return extensions.unmatched_hint(event.type, event.text)
         return None
 
-    def _queue(self, frame: str, session: str | None, after: Callable[[], None] | None = None) -> None:
+    def _queue(self, frame: str, session: str | None, after: Callable[[], None] | None = None,
+               size: int = -1) -> None:
         """One frame of this client's event: to the client (never dropped), and to its session."""
-        size = text_size(frame)
+        if size < 0:
+            size = text_size(frame)
         self.outbox.push(frame, after, size)
         if session is not None and self.group_outbox is not None:
             self.group_outbox.push((self._group_prefix + session, frame), None, size)

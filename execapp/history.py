@@ -34,7 +34,7 @@ from django.db import close_old_connections
 
 from . import conf
 from .dbtext import clean_json, clean_text
-from .engine.event import Completion, Failure, Reply
+from .engine.event import Completion, Event, Failure, Reply
 from .engine.pool import count_value
 from .engine.profile import ExecClass
 from .engine.ratelog import RateLimitedLog
@@ -59,6 +59,18 @@ _rare = RateLimitedLog(log, 60.0)
 #: Most items the buffer holds between two flushes; past it new items are dropped and counted
 #: (``Recorder.dropped``): a housekeeper stalled for seconds must not grow the worker without bound.
 BUFFER_LIMIT = 200_000
+#: Most bytes (approximate: each item's ``_ITEM_BYTES`` plus the text, replies and messages it
+#: keeps) the buffer holds between two flushes; past it new items are dropped and counted like
+#: past BUFFER_LIMIT. Items are cut as they enter (the event's text to HISTORY_TEXT_CHARS, a reply
+#: whose frame is over HISTORY_REPLY_BYTES + REPLY_FRAME_SLACK to a mark), so this bounds what the
+#: replies that fit in a trace can add up to while the housekeeper is behind.
+BUFFER_BYTES = 64 * 1024 * 1024
+#: What one buffered item costs besides the strings it keeps (its tuple, ids, times, counts).
+_ITEM_BYTES = 512
+#: A reply's frame carries more than its text and data (its event id, matcher, plugin, session,
+#: times: well under this): a frame larger than HISTORY_REPLY_BYTES + this cannot fit in a trace,
+#: and is replaced by a mark (``_CUT``) the moment it is delivered, not kept until the flush.
+REPLY_FRAME_SLACK = 2048
 #: Refusals of one owner traced per second at most (more are counted only: see ``refused``).
 REFUSAL_TRACES_PER_SECOND = 20
 #: Each owner's refusal-trace window: owner -> [window start (monotonic), traces in it].
@@ -85,21 +97,43 @@ _PLAIN = frozenset((str, int, float, bool, type(None)))
 _mono = time.monotonic
 
 #: An event in flight, built on the hot path as a list (cheapest to make and to append to):
-#: [conn, event, accepted monotonic time, outcomes, run, run...]. ``outcomes`` holds the replies
-#: and failures the connection delivered (None, one item, or a list of several); each run the
+#: [conn, event, accepted monotonic time, outcomes, bytes kept, run, run...]. ``outcomes`` holds the
+#: replies and failures the connection delivered (None, one item, or a list of several; a reply too
+#: large for any trace as a ``_CUT`` mark), ``bytes kept`` their frames' sizes; each run the
 #: observer saw is appended after it as (matcher, plugin, exec class, elapsed, code, end time).
-_CONN, _EVENT, _T0, _OUTS = range(4)
-_RUN0 = 4
+_CONN, _EVENT, _T0, _OUTS, _KEPT = range(5)
+_RUN0 = 5
 #: Events accepted and not yet completed, by event id (a str key: no tuple to build per lookup);
 #: an id another connection already has in flight goes under (id(connection), event id). Written
 #: on the loop thread only; the pool threads' observer and the housekeeper only read it.
 _pending: dict[Any, list[Any]] = {}
 #: What the housekeeper takes, per finished event: the common kind's plain values (a tuple of
 #: ``_COMMON_LEN``, made into its flat record by ``Recorder._take_all``), else
-#: (its list, its completion or None); or a refusal (None, conn, code, message, event id, time).
+#: (its list, its completion or None, cost); or a refusal (None, conn, code, message, event id,
+#: time, cost). The last value of each is what it counts against BUFFER_BYTES.
 _buffer: collections.deque = collections.deque()
-_COMMON_LEN = 19
+_COMMON_LEN = 20
 _dropped = itertools.count()
+#: Bytes put into the buffer (by the loop thread only) and taken out (by the housekeeper only):
+#: each counter has one writer, so no lock; their difference is what the buffer holds now.
+_bytes_in = 0
+_bytes_out = 0
+#: The running recorder's cuts (set by ``Recorder.start``): the event text kept, and the largest
+#: reply frame kept (HISTORY_REPLY_BYTES + REPLY_FRAME_SLACK).
+_text_chars = 200
+_reply_cap = 4096 + REPLY_FRAME_SLACK
+
+
+class _Cut:
+    """The data of a reply kept as a mark: its frame was over what any trace keeps."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<reply over HISTORY_REPLY_BYTES, not kept>"
+
+
+_CUT = _Cut()
 _recorder: "Recorder | None" = None
 #: Wall-clock time minus monotonic time: the hot path reads the monotonic clock alone and the
 #: housekeeper turns it into wall time with this (set at start, refreshed at every flush).
@@ -118,14 +152,13 @@ def accepted(conn: Any, event: Any) -> None:
     """The connection accepted ``event`` (counted in flight) and is about to dispatch it (loop thread)."""
     if _recorder is None:
         return
-    pending = [conn, event, _mono(), None]
+    pending = [conn, event, _mono(), None, 0]
     eid = event.id
     other = _pending.setdefault(eid, pending)
     if other is not pending:  # rare: this id is in flight already
         if other[_CONN] is conn:  # its earlier event never completed (the connection went away mid-event)
             _pending[eid] = pending
-            if len(_buffer) < BUFFER_LIMIT:
-                _buffer.append((other, None))  # recorded incomplete
+            _hand_over(other, None)  # recorded incomplete
         else:  # another connection's: ids are the clients' own
             _pending[(id(conn), eid)] = pending
 
@@ -139,9 +172,12 @@ def _find(conn: Any, eid: str) -> tuple[Any, list[Any] | None]:
     return key, _pending.get(key)
 
 
-def delivered(conn: Any, outcome: Any) -> None:
+def delivered(conn: Any, outcome: Any, size: int = -1) -> None:
     """One outcome of an accepted event (reply, failure or its completion) reached the connection
-    (loop thread). The completion hands the event to the housekeeper."""
+    (loop thread). The completion hands the event to the housekeeper. ``size``: the bytes of a
+    reply's or failure's frame (the connection has it; -1: estimated here). A reply whose frame is
+    over what any trace keeps is kept as a mark from here on (``_CUT``), not held until the flush."""
+    global _bytes_in
     if _recorder is None:
         return
     eid = outcome.event_id
@@ -152,6 +188,12 @@ def delivered(conn: Any, outcome: Any) -> None:
         if pending is None:
             return  # accepted before the recorder started
     if outcome.__class__ is not Completion:
+        if size < 0:
+            size = _size(outcome.text, outcome.data) if outcome.__class__ is Reply else 12 + len(outcome.message)
+        if size > _reply_cap and outcome.__class__ is Reply:
+            outcome = Reply(eid, outcome.matcher, outcome.plugin, None, _CUT, outcome.exec_class, outcome.elapsed)
+            size = _ITEM_BYTES
+        pending[_KEPT] += size
         outs = pending[_OUTS]
         if outs is None:
             pending[_OUTS] = outcome
@@ -161,11 +203,11 @@ def delivered(conn: Any, outcome: Any) -> None:
             pending[_OUTS] = [outs, outcome]
         return
     del _pending[key]
-    if len(_buffer) >= BUFFER_LIMIT:
+    if len(_buffer) >= BUFFER_LIMIT or _bytes_in - _bytes_out >= BUFFER_BYTES:
         next(_dropped)
         return
     out = pending[_OUTS]
-    if len(pending) == 5 and not outcome.errors and (out is None or (
+    if len(pending) == 6 and not outcome.errors and (out is None or (
             out.__class__ is Reply and out.data.__class__ in _PLAIN and out.matcher == pending[_RUN0][0])):
         # The common event: one handler that replied once (or not at all), nothing failed. Only
         # plain values are kept (the exec class as "pooled or not"); the housekeeper builds its record.
@@ -175,16 +217,40 @@ def delivered(conn: Any, outcome: Any) -> None:
             owner = conn.owner  # a Connection's is a str ("" for none)
         except AttributeError:
             owner = ""
+        text = event.text
+        if len(text) > _text_chars:  # cut as it enters: the flush would keep no more
+            text = text[:_text_chars]
+        cost = _ITEM_BYTES + len(text) + pending[_KEPT]
+        _bytes_in += cost
         if out is None:
-            _buffer.append((owner, eid, event.session, event.type, event.text, event.size, pending[_T0],
+            _buffer.append((owner, eid, event.session, event.type, text, event.size, pending[_T0],
                             outcome.elapsed, outcome.matched, outcome.replies, outcome.blocked_by, name, plugin,
-                            exec_class is _POOL, elapsed, t_end, False, None, None))
+                            exec_class is _POOL, elapsed, t_end, False, None, None, cost))
         else:
-            _buffer.append((owner, eid, event.session, event.type, event.text, event.size, pending[_T0],
+            _buffer.append((owner, eid, event.session, event.type, text, event.size, pending[_T0],
                             outcome.elapsed, outcome.matched, outcome.replies, outcome.blocked_by, name, plugin,
-                            exec_class is _POOL, elapsed, t_end, True, out.text, out.data))
+                            exec_class is _POOL, elapsed, t_end, True, out.text, out.data, cost))
     else:
-        _buffer.append((pending, outcome))
+        _hand_over(pending, outcome)
+
+
+def _hand_over(pending: list[Any], completion: Any) -> None:
+    """Buffer an event of the general kind (several handlers, a failure, a cut reply, or never
+    completed): its list, with the event itself replaced by a small one when it is large (a frame's
+    decoded data can be many times its size; the trace keeps its text's first characters only)."""
+    global _bytes_in
+    if len(_buffer) >= BUFFER_LIMIT or _bytes_in - _bytes_out >= BUFFER_BYTES:
+        next(_dropped)
+        return
+    event = pending[_EVENT]
+    if event.size > _text_chars or len(event.text) > _text_chars:
+        text = event.text
+        if not text and event.data:
+            text = _json(event.data)
+        pending[_EVENT] = Event(event.type, text[:_text_chars], None, event.id, event.session, event.size)
+    cost = _ITEM_BYTES * (len(pending) - _KEPT) + pending[_KEPT] + _text_chars
+    _bytes_in += cost
+    _buffer.append((pending, completion, cost))
 
 
 def refused(conn: Any, code: str, message: str, event_id: str | None) -> None:
@@ -194,15 +260,18 @@ def refused(conn: Any, code: str, message: str, event_id: str | None) -> None:
     connections to this worker) also leave a trace: a client sending bad frames as fast as it can,
     on as many connections as it may open, must not push every other tenant's events out of the
     bounded recent store (the rest are counted, with no event id to keep). Loop thread."""
+    global _bytes_in
     if _recorder is None:
         return
-    if len(_buffer) >= BUFFER_LIMIT:
+    if len(_buffer) >= BUFFER_LIMIT or _bytes_in - _bytes_out >= BUFFER_BYTES:
         next(_dropped)
         return
     if event_id is not None and not _within_second(_refusal_budgets, getattr(conn, "owner", "") or "",
                                                    REFUSAL_TRACES_PER_SECOND):
         event_id = None
-    _buffer.append((None, conn, code, message, event_id, time.time()))
+    cost = _ITEM_BYTES + len(message)
+    _bytes_in += cost
+    _buffer.append((None, conn, code, message, event_id, time.time(), cost))
 
 
 def _within_second(windows: dict[str, list[float]], owner: str, limit: int) -> bool:
@@ -273,8 +342,9 @@ class Recorder:
 
     def start(self) -> None:
         """Become the process's recorder: the hooks start recording (one per process)."""
-        global _recorder
+        global _recorder, _text_chars, _reply_cap
         _set_wall_offset()
+        _text_chars, _reply_cap = self.text_chars, self.reply_bytes + REPLY_FRAME_SLACK
         _recorder = self
 
     def tick(self) -> None:
@@ -308,14 +378,17 @@ class Recorder:
         # One loop over every finished event (and refusal) the hot path handed over, in order (a
         # reused id's newest trace must come last). The common event's flat record is built right
         # here (see execapp/history_record.py, ``flat``: the same tuple without a call per event).
+        global _bytes_out
         trace, append, popleft = self._trace, records.append, _buffer.popleft
         tag, seq, worker_id, offset = self.tag, self.seq, self.worker_id, _wall_offset
         text_chars, reply_bytes = self.text_chars, self.reply_bytes
+        taken = 0
         for _ in range(len(_buffer)):
             item = popleft()
+            taken += item[-1]
             if len(item) == _COMMON_LEN:
                 (owner, eid, session, type_, text, size, t0, duration, matched, replies, blocked_by, name, plugin,
-                 pooled, elapsed, t_end, replied, reply_text, reply_data) = item
+                 pooled, elapsed, t_end, replied, reply_text, reply_data, _) = item
                 start = t_end - elapsed - t0
                 if start < 0.0:
                     start = 0.0
@@ -335,10 +408,11 @@ class Recorder:
             if pending is not None:
                 append(trace(pending, item[1]))
             else:
-                _, conn, code, message, event_id, ts = item
+                _, conn, code, message, event_id, ts, _ = item
                 self.event_refusals[code] += 1
                 if event_id is not None:
                     append(self._refusal(getattr(conn, "owner", "") or "", code, message, event_id, ts))
+        _bytes_out += taken
 
     def _expire(self, records: list[tuple], expire_all: bool) -> None:
         """Events accepted long ago (PENDING_SECONDS; all at close) that never completed: recorded
@@ -409,6 +483,9 @@ class Recorder:
                                               _EXEC[exec_class] if exec_class is not None else None, None, None,
                                               outcome.elapsed, "ok", "", []]
             if outcome.__class__ is Reply:
+                if outcome.data is _CUT:  # over the cap when it was delivered (see ``delivered``)
+                    truncated = True
+                    continue
                 size = _size(outcome.text, outcome.data)
                 if size <= budget:
                     budget -= size
@@ -521,6 +598,13 @@ def recorder(worker: WorkerLike) -> Recorder:
     rec = Recorder(worker)
     rec.start()
     return rec
+
+
+def discard_buffer() -> None:
+    """Forget what the hot path buffered, with its bytes (tests and benchmarks: nothing else may run)."""
+    global _bytes_out
+    _buffer.clear()
+    _bytes_out = _bytes_in
 
 
 def current() -> Recorder | None:

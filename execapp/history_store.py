@@ -4,8 +4,9 @@ Redis when ``settings.REDIS_URL`` is set, so the traces of every worker of a dep
 one place: each trace is a *summary* (the fields the Events page filters on, one line of a list)
 and a *body* (the whole trace as JSON). This process's memory otherwise: the Records themselves
 (nothing is serialized until someone reads one). Both keep the newest
-``EXECAPP['HISTORY_MAX_EVENTS']`` traces (older ones are trimmed as new ones arrive) and find a
-trace by its uid or by (owner, event id) (the newest of that pair). The database keeps the
+``EXECAPP['HISTORY_MAX_EVENTS']`` traces (older ones are trimmed as new ones arrive), the local
+one also within ``EXECAPP['HISTORY_LOCAL_MAX_BYTES']``, and find a trace by its uid or by
+(owner, event id) (the newest of that pair). The database keeps the
 failures longer (execapp.history, ``EventTrace``).
 """
 from __future__ import annotations
@@ -40,6 +41,8 @@ KEY_PREFIX = "execapp:history:"
 LIST_SEP = "\x1f"
 #: Summaries read from Redis per round trip while scanning.
 SCAN_CHUNK = 2000
+#: What one trace costs the local store besides its strings (its tuple, uid, key, index entries).
+RECORD_BYTES = 1000
 
 
 class Summary(NamedTuple):
@@ -182,10 +185,15 @@ class LocalStore:
 
     name = "local"
 
-    def __init__(self, max_events: int) -> None:
+    def __init__(self, max_events: int, max_bytes: int | None = None) -> None:
         self.max_events = max_events
+        #: About how many bytes the traces may take (each: RECORD_BYTES and its strings, or its
+        #: marshalled bytes); the oldest go first past it, as past ``max_events``.
+        self.max_bytes = int(conf.DEFAULTS["HISTORY_LOCAL_MAX_BYTES"]) if max_bytes is None else max_bytes
+        self.bytes = 0
         self._lock = threading.Lock()  # the housekeeper adds, admin requests read
-        self._items: collections.deque[tuple[str, str, tuple | bytes]] = collections.deque()  # (uid, key, record)
+        # (uid, key, record, its bytes)
+        self._items: collections.deque[tuple[str, str, tuple | bytes, int]] = collections.deque()
         self._by_uid: dict[str, tuple | bytes] = {}
         self._by_key: dict[str, tuple | bytes] = {}  # pair key -> its newest trace
 
@@ -199,18 +207,22 @@ class LocalStore:
                 # and one without handlers hold plain values only and are kept as they are.
                 item = r if (len(r) == FLAT_LEN or not r[HANDLERS]) else _pack(r)
                 uid, key = r[UID], pair_key(r[OWNER], r[ID])
-                items.append((uid, key, item))
+                size = RECORD_BYTES + (len(item) if item.__class__ is bytes else
+                                       sum(len(v) for v in item if v.__class__ is str))
+                items.append((uid, key, item, size))
+                self.bytes += size
                 by_uid[uid] = item
                 by_key[key] = item
-            while len(items) > self.max_events:
-                uid, key, item = items.popleft()
+            while items and (len(items) > self.max_events or self.bytes > self.max_bytes):
+                uid, key, item, size = items.popleft()
+                self.bytes -= size
                 del by_uid[uid]
                 if by_key.get(key) is item:
                     del by_key[key]
 
     def scan(self) -> Iterator[Scanned]:
         with self._lock:
-            stored = [item for _, _, item in self._items]
+            stored = [item for _, _, item, _ in self._items]
         return (view(_unpack(item)) for item in reversed(stored))
 
     def body(self, uid: str) -> str | None:
@@ -239,6 +251,7 @@ class LocalStore:
         """Forget every trace (tests)."""
         with self._lock:
             self._items.clear()
+            self.bytes = 0
             self._by_uid.clear()
             self._by_key.clear()
 
@@ -357,8 +370,9 @@ def store() -> Store:
     url, max_events = conf.redis_url(), int(conf.get("HISTORY_MAX_EVENTS"))
     with _lock:
         if not url:
-            if _local is None or _local.max_events != max_events:
-                _local = LocalStore(max_events)
+            max_bytes = int(conf.get("HISTORY_LOCAL_MAX_BYTES"))
+            if _local is None or _local.max_events != max_events or _local.max_bytes != max_bytes:
+                _local = LocalStore(max_events, max_bytes)
             return _local
         key = (url, conf.redis_key(KEY_PREFIX), max_events)
         if key not in _redis:

@@ -253,6 +253,36 @@ def test_the_local_store_keeps_the_newest_events_and_forgets_their_keys() -> Non
     assert json.loads(store.get("tenant:a", "e7") or "")["uid"] == "u7"
 
 
+def test_the_local_store_keeps_its_traces_within_its_bytes(settings: Any) -> None:
+    """Without Redis the recent store is the worker's memory: 100,000 traces of a plugin that replies
+    4 KiB and fails with an 8 KiB message (MAX_ERROR_CHARS) held 1.27 GB. HISTORY_LOCAL_MAX_BYTES
+    bounds it: the oldest go first, as past HISTORY_MAX_EVENTS."""
+    import tracemalloc
+
+    settings.EXECAPP = {"HISTORY_LOCAL_MAX_BYTES": 4 * 1024 * 1024}
+    history_store.reset_local()
+    store = history_store.store()
+    assert isinstance(store, LocalStore) and store.max_events == 100_000
+
+    def failed(n: int) -> Record:
+        handler = Handler("big.run", "big", "sync", 0.0, None, 0.001, "handler_error", f"{n}" + "m" * 8192,
+                          ((f"{n}" + "r" * 3900, None),))
+        return _record(n, outcome="error", codes=("handler_error",), errors=1, handlers=(handler,))
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for chunk in range(10):
+            store.add([failed(n) for n in range(chunk * 100, chunk * 100 + 100)])
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert store.bytes <= 4 * 1024 * 1024 and 100 < store.count() < 1000
+    assert held < 8 * 1024 * 1024, f"{held} bytes held"  # ~13 MB for the 1000 traces without the bound
+    assert store.get("tenant:a", "e999") is not None and store.get("tenant:a", "e0") is None  # oldest gone
+    history_store.reset_local()
+
+
 def test_a_record_as_json_keeps_every_field() -> None:
     failed = Handler("boom.boom", None, None, None, None, 0.0, "plugin_busy", 'busy "now"\n', ())
     data = {"nested": [1, 2.5, None, "x\u00e9"], "ok": True}
@@ -426,7 +456,7 @@ def test_hooks_do_nothing_without_a_recorder_and_the_buffer_is_bounded(monkeypat
         history.delivered(conn, Completion(f"e{n}", 0, 0, (), None, 0.0))
     assert len(history._buffer) == 2 and history.count_value(history._dropped) == dropped + 3
     assert not history._pending  # completed events leave the in-flight map
-    history._buffer.clear()
+    history.discard_buffer()
 
 
 class _Collect:
@@ -615,3 +645,117 @@ def test_a_lone_surrogate_in_a_plugin_s_reply_fails_no_flush_of_the_redis_store(
     store.add([lone, plain])
     assert json.loads(store.body("u-lone"))["handlers"][0]["message"] == "bad \ud800 message"  # as kept
     assert store.body("u-plain") is not None
+
+
+# -- what the buffer holds while the housekeeper is behind -------------------------------------------------
+
+async def _drive(rec: history.Recorder, frames: list[str], handler: Any) -> None:
+    """The real path: frames into a Connection whose Engine runs ``handler`` for /big, inline."""
+    from execapp.connection import Connection
+    from execapp.protocol import Limits
+
+    from .ws_fixtures import Admission
+
+    engine = Engine(pool_enabled=False)
+    engine.on_command("big", handler)
+
+    async def send(text: str) -> None:
+        pass
+
+    conn = Connection(engine, Admission(), Limits(), send, owner="tenant:big")
+    for frame in frames:
+        await conn.receive(frame)
+    await conn.flush()
+
+
+def _big_strings(limit: int) -> int:
+    """How many strings longer than ``limit`` the buffer's items hold (walking their lists and outcomes)."""
+    seen = 0
+    stack: list[Any] = list(history._buffer)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            seen += len(value) > limit
+        elif isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif isinstance(value, (Event,)):
+            stack.extend((value.text, list(value.data.values())))
+        elif hasattr(value, "text") and hasattr(value, "data"):  # a Reply
+            stack.extend((value.text, value.data))
+    return seen
+
+
+async def test_a_reply_too_large_for_any_trace_is_not_held_until_the_flush(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin replying 256 KiB (MAX_REPLY_BYTES) to every event used to leave each reply, and the
+    event's 60 KB text, in the buffer until the housekeeper's next flush (~320 KiB an event: 2,000
+    events held 627 MiB). They are cut as they enter: the buffer holds what the trace will keep."""
+    import tracemalloc
+
+    rec = _direct_recorder(monkeypatch)
+    rec.text_chars, rec.reply_bytes = 200, 4096
+    rec.start()
+    big = "x" * (256 * 1024)
+    frames = [json.dumps({"id": f"b{i}", "text": "/big " + "y" * 60_000}) for i in range(100)]
+    frames += [json.dumps({"id": f"d{i}", "type": "order", "data": {"items": ["z" * 60_000]}}) for i in range(10)]
+
+    def reply(ctx: Any) -> str:
+        return ctx.args[:1] + big  # a new string each time, as a plugin's reply is
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        await _drive(rec, frames[:100], reply)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(history._buffer) == 100
+    assert held < 100 * 16 * 1024, f"{held} bytes held for 100 buffered events"  # was ~100 x 320 KiB
+    assert _big_strings(4096 + history.REPLY_FRAME_SLACK) == 0
+    rec.flush()
+    records = [history.view(r) for r in rec.store.records]  # type: ignore[attr-defined]
+    assert len(records) == 100 and all(r.replies_truncated and r.replies == 1 for r in records)
+    assert all(r.text == ("/big " + "y" * 60_000)[:200] for r in records)
+
+
+def test_a_large_event_of_the_general_kind_is_kept_small_until_the_flush(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An event that failed (or had several handlers) is buffered as its in-flight list: its
+    decoded data (a 60 KB frame) is replaced by the first characters the trace keeps."""
+    from types import SimpleNamespace
+
+    from execapp.engine import Completion, Failure
+    from execapp.engine.profile import ExecClass
+
+    rec = _direct_recorder(monkeypatch)
+    conn = SimpleNamespace(owner="tenant:t")
+    event = Event(type="order", data={"items": ["z" * 60_000]}, id="g1", size=60_020)
+    history.accepted(conn, event)
+    history._observe(SimpleNamespace(name="event:order", plugin="p"), ExecClass.SYNC, 0.001, "handler_error", event)
+    history.delivered(conn, Failure("g1", "event:order", "p", "handler_error", "boom", ExecClass.SYNC, 0.001))
+    history.delivered(conn, Completion("g1", 1, 0, ("handler_error",), None, 0.002))
+    assert _big_strings(1000) == 0
+    rec.flush()
+    (r,) = [history.view(x) for x in rec.store.records]  # type: ignore[attr-defined]
+    assert r.text == '{"items":["zzzzz'[:rec.text_chars] and r.size == 60_020 and r.codes == ("handler_error",)
+
+
+def test_the_buffer_is_bounded_in_bytes_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past BUFFER_BYTES (what the kept text and replies add up to) new items are dropped and
+    counted, as past BUFFER_LIMIT; a flush makes room again."""
+    from types import SimpleNamespace
+
+    from execapp.engine.profile import ExecClass
+
+    rec = _direct_recorder(monkeypatch)  # replies up to 50 bytes kept, text 10 characters
+    history.discard_buffer()
+    monkeypatch.setattr(history, "BUFFER_BYTES", 10 * history._ITEM_BYTES)
+    conn = SimpleNamespace(owner="tenant:t")
+    dropped = history.count_value(history._dropped)
+    for n in range(20):
+        _one_run(conn, Event(text="/ping", id=f"p{n}"), ExecClass.SYNC, ("p" * 40, None))
+    assert 5 <= len(history._buffer) < 10  # each costs _ITEM_BYTES and what it keeps
+    assert history.count_value(history._dropped) == dropped + 20 - len(history._buffer)
+    assert rec.flush() == len(rec.store.records)  # type: ignore[attr-defined]
+    assert history._bytes_in == history._bytes_out  # all taken: the room is back
+    _one_run(conn, Event(text="/ping", id="again"), ExecClass.SYNC, ("pong", None))
+    assert len(history._buffer) == 1
+    history.discard_buffer()  # nothing left for the next test's recorder
