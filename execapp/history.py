@@ -116,8 +116,7 @@ _COMMON_LEN = 20
 _dropped = itertools.count()
 #: Bytes put into the buffer (by the loop thread only) and taken out (by the housekeeper only):
 #: each counter has one writer, so no lock; their difference is what the buffer holds now.
-_bytes_in = 0
-_bytes_out = 0
+_bytes = [0, 0]  # [in, out]
 #: The running recorder's cuts (set by ``Recorder.start``): the event text kept, and the largest
 #: reply frame kept (HISTORY_REPLY_BYTES + REPLY_FRAME_SLACK).
 _text_chars = 200
@@ -177,7 +176,6 @@ def delivered(conn: Any, outcome: Any, size: int = -1) -> None:
     (loop thread). The completion hands the event to the housekeeper. ``size``: the bytes of a
     reply's or failure's frame (the connection has it; -1: estimated here). A reply whose frame is
     over what any trace keeps is kept as a mark from here on (``_CUT``), not held until the flush."""
-    global _bytes_in
     if _recorder is None:
         return
     eid = outcome.event_id
@@ -188,11 +186,13 @@ def delivered(conn: Any, outcome: Any, size: int = -1) -> None:
         if pending is None:
             return  # accepted before the recorder started
     if outcome.__class__ is not Completion:
-        if size < 0:
-            size = _size(outcome.text, outcome.data) if outcome.__class__ is Reply else 12 + len(outcome.message)
-        if size > _reply_cap and outcome.__class__ is Reply:
-            outcome = Reply(eid, outcome.matcher, outcome.plugin, None, _CUT, outcome.exec_class, outcome.elapsed)
-            size = _ITEM_BYTES
+        if not 0 <= size <= _reply_cap:  # one test for the common case: a small frame, its size known
+            if size < 0:
+                size = _size(outcome.text, outcome.data) if outcome.__class__ is Reply else 12 + len(outcome.message)
+            if size > _reply_cap and outcome.__class__ is Reply:
+                outcome = Reply(eid, outcome.matcher, outcome.plugin, None, _CUT, outcome.exec_class,
+                                outcome.elapsed)
+                size = _ITEM_BYTES
         pending[_KEPT] += size
         outs = pending[_OUTS]
         if outs is None:
@@ -203,7 +203,7 @@ def delivered(conn: Any, outcome: Any, size: int = -1) -> None:
             pending[_OUTS] = [outs, outcome]
         return
     del _pending[key]
-    if len(_buffer) >= BUFFER_LIMIT or _bytes_in - _bytes_out >= BUFFER_BYTES:
+    if len(_buffer) >= BUFFER_LIMIT or _bytes[0] - _bytes[1] >= BUFFER_BYTES:
         next(_dropped)
         return
     out = pending[_OUTS]
@@ -218,10 +218,12 @@ def delivered(conn: Any, outcome: Any, size: int = -1) -> None:
         except AttributeError:
             owner = ""
         text = event.text
-        if len(text) > _text_chars:  # cut as it enters: the flush would keep no more
+        n = len(text)
+        if n > _text_chars:  # cut as it enters: the flush would keep no more
             text = text[:_text_chars]
-        cost = _ITEM_BYTES + len(text) + pending[_KEPT]
-        _bytes_in += cost
+            n = _text_chars
+        cost = _ITEM_BYTES + n + pending[_KEPT]
+        _bytes[0] += cost
         if out is None:
             _buffer.append((owner, eid, event.session, event.type, text, event.size, pending[_T0],
                             outcome.elapsed, outcome.matched, outcome.replies, outcome.blocked_by, name, plugin,
@@ -238,8 +240,7 @@ def _hand_over(pending: list[Any], completion: Any) -> None:
     """Buffer an event of the general kind (several handlers, a failure, a cut reply, or never
     completed): its list, with the event itself replaced by a small one when it is large (a frame's
     decoded data can be many times its size; the trace keeps its text's first characters only)."""
-    global _bytes_in
-    if len(_buffer) >= BUFFER_LIMIT or _bytes_in - _bytes_out >= BUFFER_BYTES:
+    if len(_buffer) >= BUFFER_LIMIT or _bytes[0] - _bytes[1] >= BUFFER_BYTES:
         next(_dropped)
         return
     event = pending[_EVENT]
@@ -249,7 +250,7 @@ def _hand_over(pending: list[Any], completion: Any) -> None:
             text = _json(event.data)
         pending[_EVENT] = Event(event.type, text[:_text_chars], None, event.id, event.session, event.size)
     cost = _ITEM_BYTES * (len(pending) - _KEPT) + pending[_KEPT] + _text_chars
-    _bytes_in += cost
+    _bytes[0] += cost
     _buffer.append((pending, completion, cost))
 
 
@@ -260,17 +261,16 @@ def refused(conn: Any, code: str, message: str, event_id: str | None) -> None:
     connections to this worker) also leave a trace: a client sending bad frames as fast as it can,
     on as many connections as it may open, must not push every other tenant's events out of the
     bounded recent store (the rest are counted, with no event id to keep). Loop thread."""
-    global _bytes_in
     if _recorder is None:
         return
-    if len(_buffer) >= BUFFER_LIMIT or _bytes_in - _bytes_out >= BUFFER_BYTES:
+    if len(_buffer) >= BUFFER_LIMIT or _bytes[0] - _bytes[1] >= BUFFER_BYTES:
         next(_dropped)
         return
     if event_id is not None and not _within_second(_refusal_budgets, getattr(conn, "owner", "") or "",
                                                    REFUSAL_TRACES_PER_SECOND):
         event_id = None
     cost = _ITEM_BYTES + len(message)
-    _bytes_in += cost
+    _bytes[0] += cost
     _buffer.append((None, conn, code, message, event_id, time.time(), cost))
 
 
@@ -378,7 +378,6 @@ class Recorder:
         # One loop over every finished event (and refusal) the hot path handed over, in order (a
         # reused id's newest trace must come last). The common event's flat record is built right
         # here (see execapp/history_record.py, ``flat``: the same tuple without a call per event).
-        global _bytes_out
         trace, append, popleft = self._trace, records.append, _buffer.popleft
         tag, seq, worker_id, offset = self.tag, self.seq, self.worker_id, _wall_offset
         text_chars, reply_bytes = self.text_chars, self.reply_bytes
@@ -412,7 +411,7 @@ class Recorder:
                 self.event_refusals[code] += 1
                 if event_id is not None:
                     append(self._refusal(getattr(conn, "owner", "") or "", code, message, event_id, ts))
-        _bytes_out += taken
+        _bytes[1] += taken
 
     def _expire(self, records: list[tuple], expire_all: bool) -> None:
         """Events accepted long ago (PENDING_SECONDS; all at close) that never completed: recorded
@@ -602,9 +601,8 @@ def recorder(worker: WorkerLike) -> Recorder:
 
 def discard_buffer() -> None:
     """Forget what the hot path buffered, with its bytes (tests and benchmarks: nothing else may run)."""
-    global _bytes_out
     _buffer.clear()
-    _bytes_out = _bytes_in
+    _bytes[1] = _bytes[0]
 
 
 def current() -> Recorder | None:

@@ -755,7 +755,7 @@ def test_the_buffer_is_bounded_in_bytes_too(monkeypatch: pytest.MonkeyPatch) -> 
     assert 5 <= len(history._buffer) < 10  # each costs _ITEM_BYTES and what it keeps
     assert history.count_value(history._dropped) == dropped + 20 - len(history._buffer)
     assert rec.flush() == len(rec.store.records)  # type: ignore[attr-defined]
-    assert history._bytes_in == history._bytes_out  # all taken: the room is back
+    assert history._bytes[0] == history._bytes[1]  # all taken: the room is back
     _one_run(conn, Event(text="/ping", id="again"), ExecClass.SYNC, ("pong", None))
     assert len(history._buffer) == 1
     history.discard_buffer()  # nothing left for the next test's recorder
