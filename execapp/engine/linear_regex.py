@@ -33,8 +33,10 @@ class RegexRefused(ValueError):
     """A pattern RE2 cannot compile, or whose program is over MAX_PROGRAM_SIZE."""
 
 
-# The last text encoded and its bytes: an event is tried against each regex candidate in turn.
-_last: list = [None, b""]
+# The last text encoded and its bytes, as one tuple in a one-item list: an event is tried against
+# each regex candidate in turn. One tuple, swapped whole, so that two threads dispatching at once
+# (a handler may dispatch from a pool thread) can never pair one text with the other's bytes.
+_last: list[tuple[str | None, bytes]] = [(None, b"")]
 
 
 class LinearRegex:
@@ -62,12 +64,12 @@ class LinearRegex:
         self._match = regexp.Match
 
     def search(self, text: str) -> bool | None:
-        last = _last
+        last = _last[0]
         if last[0] is text:
             data = last[1]
         else:
             # surrogatepass: a lone surrogate (refused by the protocol, possible from Python
             # callers) becomes bytes that match nothing but themselves, not an exception.
-            data = last[1] = text.encode("utf-8", "surrogatepass")
-            last[0] = text
+            data = text.encode("utf-8", "surrogatepass")
+            _last[0] = (text, data)
         return True if self._match(_UNANCHORED, data, 0, len(data))[0] != _NO_MATCH else None
