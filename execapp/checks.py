@@ -54,6 +54,7 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     errors += _watchdog_checks()
     errors += _frame_depth_checks()
     errors += _decode_share_checks()
+    errors += _pool_share_checks()
     errors += _env_checks()
     errors += _history_checks()
     errors += _duration_bucket_checks()
@@ -166,6 +167,18 @@ def _decode_share_checks() -> list[checks.CheckMessage]:
                          "be a fraction of one event loop above 0 and at most 1",
                          hint=f"Set it to a number like 0.25 (the default: {conf.DEFAULTS['DECODE_SHARE_PER_OWNER']}); "
                          "1 lets one owner's frames take the whole loop.", id="execapp.E045")]
+
+
+def _pool_share_checks() -> list[checks.CheckMessage]:
+    """POOL_SHARE_PER_OWNER: a fraction of the thread pool, in (0, 1]."""
+    value = conf.get("POOL_SHARE_PER_OWNER")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1:
+        return []
+    return [checks.Error(f"EXECAPP['POOL_SHARE_PER_OWNER'] is {value!r}{_from('POOL_SHARE_PER_OWNER')}, it must "
+                         "be a fraction of the thread pool (POOL_MAX_WORKERS) above 0 and at most 1",
+                         hint=f"Set it to a number like 0.5 (the default: {conf.DEFAULTS['POOL_SHARE_PER_OWNER']}); "
+                         "1 lets one owner's events hold every pool thread while others wait for one.",
+                         id="execapp.E064")]
 
 
 def _frame_depth_checks() -> list[checks.CheckMessage]:

@@ -20,6 +20,7 @@ from .engine.event import EventRun, Outcome, OutcomeCallback
 from .engine.ratelog import RateLimitedLog
 from .loop_share import LoopShare
 from .outbox import Outbox, OutboxLimits, text_size
+from .pool_share import PoolShare
 from .protocol import (
     MAX_SESSIONS_PER_CONNECTION,
     Limits,
@@ -42,7 +43,8 @@ _COUNT_DONE = {False: metrics.EVENTS.labels(OK).inc, True: metrics.EVENTS.labels
 class Dispatcher(Protocol):
     """What a Connection needs of its engine (execapp.engine.Engine)."""
 
-    def start_event(self, event: Event, on_outcome: OutcomeCallback | None = None
+    def start_event(self, event: Event, on_outcome: OutcomeCallback | None = None,
+                    ahead: Callable[[], bool] | None = None
                     ) -> tuple[EventRun, Coroutine[Any, Any, EventRun] | None]: ...
 
 
@@ -73,7 +75,8 @@ class Connection:
     def __init__(self, engine: Dispatcher, worker: Admission, limits: Limits, send: Callable[[str], Awaitable[None]],
                  publish: Callable[[str, str], Awaitable[None]] | None = None,
                  join: Callable[[str], Awaitable[None]] | None = None, owner: str | None = None,
-                 outbox_limits: OutboxLimits | None = None, decode_share: LoopShare | None = None) -> None:
+                 outbox_limits: OutboxLimits | None = None, decode_share: LoopShare | None = None,
+                 pool_share: PoolShare | None = None) -> None:
         if (publish is not None or join is not None) and not owner:
             raise ValueError("a Connection with session groups needs its owner (e.g. 'tenant:acme'): group names "
                              "are namespaced by owner")
@@ -98,6 +101,12 @@ class Connection:
         #: other owners are active (execapp.loop_share; shared by the owner's connections on this
         #: worker); None: not limited.
         self._decode_share = decode_share
+        #: How many of this owner's events may hold pooled work while other owners' do too
+        #: (execapp.pool_share; shared by the owner's connections on this worker); None: not limited.
+        self._pool_share = pool_share
+        self._ahead = pool_share.ahead if pool_share is not None else None
+        #: ids of this connection's events counted in ``_pool_share`` (given back with their done).
+        self._pooled: set[str] = set()
         self.sessions: set[str] = set()
         #: event id -> its session (None without one), from acceptance until its done is queued.
         self.in_flight: dict[str, str | None] = {}
@@ -124,6 +133,12 @@ class Connection:
                 await self.outbox.wait_room()
             if self.group_outbox is not None and self.group_outbox.full:
                 await self.group_outbox.wait_room()
+            # The owner holds its share of the pool while others use it: stop reading until one of
+            # its pooled events is done (one comparison while it holds less).
+            pool = self._pool_share
+            if pool is not None and pool.held >= pool.limit and pool.over:
+                metrics.POOL_SHARE_WAITS.inc()
+                await pool.wait()
             # The owner spent its share of the loop while others wanted it: stop reading until it refilled.
             share = self._decode_share
             if share is not None and share.level < 0 and share.enforced and share.owed:
@@ -170,13 +185,17 @@ class Connection:
                 # ones start in threads. With the "wait" overflow policy ``rest`` awaits a pool
                 # slot: backpressure on this client only.
                 if share is None:
-                    run, rest = self.engine.start_event(event, self._on_outcome)
+                    run, rest = self.engine.start_event(event, self._on_outcome, self._ahead)
                 else:  # the dispatch is this owner's loop time too: regex matching, inline handlers
                     started = monotonic()
                     try:
-                        run, rest = self.engine.start_event(event, self._on_outcome)
+                        run, rest = self.engine.start_event(event, self._on_outcome, self._ahead)
                     finally:
                         share.spend_since(started)
+                # Pooled work left running or parked: counted in the owner's pool share until its done.
+                if pool is not None and (rest is not None or not run.done):
+                    self._pooled.add(eid)
+                    pool.take()
                 if rest is not None:
                     self._dispatching = None
                     await rest
@@ -250,6 +269,10 @@ class Connection:
                 self._queue(frame, session, None, size)
             return
         history.delivered(self, outcome)
+        pooled = self._pooled
+        if pooled and eid in pooled:  # its pooled work is over (the client may have left: counted until now)
+            pooled.discard(eid)
+            self._pool_share.give()  # type: ignore[union-attr]
         hint = None
         session = self.in_flight.pop(eid, None)
         if not outcome.matched:

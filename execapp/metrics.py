@@ -59,6 +59,9 @@ EVENTS = Counter("execapp_events_total", "Events by the terminal outcome their c
 LOOP_SHARE_WAITS = Counter("execapp_loop_share_waits_total", "Times a connection stopped reading its frames because "
                            "its owner had spent its share of the event loop (decoding, dispatch) while other "
                            "owners were active (EXECAPP['DECODE_SHARE_PER_OWNER']).")
+POOL_SHARE_WAITS = Counter("execapp_pool_share_waits_total", "Times a connection stopped reading its frames because "
+                           "its owner's events held its share of the thread pool while other owners' events used "
+                           "the pool too (EXECAPP['POOL_SHARE_PER_OWNER']).")
 EVENTS_DISPATCHED = Counter("execapp_events_dispatched_total", "Events handed to an engine.")
 PROMOTIONS = Counter("execapp_profile_promotions_total", "Matchers promoted to the pool.", ["matcher"])
 DEMOTIONS = Counter("execapp_profile_demotions_total", "Matchers demoted to inline.", ["matcher"])

@@ -14,6 +14,7 @@ from typing import Any
 from . import conf, extensions
 from .engine import Engine, ExecPool, ExecProfile
 from .loop_share import LoopShare, ShareGroup
+from .pool_share import PoolShare, PoolShareGroup
 from .seams import Service, ServiceFactory
 from .watchdog_worker import WorkerWatch
 
@@ -82,6 +83,8 @@ class Worker:
         self._connections: dict[str, int] = {}
         self._decode_shares: dict[str, LoopShare] = {}
         self._share_group = ShareGroup()  # enforces the shares only while two owners are active
+        self._pool_shares: dict[str, PoolShare] = {}
+        self._pool_group = PoolShareGroup()  # enforces them only while two owners use the pool
         #: Set once this worker asked its supervisor for a replacement (too many stuck pool threads).
         self.recycling = False
         # Under the execapp.serve supervisor: this process's watchdog slot. The engine marks every
@@ -165,6 +168,9 @@ class Worker:
         else:
             self._connections.pop(owner, None)
             self._decode_shares.pop(owner, None)
+            pool = self._pool_shares.get(owner)
+            if pool is not None and not pool.held:  # else kept while its pooled events run (pool_share)
+                del self._pool_shares[owner]
 
     def decode_share(self, owner: str, share: float) -> LoopShare:
         """The share of this worker's loop ``owner``'s connections may spend on their frames while
@@ -173,6 +179,19 @@ class Worker:
         found = self._decode_shares.get(owner)
         if found is None:
             found = self._decode_shares[owner] = LoopShare(share, group=self._share_group)
+        return found
+
+    def pool_share(self, owner: str, share: float) -> PoolShare:
+        """How many of ``owner``'s events may hold pooled work here while other owners' do too
+        (``share`` of POOL_MAX_WORKERS, at least one), one for all its connections (event loop).
+        Dropped with the owner's last connection once its pooled events are done."""
+        found = self._pool_shares.get(owner)
+        if found is None:
+            shares = self._pool_shares
+            if len(shares) > 2 * len(self._connections) + 16:  # amortized: owners gone since, work done
+                for gone in [o for o, s in shares.items() if not s.held and o not in self._connections]:
+                    del shares[gone]
+            found = shares[owner] = PoolShare(max(1, int(share * self.pool.max_workers)), self._pool_group)
         return found
 
     def begin_event(self) -> bool:

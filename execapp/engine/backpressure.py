@@ -21,26 +21,36 @@ class SlotWaiters:
     and the oldest waiter is woken, so the loop does O(1) work per freed slot. A single
     re-check timer per loop (``recheck`` seconds) wakes the head of the line anyway, as a
     safety net.
+
+    Two lanes: a waiter ``ahead`` is woken before every other (the app's choice, e.g. a dispatch of
+    a tenant within its share of the pool while another holds more: execapp.pool_share); within a
+    lane, arrival order.
     """
 
     def __init__(self, recheck: float = 0.02) -> None:
         # deque.append/appendleft/popleft/remove are atomic under the GIL: pool threads pop the
         # head while the loop thread appends, without a lock.
         self._queue: collections.deque[asyncio.Future] = collections.deque()
+        self._ahead: collections.deque[asyncio.Future] = collections.deque()
         self._recheck = recheck
         self._timers: dict[asyncio.AbstractEventLoop, Any] = {}
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + len(self._ahead)
 
-    async def wait(self, timeout: float, *, first: bool = False) -> bool:
-        """Wait in line (at the head if ``first``): True when woken to try for a slot, False on timeout."""
+    def __bool__(self) -> bool:
+        return bool(self._queue) or bool(self._ahead)
+
+    async def wait(self, timeout: float, *, first: bool = False, ahead: bool = False) -> bool:
+        """Wait in line (at the head of its lane if ``first``; in the lane woken first if ``ahead``):
+        True when woken to try for a slot, False on timeout."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[bool] = loop.create_future()
+        lane = self._ahead if ahead else self._queue
         if first:
-            self._queue.appendleft(fut)
+            lane.appendleft(fut)
         else:
-            self._queue.append(fut)
+            lane.append(fut)
         if loop not in self._timers:
             self._timers[loop] = loop.call_later(self._recheck, self._on_recheck, loop)
         timer = loop.call_later(max(0.0, timeout), _expire, fut)
@@ -52,21 +62,24 @@ class SlotWaiters:
             timer.cancel()
             if not woken:  # timed out or cancelled: still in line, unless a waker just popped it
                 try:
-                    self._queue.remove(fut)
+                    lane.remove(fut)
                 except ValueError:
                     pass  # popped: _wake finds it done and passes the turn on
 
     def on_capacity(self) -> None:
         """The pool freed a slot (any thread): wake the oldest waiter, if anyone waits."""
-        if self._queue:
+        if self._queue or self._ahead:
             self.notify()
 
     def notify(self) -> None:
         """A slot may have freed: wake the oldest waiter. Safe from any thread."""
         try:
-            fut = self._queue.popleft()
+            fut = self._ahead.popleft()
         except IndexError:
-            return
+            try:
+                fut = self._queue.popleft()
+            except IndexError:
+                return
         fut.get_loop().call_soon_threadsafe(self._wake, fut)
 
     def _wake(self, fut: asyncio.Future) -> None:
@@ -79,6 +92,6 @@ class SlotWaiters:
 
     def _on_recheck(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timers.pop(loop, None)
-        if self._queue:
+        if self._queue or self._ahead:
             self.notify()
             self._timers[loop] = loop.call_later(self._recheck, self._on_recheck, loop)

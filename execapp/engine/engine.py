@@ -294,22 +294,26 @@ class Engine:
             await self._finish_parked(run, parked)
         return run
 
-    def start_event(self, event: Event | Mapping[str, Any], on_outcome: OutcomeCallback | None = None
+    def start_event(self, event: Event | Mapping[str, Any], on_outcome: OutcomeCallback | None = None,
+                    ahead: Callable[[], bool] | None = None
                     ) -> tuple[EventRun, Coroutine[Any, Any, EventRun] | None]:
         """``process_event_async`` without a coroutine of its own, for a caller on the event loop
         (the protocol): dispatch now and return (run, rest). ``rest`` is None when dispatch is
         over (inline handlers done, pooled ones running): nothing was allocated for the loop. It
         is a coroutine when a pooled handler waits for a slot (policy ``wait``); the caller must
-        await it (it returns the run), or the event never completes."""
+        await it (it returns the run), or the event never completes. ``ahead`` is asked only
+        then: True puts this dispatch in the lane of waiters woken first (SlotWaiters)."""
         run = new_run(event if type(event) is Event else _as_event(event), on_outcome)
         parked = self._dispatch(run, self.pool_enabled, True)
-        return run, (None if parked is None else self._finish_parked(run, parked))
+        if parked is None:
+            return run, None
+        return run, self._finish_parked(run, parked, ahead is not None and ahead())
 
-    async def _finish_parked(self, run: EventRun, parked: _Parked | None) -> EventRun:
+    async def _finish_parked(self, run: EventRun, parked: _Parked | None, ahead: bool = False) -> EventRun:
         """The rest of a dispatch that found the pool full: wait for slots, resume, repeat."""
         while parked is not None:
             try:
-                submitted = await self._await_slot(parked.task)
+                submitted = await self._await_slot(parked.task, ahead)
             except BaseException:
                 # Cancelled while waiting (the client went away): the parked handler never runs,
                 # the rest of the dispatch is abandoned, and the event still completes once.
@@ -320,7 +324,7 @@ class Engine:
             parked = self._resume(run, parked, submitted)
         return run
 
-    async def _await_slot(self, task: Callable[[], None]) -> bool:
+    async def _await_slot(self, task: Callable[[], None], ahead: bool = False) -> bool:
         """Backpressure for one client: wait in line for a pool slot, up to ``overflow_wait``."""
         pool = self.pool
         assert pool is not None
@@ -329,7 +333,7 @@ class Engine:
         first = False
         while not pool.closed:
             remaining = deadline - loop.time()
-            if remaining <= 0 or not await self._waiters.wait(remaining, first=first):
+            if remaining <= 0 or not await self._waiters.wait(remaining, first=first, ahead=ahead):
                 return False
             if self._try_submit(pool, task):
                 return True

@@ -235,3 +235,37 @@ async def test_waiters_are_refused_with_code_draining_when_the_pool_drains(full_
         drained.join()
     assert [f.code for f in completion.errors] == ["draining"]
     assert ran["slow"] == [] and len(ran["after"]) == 1
+
+
+async def test_a_dispatch_parked_ahead_gets_the_next_slot_before_earlier_ones():
+    """``start_event(..., ahead)``: asked only when the dispatch parks; True puts it in the lane
+    woken first (the app's choice: a tenant within its share of the pool, execapp.pool_share)."""
+    pool = ExecPool(1, 0, idle_seconds=5.0)
+    engine = Engine(pool=pool, overflow="wait", overflow_wait=LIVENESS * 3, overflow_recheck=3600.0)
+    gate = threading.Event()
+    order: list[str] = []
+    asked: list[str] = []
+    promote(add_cmd(engine, lambda ctx: gate.wait(LIVENESS) and None, name="gate", pattern="gate"))
+    promote(add_cmd(engine, lambda ctx: order.append(ctx.args), name="work", pattern="work"))
+
+    def ahead(name: str) -> bool:
+        asked.append(name)
+        return name == "urgent"
+
+    try:
+        first, rest = engine.start_event(Event(text="/gate"), None, lambda: ahead("gate"))
+        assert rest is None and asked == []  # not parked: never asked
+        waiting = []
+        for i, name in enumerate(["1", "2", "3", "urgent"]):
+            run, rest = engine.start_event(Event(text=f"/work {name}"), None, lambda n=name: ahead(n))
+            assert rest is not None
+            waiting.append(asyncio.create_task(rest))
+            assert await wait_until_async(lambda n=i + 1: parked(engine) == n)
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*waiting), LIVENESS)
+        assert asked == ["1", "2", "3", "urgent"]
+        assert await wait_until_async(lambda: len(order) == 4)  # the last one submitted, maybe not run yet
+        assert order == ["urgent", "1", "2", "3"]
+    finally:
+        gate.set()
+        pool.drain(timeout=5)

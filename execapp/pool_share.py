@@ -1,0 +1,161 @@
+"""A share of the worker's thread pool: how many of one owner's events may hold pooled work at once.
+
+Why: one worker's ExecPool (POOL_MAX_WORKERS threads and a queue) serves every owner on it, in
+arrival order. One owner with many connections, each with events in flight whose handlers are
+slow and pooled, took every thread and queue slot, and other owners' pooled events waited behind
+its own until they were refused ``overloaded``. Each owner's connections on a worker now share
+one ``PoolShare`` (execapp.worker): the count of the owner's events that left pooled work running,
+queued or parked for a slot (``take`` when ``Connection.receive`` dispatched one, ``give`` when its
+done is delivered). Past ``limit`` (EXECAPP['POOL_SHARE_PER_OWNER'] of POOL_MAX_WORKERS) the
+owner's connections stop reading frames until one of its events finished: TCP backpressure on
+that owner only, no frame refused. A parked dispatch of an owner within its share waits for a
+slot ahead of the others' (``ahead``: the engine's priority lane), so the first event of an owner
+arriving at a pool another one filled is not refused behind that owner's parked dispatches.
+
+Only while it takes from someone (the pool's analog of execapp.loop_share): the shares of one
+worker form a ``PoolShareGroup``, which knows whether more than one owner held pooled work within
+the last ``window`` seconds. An owner alone on a worker keeps the whole pool; an owner whose
+events run inline only is no contender (work-conserving).
+
+Used on the event loop only (``Connection.receive`` and ``Connection._deliver`` run there), so no lock.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+
+class PoolShareGroup:
+    """The pool shares of one worker's owners: which held pooled work within ``window`` seconds."""
+
+    __slots__ = ("window", "contended", "_active", "_pruned", "_timer")
+
+    def __init__(self, window: float = 1.0) -> None:
+        self.window = window
+        #: More than one owner held pooled work within the window: shares are enforced.
+        self.contended = False
+        self._active: dict[PoolShare, float] = {}
+        self._pruned = time.monotonic()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def saw(self, share: "PoolShare", now: float) -> None:
+        """``share``'s count changed at ``now``: O(1), and once a window O(active owners)."""
+        active = self._active
+        new = share not in active
+        active[share] = now
+        if now - self._pruned >= self.window:
+            self.prune(now)
+        elif new:
+            self._update()
+
+    def prune(self, now: float) -> None:
+        """Forget the owners that hold nothing and held nothing new within the window."""
+        self._pruned = now
+        limit = now - self.window
+        active = self._active
+        for stale in [s for s, at in active.items() if at < limit and not s.held]:
+            del active[stale]
+        self._update()
+
+    def _update(self) -> None:
+        was = self.contended
+        # A second owner shows up: enforced at once; relaxed a window after it held nothing.
+        self.contended = len(self._active) > 1
+        if was and not self.contended:
+            for share in list(self._active):  # alone again: its waiting connections read on
+                share.wake()
+
+    def recheck_later(self, loop: asyncio.AbstractEventLoop) -> None:
+        """While a connection waits, relax the shares a window after the last contender went quiet,
+        even if no count changes meanwhile (one timer per group, not one per waiter)."""
+        if self._timer is None:
+            self._timer = loop.call_later(self.window, self._recheck, loop)
+
+    def _recheck(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        self.prune(time.monotonic())
+        if self.contended and any(share._waiters for share in self._active):
+            self.recheck_later(loop)
+
+
+class PoolShare:
+    """At most ``limit`` of one owner's events with pooled work at once, while another owner has some."""
+
+    __slots__ = ("limit", "held", "group", "waits", "_waiters")
+
+    def __init__(self, limit: int, group: PoolShareGroup | None = None) -> None:
+        if limit < 1:
+            raise ValueError(f"a pool share is at least one event, got {limit!r}")
+        self.limit = limit
+        #: The owner's events whose pooled work runs, is queued or waits for a slot (take/give).
+        self.held = 0
+        #: The worker's shares; None: this one alone, always enforced.
+        self.group = group
+        #: Times a connection waited for this share (execapp_pool_share_waits_total).
+        self.waits = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def over(self) -> bool:
+        """True while the owner holds its share and another owner uses the pool: its next frame waits."""
+        return self.held >= self.limit and (self.group is None or self.group.contended)
+
+    def ahead(self) -> bool:
+        """True while the owner is within its share and another owner uses the pool: its dispatch
+        that finds the pool full waits for a slot ahead of those past their share."""
+        group = self.group
+        return self.held < self.limit and group is not None and group.contended
+
+    def take(self) -> None:
+        """One more of the owner's events holds pooled work."""
+        self.held += 1
+        group = self.group
+        if group is not None:
+            group.saw(self, time.monotonic())
+
+    def give(self) -> None:
+        """One of the owner's events with pooled work is done: a waiting connection may read on."""
+        self.held -= 1
+        group = self.group
+        if group is not None:
+            group.saw(self, time.monotonic())
+        if self._waiters and not self.over:
+            self.wake()
+
+    def wake(self) -> None:
+        """Let the first waiting connection read its frame (it wakes the next while there is room)."""
+        waiters = self._waiters
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    async def wait(self) -> None:
+        """Wait until the owner is back within its share, or alone on the pool (woken, no polling)."""
+        self.waits += 1
+        loop = asyncio.get_running_loop()
+        first = False
+        while self.over:
+            fut: asyncio.Future[None] = loop.create_future()
+            if first:  # woken, and another connection of the owner took the room first: keep the turn
+                self._waiters.appendleft(fut)
+            else:
+                self._waiters.append(fut)
+            if self.group is not None:
+                self.group.recheck_later(loop)
+            try:
+                await fut
+            except asyncio.CancelledError:  # the client left
+                if fut.cancelled():
+                    try:
+                        self._waiters.remove(fut)
+                    except ValueError:
+                        pass
+                elif not self.over:  # woken just before: pass the turn on
+                    self.wake()
+                raise
+            first = True
+        if self._waiters:  # room for more: the next connection re-checks a loop turn later
+            self.wake()
