@@ -34,14 +34,16 @@ class ShareGroup:
         self.contended = False
         #: The loop split evenly between the active owners (each share is at least this).
         self.fair = 1.0
-        self._active: dict[LoopShare, float] = {}
+        # By owner (``LoopShare.key``): a reconnecting owner's new share is the same owner, not another.
+        self._active: dict[object, float] = {}
         self._pruned = time.monotonic()
 
     def saw(self, share: "LoopShare", now: float) -> None:
         """``share`` spent loop time at ``now``: O(1), and once a window O(active owners)."""
         active = self._active
-        new = share not in active
-        active[share] = now
+        key = share.key
+        new = key not in active
+        active[key] = now
         if now - self._pruned >= self.window:
             self._pruned = now
             limit = now - self.window
@@ -57,9 +59,10 @@ class ShareGroup:
 class LoopShare:
     """``share`` seconds of loop time per second (at most ``share`` seconds banked), spent by ``spend_since``."""
 
-    __slots__ = ("share", "capacity", "level", "_at", "throttled", "group")
+    __slots__ = ("share", "capacity", "level", "_at", "throttled", "group", "key")
 
-    def __init__(self, share: float, burst_seconds: float = 1.0, group: ShareGroup | None = None) -> None:
+    def __init__(self, share: float, burst_seconds: float = 1.0, group: ShareGroup | None = None,
+                 owner: str | None = None) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"a loop share is a fraction of one event loop in (0, 1], got {share!r}")
         self.share = share
@@ -70,6 +73,8 @@ class LoopShare:
         self.throttled = 0
         #: The worker's shares; None: this one alone, always enforced.
         self.group = group
+        #: Who this share is in its group: its owner, else the share itself.
+        self.key: object = owner if owner is not None else self
 
     def spend_since(self, started: float) -> None:
         """Spend the loop time since ``started`` (a ``time.monotonic()`` reading); the level may go

@@ -35,15 +35,18 @@ class PoolShareGroup:
         self.window = window
         #: More than one owner held pooled work within the window: shares are enforced.
         self.contended = False
-        self._active: dict[PoolShare, float] = {}
+        # By owner (``PoolShare.key``): the share and when it last changed. A reconnecting owner's
+        # new share is the same owner, not a second one that would make the pool look contended.
+        self._active: dict[object, tuple[PoolShare, float]] = {}
         self._pruned = time.monotonic()
         self._timer: asyncio.TimerHandle | None = None
 
     def saw(self, share: "PoolShare", now: float) -> None:
         """``share``'s count changed at ``now``: O(1), and once a window O(active owners)."""
         active = self._active
-        new = share not in active
-        active[share] = now
+        key = share.key
+        new = key not in active
+        active[key] = (share, now)
         if now - self._pruned >= self.window:
             self.prune(now)
         elif new:
@@ -54,7 +57,7 @@ class PoolShareGroup:
         self._pruned = now
         limit = now - self.window
         active = self._active
-        for stale in [s for s, at in active.items() if at < limit and not s.held]:
+        for stale in [k for k, (s, at) in active.items() if at < limit and not s.held]:
             del active[stale]
         self._update()
 
@@ -63,7 +66,7 @@ class PoolShareGroup:
         # A second owner shows up: enforced at once; relaxed a window after it held nothing.
         self.contended = len(self._active) > 1
         if was and not self.contended:
-            for share in list(self._active):  # alone again: its waiting connections read on
+            for share, _ in list(self._active.values()):  # alone again: its waiting connections read on
                 share.wake()
 
     def recheck_later(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -75,16 +78,16 @@ class PoolShareGroup:
     def _recheck(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
         self.prune(time.monotonic())
-        if self.contended and any(share._waiters for share in self._active):
+        if self.contended and any(share._waiters for share, _ in self._active.values()):
             self.recheck_later(loop)
 
 
 class PoolShare:
     """At most ``limit`` of one owner's events with pooled work at once, while another owner has some."""
 
-    __slots__ = ("limit", "held", "group", "waits", "_waiters")
+    __slots__ = ("limit", "held", "group", "waits", "_waiters", "key")
 
-    def __init__(self, limit: int, group: PoolShareGroup | None = None) -> None:
+    def __init__(self, limit: int, group: PoolShareGroup | None = None, owner: str | None = None) -> None:
         if limit < 1:
             raise ValueError(f"a pool share is at least one event, got {limit!r}")
         self.limit = limit
@@ -92,6 +95,8 @@ class PoolShare:
         self.held = 0
         #: The worker's shares; None: this one alone, always enforced.
         self.group = group
+        #: Who this share is in its group: its owner, else the share itself.
+        self.key: object = owner if owner is not None else self
         #: Times a connection waited for this share (execapp_pool_share_waits_total).
         self.waits = 0
         self._waiters: deque[asyncio.Future[None]] = deque()

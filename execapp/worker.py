@@ -178,7 +178,7 @@ class Worker:
         connection)."""
         found = self._decode_shares.get(owner)
         if found is None:
-            found = self._decode_shares[owner] = LoopShare(share, group=self._share_group)
+            found = self._decode_shares[owner] = LoopShare(share, group=self._share_group, owner=owner)
         return found
 
     def pool_share(self, owner: str, share: float) -> PoolShare:
@@ -191,7 +191,8 @@ class Worker:
             if len(shares) > 2 * len(self._connections) + 16:  # amortized: owners gone since, work done
                 for gone in [o for o, s in shares.items() if not s.held and o not in self._connections]:
                     del shares[gone]
-            found = shares[owner] = PoolShare(max(1, int(share * self.pool.max_workers)), self._pool_group)
+            found = shares[owner] = PoolShare(max(1, int(share * self.pool.max_workers)), self._pool_group,
+                                                owner=owner)
         return found
 
     def begin_event(self) -> bool:

@@ -153,6 +153,16 @@ def test_one_owner_s_connections_share_one_decode_share_dropped_with_the_last(ch
     worker.connection_closed("tenant:a")
     assert worker.decode_share("tenant:a", 0.25) is not a  # a fresh one for its next connection
     worker.connection_closed("tenant:b")
+    # The owner reconnected within the group's window: its new share is still one owner, alone.
+    worker.connection_opened("tenant:c", 10)
+    c = worker.decode_share("tenant:c", 0.25)
+    c.spend_since(time.monotonic())
+    worker.connection_closed("tenant:c")
+    worker.connection_opened("tenant:c", 10)
+    again = worker.decode_share("tenant:c", 0.25)
+    again.spend_since(time.monotonic())
+    assert again is not c and not again.enforced
+    worker.connection_closed("tenant:c")
 
 
 @pytest.mark.parametrize("value", [0, -0.1, 1.5, "half", True, None])
