@@ -158,27 +158,28 @@ def _duration_bucket_checks() -> list[checks.CheckMessage]:
 _SAFE_FRAME_DEPTH = 200
 
 
-def _decode_share_checks() -> list[checks.CheckMessage]:
-    """DECODE_SHARE_PER_OWNER: a fraction of one event loop, in (0, 1]."""
-    value = conf.get("DECODE_SHARE_PER_OWNER")
+def _fraction_check(key: str, of: str, example: float, one: str, check_id: str) -> list[checks.CheckMessage]:
+    """A setting that is a fraction of ``of``, in (0, 1]; ``one`` says what 1 allows."""
+    value = conf.get(key)
     if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1:
         return []
-    return [checks.Error(f"EXECAPP['DECODE_SHARE_PER_OWNER'] is {value!r}{_from('DECODE_SHARE_PER_OWNER')}, it must "
-                         "be a fraction of one event loop above 0 and at most 1",
-                         hint=f"Set it to a number like 0.25 (the default: {conf.DEFAULTS['DECODE_SHARE_PER_OWNER']}); "
-                         "1 lets one owner's frames take the whole loop.", id="execapp.E045")]
+    return [checks.Error(f"EXECAPP[{key!r}] is {value!r}{_from(key)}, it must be a fraction of {of} above 0 "
+                         "and at most 1",
+                         hint=f"Set it to a number like {example} (the default: {conf.DEFAULTS[key]}); 1 {one}.",
+                         id=check_id)]
+
+
+def _decode_share_checks() -> list[checks.CheckMessage]:
+    """DECODE_SHARE_PER_OWNER: a fraction of one event loop, in (0, 1]."""
+    return _fraction_check("DECODE_SHARE_PER_OWNER", "one event loop", 0.25,
+                           "lets one owner's frames take the whole loop", "execapp.E045")
 
 
 def _pool_share_checks() -> list[checks.CheckMessage]:
     """POOL_SHARE_PER_OWNER: a fraction of the thread pool, in (0, 1]."""
-    value = conf.get("POOL_SHARE_PER_OWNER")
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1:
-        return []
-    return [checks.Error(f"EXECAPP['POOL_SHARE_PER_OWNER'] is {value!r}{_from('POOL_SHARE_PER_OWNER')}, it must "
-                         "be a fraction of the thread pool (POOL_MAX_WORKERS) above 0 and at most 1",
-                         hint=f"Set it to a number like 0.5 (the default: {conf.DEFAULTS['POOL_SHARE_PER_OWNER']}); "
-                         "1 lets one owner's events hold every pool thread while others wait for one.",
-                         id="execapp.E064")]
+    return _fraction_check("POOL_SHARE_PER_OWNER", "the thread pool (POOL_MAX_WORKERS)", 0.5,
+                           "lets one owner's events hold every pool thread while others wait for one",
+                           "execapp.E064")
 
 
 def _frame_depth_checks() -> list[checks.CheckMessage]:

@@ -79,3 +79,12 @@ class Gate:
     def open(self) -> None:
         self.event.set()
 
+
+class ManualClock:
+    """A monotonic clock a test moves by hand (patched in for ``time.monotonic``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now

@@ -17,27 +17,18 @@ from execapp.engine import Engine
 from execapp.loop_share import LoopShare
 from execapp.protocol import Limits, parse_request
 
+from ..engine.helpers import ManualClock
 from .ws_fixtures import Admission, channel_layer, ws_worker  # noqa: F401
 
 
-class Clock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    c = Clock()
+def clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
+    c = ManualClock()
     monkeypatch.setattr(loop_share.time, "monotonic", c)
     return c
 
 
-def test_a_share_refills_at_its_rate_up_to_its_burst(clock: Clock) -> None:
+def test_a_share_refills_at_its_rate_up_to_its_burst(clock: ManualClock) -> None:
     share = LoopShare(0.25)  # 0.25 s of loop time per second, at most 0.25 s banked
     share.spend_since(clock.now - 0.2)  # a 0.2 s decode
     assert share.level == pytest.approx(0.05) and not share.owed
@@ -52,7 +43,7 @@ def test_a_share_refills_at_its_rate_up_to_its_burst(clock: Clock) -> None:
     assert share.level == pytest.approx(0.25)
 
 
-def test_a_share_waits_for_what_was_overspent_at_its_rate(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_share_waits_for_what_was_overspent_at_its_rate(clock: ManualClock, monkeypatch: pytest.MonkeyPatch) -> None:
     slept: list[float] = []
 
     async def sleep(seconds: float) -> None:
@@ -165,18 +156,22 @@ def test_one_owner_s_connections_share_one_decode_share_dropped_with_the_last(ch
     worker.connection_closed("tenant:c")
 
 
+@pytest.mark.parametrize("key, check_id", [("DECODE_SHARE_PER_OWNER", "execapp.E045"),
+                                           ("POOL_SHARE_PER_OWNER", "execapp.E064")])
 @pytest.mark.parametrize("value", [0, -0.1, 1.5, "half", True, None])
-def test_a_decode_share_that_is_not_a_fraction_of_the_loop_fails_the_system_check(settings: Any, value: Any) -> None:
+def test_a_share_that_is_not_a_fraction_fails_the_system_check(settings: Any, key: str, check_id: str,
+                                                                value: Any) -> None:
+    """The loop share and the pool share (execapp.pool_share) are each a fraction in (0, 1]."""
     from execapp.checks import check_execapp_settings
 
-    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "DECODE_SHARE_PER_OWNER": value}
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), key: value}
     found = {m.id: m for m in check_execapp_settings()}
-    assert "execapp.E045" in found and "DECODE_SHARE_PER_OWNER" in found["execapp.E045"].msg
-    settings.EXECAPP = {**settings.EXECAPP, "DECODE_SHARE_PER_OWNER": 0.5}
-    assert "execapp.E045" not in {m.id for m in check_execapp_settings()}
+    assert check_id in found and key in found[check_id].msg and found[check_id].hint
+    settings.EXECAPP = {**settings.EXECAPP, key: 0.5}
+    assert check_id not in {m.id for m in check_execapp_settings()}
 
 
-def test_a_share_is_enforced_only_while_another_owner_is_active(clock: Clock) -> None:
+def test_a_share_is_enforced_only_while_another_owner_is_active(clock: ManualClock) -> None:
     """Alone on a worker an owner may use the whole loop (and owes nothing for it); a second active
     owner makes both shares count at once, and the loop is split evenly while that is more."""
     group = loop_share.ShareGroup(window=1.0)
@@ -195,7 +190,7 @@ def test_a_share_is_enforced_only_while_another_owner_is_active(clock: Clock) ->
 
 
 async def test_an_owner_s_dispatch_is_charged_to_its_share_while_another_owner_is_active(
-        clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+        clock: ManualClock, monkeypatch: pytest.MonkeyPatch) -> None:
     """Inline handlers and regex matching are the owner's loop time too: cheap frames whose handlers
     run on the loop, sent over many connections, held it as heavy frames did."""
     from execapp import connection
