@@ -148,6 +148,14 @@ class Plugin(models.Model):
         if not isinstance(self.permissions, list) or bad:
             raise PluginInvalid(f"plugin {self.name!r}: unknown permission(s) {bad or self.permissions!r}; "
                                 f"use a list of {', '.join(specs.PERMISSIONS)}")
+        if self.memory_mb > specs.MAX_MEMORY_MB:
+            raise PluginInvalid(f"plugin {self.name!r}: memory_mb {self.memory_mb} is above {specs.MAX_MEMORY_MB}, "
+                                "the most one instance may have; lower it")
+        for field in ("pool_size", "shard_count", "max_concurrency"):
+            if getattr(self, field) > specs.MAX_INSTANCES:
+                raise PluginInvalid(f"plugin {self.name!r}: {field} {getattr(self, field)} is above "
+                                    f"{specs.MAX_INSTANCES}, the most instances or calls at once per worker "
+                                    "process; lower it (each may hold memory_mb)")
         longest = conf.get("MAX_HANDLER_TIMEOUT_SECONDS")
         if self.timeout_ms / 1000 > longest:
             raise PluginInvalid(f"plugin {self.name!r}: timeout_ms {self.timeout_ms} is above the longest handler "

@@ -18,6 +18,11 @@ DEFAULT_MEMORY_MB = 16
 DEFAULT_MAX_CONCURRENCY = 8
 DEFAULT_POOL_SIZE = 4
 DEFAULT_SHARD_COUNT = 4
+#: The largest memory cap of one instance, and the most instances (pool_size, shard_count) or
+#: calls at once (max_concurrency) a plugin may ask for: together, what one plugin can make each
+#: worker process hold (up to 256 x 1 GiB of address space is already an operator's deliberate choice).
+MAX_MEMORY_MB = 1024
+MAX_INSTANCES = 256
 
 
 @dataclass(frozen=True)

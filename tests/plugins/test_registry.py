@@ -55,6 +55,15 @@ def test_a_disabled_bindings_regex_hint_is_matched_in_linear_time() -> None:
         sync._hints = {}
 
 
+@pytest.mark.parametrize("field, value, limit", [("memory_mb", 1025, 1024), ("pool_size", 257, 256),
+                                                ("shard_count", 1000, 256), ("max_concurrency", 10**6, 256)])
+def test_what_one_plugin_may_make_each_worker_hold_is_bounded(field: str, value: int, limit: int) -> None:
+    with pytest.raises(PluginInvalid, match=f"plugin 'big': {field} {value} is above {limit}"):
+        Plugin.objects.create(name="big", runtime="lua", source="function a(ev) return 'a' end", **{field: value})
+    assert not Plugin.objects.filter(name="big").exists()
+    Plugin.objects.create(name="big", runtime="lua", source="function a(ev) return 'a' end", **{field: limit})
+
+
 def test_editing_code_away_from_a_bound_handler_is_refused() -> None:
     plugin = Plugin.objects.create(name="p", runtime="lua", source="function a(ev) return 'a' end")
     Binding.objects.create(plugin=plugin, pattern="a", handler="a")
