@@ -21,39 +21,64 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 
-class ShareGroup:
-    """The loop shares of one worker's owners: which were active within ``window`` seconds."""
+class ActiveOwners:
+    """Which owners of one worker did something within ``window`` seconds, and so whether their
+    shares are enforced (``contended``: more than one). Kept by owner (a share's ``key``): a
+    reconnecting owner's new share is the same owner, not a second one. The loop's and the
+    pool's groups (``ShareGroup``, execapp.pool_share.PoolShareGroup) extend it."""
 
-    __slots__ = ("window", "contended", "fair", "_active", "_pruned")
+    __slots__ = ("window", "contended", "_active", "_pruned")
 
     def __init__(self, window: float = 1.0) -> None:
         self.window = window
-        #: More than one owner sent a frame within the window: shares are enforced.
+        #: More than one owner was active within the window: shares are enforced.
         self.contended = False
-        #: The loop split evenly between the active owners (each share is at least this).
-        self.fair = 1.0
-        # By owner (``LoopShare.key``): a reconnecting owner's new share is the same owner, not another.
-        self._active: dict[object, float] = {}
+        self._active: dict[object, tuple[Any, float]] = {}  # owner -> (its share, when last seen)
         self._pruned = time.monotonic()
 
-    def saw(self, share: "LoopShare", now: float) -> None:
-        """``share`` spent loop time at ``now``: O(1), and once a window O(active owners)."""
+    def saw(self, share: Any, now: float) -> None:
+        """``share``'s owner was active at ``now``: O(1), and once a window O(active owners)."""
         active = self._active
         key = share.key
         new = key not in active
-        active[key] = now
+        active[key] = (share, now)
         if now - self._pruned >= self.window:
-            self._pruned = now
-            limit = now - self.window
-            for stale in [s for s, at in active.items() if at < limit]:
-                del active[stale]
-        elif not new:
-            return
-        # A second owner shows up (or one went quiet): enforced at once, relaxed within a window.
-        self.contended = len(active) > 1
-        self.fair = 1.0 / len(active)
+            self.prune(now)
+        elif new:  # a second owner shows up: enforced at once; relaxed within a window of quiet
+            self._update()
+
+    def prune(self, now: float) -> None:
+        """Forget the owners quiet for a window (and that ``_may_forget`` lets go)."""
+        self._pruned = now
+        limit = now - self.window
+        active = self._active
+        for stale in [k for k, (s, at) in active.items() if at < limit and self._may_forget(s)]:
+            del active[stale]
+        self._update()
+
+    def _may_forget(self, share: Any) -> bool:
+        return True
+
+    def _update(self) -> None:
+        self.contended = len(self._active) > 1
+
+
+class ShareGroup(ActiveOwners):
+    """The loop shares of one worker's owners: which sent frames within ``window`` seconds."""
+
+    __slots__ = ("fair",)
+
+    def __init__(self, window: float = 1.0) -> None:
+        super().__init__(window)
+        #: The loop split evenly between the active owners (each share is at least this).
+        self.fair = 1.0
+
+    def _update(self) -> None:
+        super()._update()
+        self.fair = 1.0 / len(self._active)
 
 
 class LoopShare:

@@ -24,47 +24,27 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from typing import Any
+
+from .loop_share import ActiveOwners
 
 
-class PoolShareGroup:
-    """The pool shares of one worker's owners: which held pooled work within ``window`` seconds."""
+class PoolShareGroup(ActiveOwners):
+    """The pool shares of one worker's owners: which held pooled work within ``window`` seconds
+    (an owner still holding some is never forgotten)."""
 
-    __slots__ = ("window", "contended", "_active", "_pruned", "_timer")
+    __slots__ = ("_timer",)
 
     def __init__(self, window: float = 1.0) -> None:
-        self.window = window
-        #: More than one owner held pooled work within the window: shares are enforced.
-        self.contended = False
-        # By owner (``PoolShare.key``): the share and when it last changed. A reconnecting owner's
-        # new share is the same owner, not a second one that would make the pool look contended.
-        self._active: dict[object, tuple[PoolShare, float]] = {}
-        self._pruned = time.monotonic()
+        super().__init__(window)
         self._timer: asyncio.TimerHandle | None = None
 
-    def saw(self, share: "PoolShare", now: float) -> None:
-        """``share``'s count changed at ``now``: O(1), and once a window O(active owners)."""
-        active = self._active
-        key = share.key
-        new = key not in active
-        active[key] = (share, now)
-        if now - self._pruned >= self.window:
-            self.prune(now)
-        elif new:
-            self._update()
-
-    def prune(self, now: float) -> None:
-        """Forget the owners that hold nothing and held nothing new within the window."""
-        self._pruned = now
-        limit = now - self.window
-        active = self._active
-        for stale in [k for k, (s, at) in active.items() if at < limit and not s.held]:
-            del active[stale]
-        self._update()
+    def _may_forget(self, share: Any) -> bool:
+        return not share.held
 
     def _update(self) -> None:
         was = self.contended
-        # A second owner shows up: enforced at once; relaxed a window after it held nothing.
-        self.contended = len(self._active) > 1
+        super()._update()
         if was and not self.contended:
             for share, _ in list(self._active.values()):  # alone again: its waiting connections read on
                 share.wake()

@@ -273,3 +273,14 @@ def asgi_server_factory() -> Iterator:
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``time.monotonic`` as a tests.engine.helpers.ManualClock the test moves by hand (for tests
+    without an event loop: asyncio reads the same clock)."""
+    from .engine.helpers import ManualClock
+
+    manual = ManualClock()
+    monkeypatch.setattr(time, "monotonic", manual)
+    return manual

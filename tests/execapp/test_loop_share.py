@@ -21,13 +21,6 @@ from ..engine.helpers import ManualClock
 from .ws_fixtures import Admission, channel_layer, ws_worker  # noqa: F401
 
 
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
-    c = ManualClock()
-    monkeypatch.setattr(loop_share.time, "monotonic", c)
-    return c
-
-
 def test_a_share_refills_at_its_rate_up_to_its_burst(clock: ManualClock) -> None:
     share = LoopShare(0.25)  # 0.25 s of loop time per second, at most 0.25 s banked
     share.spend_since(clock.now - 0.2)  # a 0.2 s decode

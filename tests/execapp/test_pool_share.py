@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from execapp import pool_share
 from execapp.connection import Connection
 from execapp.engine import Engine, ExecPool
 from execapp.engine.backpressure import SlotWaiters
@@ -20,13 +19,6 @@ from execapp.protocol import Limits
 
 from ..engine.helpers import ManualClock, promote
 from .ws_fixtures import Admission, channel_layer, ws_worker  # noqa: F401
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
-    c = ManualClock()
-    monkeypatch.setattr(pool_share.time, "monotonic", c)
-    return c
 
 
 def test_a_share_is_enforced_only_while_another_owner_holds_pooled_work(clock: ManualClock) -> None:
