@@ -7,6 +7,7 @@ refreshes the serving process's updaters first (``refresh_local``), so its own n
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import threading
@@ -68,6 +69,7 @@ class MetricsUpdater:
         self._lock = threading.Lock()  # tick() runs on the housekeeper and on scrapes
         self._deltas = _Deltas()
         self._children: dict[tuple[str, str, Any], Any] = {}
+        self._runs_by_outcome: dict[str, Any] = {}
         self._last_compact = time.monotonic()
         self._closed = False
         # The per-worker gauges' children, labelled with the worker's slot number (low cardinality).
@@ -102,17 +104,33 @@ class MetricsUpdater:
             compact()
 
     def _drain(self) -> None:
+        # Batched per label set: each Prometheus increment takes the value's lock and, in
+        # multiprocess mode, writes the worker's mmap file, so one observation per run cost
+        # three of them (sum, bucket, outcome counter) on this thread, which shares the GIL
+        # with the event loop. A tick now writes each touched value once.
         runs, delays = self._runs, self._delays
+        durations: dict[tuple[str, str, Any], list[float]] = {}
+        outcomes: dict[str, int] = {}
         for _ in range(len(runs)):
             matcher, exec_class, elapsed, outcome = runs.popleft()
             key = (matcher.name, matcher.plugin or "", exec_class)
+            amounts = durations.get(key)
+            if amounts is None:
+                amounts = durations[key] = []
+            amounts.append(elapsed)
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        for key, amounts in durations.items():
             child = self._children.get(key)
             if child is None:
-                child = self._children[key] = m.HANDLER_DURATION.labels(key[0], key[1], exec_class.value)
-            child.observe(elapsed)
-            m.HANDLER_RUNS.labels(outcome).inc()
-        for _ in range(len(delays)):
-            m.SCHEDULING_DELAY.observe(delays.popleft())
+                child = self._children[key] = m.HANDLER_DURATION.labels(key[0], key[1], key[2].value)
+            observe_many(child, amounts)
+        for outcome, count in outcomes.items():
+            child = self._runs_by_outcome.get(outcome)
+            if child is None:
+                child = self._runs_by_outcome[outcome] = m.HANDLER_RUNS.labels(outcome)
+            child.inc(count)
+        if delays:
+            observe_many(m.SCHEDULING_DELAY, [delays.popleft() for _ in range(len(delays))])
 
     def _sync_pool(self) -> None:
         stats = self.worker.engine.stats()
@@ -175,6 +193,31 @@ class MetricsUpdater:
 
 
 _updaters: "weakref.WeakSet[MetricsUpdater]" = weakref.WeakSet()
+
+
+def observe_many(histogram: Any, amounts: list[float]) -> None:
+    """Observe every amount in ``histogram`` (a Histogram without labels, or a labelled child),
+    touching its sum and each bucket once: what ``observe`` per amount leaves, at a fraction of
+    the writes (tests/execapp/test_metrics_updater.py compares the two)."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if not amounts:
+        return
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for amount in amounts:  # a prometheus_client whose internals differ: the public way
+            histogram.observe(amount)
+        return
+    counts = [0] * len(bounds)
+    for amount in amounts:
+        # The first bucket whose upper bound holds the amount, as observe() picks it (the
+        # last bound is +Inf). NaN holds in no bucket there, so in none here.
+        if amount == amount:
+            counts[bisect.bisect_left(bounds, amount)] += 1
+    total.inc(sum(amounts))
+    for i, count in enumerate(counts):
+        if count:
+            buckets[i].inc(count)
 
 
 def metrics_updater(worker: WorkerLike) -> MetricsUpdater:
