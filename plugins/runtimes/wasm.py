@@ -16,9 +16,10 @@ ABI (docs/plugins.md has the full text):
   plugins.runtimes.host.Host serves all host calls of one guest call and is closed when it returns.
 
 Limits: one process-wide Engine with epoch interruption, ticked by a daemon thread every
-``EPOCH_TICK`` seconds; each call sets its store's deadline from the call's deadline (trap
-code INTERRUPT -> timeout). An instance is instantiated by its first call, so a start
-function runs inside that call's deadline (an inline call's too), not a budget of its own.
+``EPOCH_TICK`` seconds while a guest call runs (``_Ticker``); each call sets its store's
+deadline from the call's deadline (trap code INTERRUPT -> timeout). An instance is
+instantiated by its first call, so a start function runs inside that call's deadline (an
+inline call's too), not a budget of its own.
 Each store has one linear memory, capped by ``Store.set_limits`` (``memory.grow`` returns -1
 past it), at most ``MAX_TABLES`` tables of ``MAX_TABLE_ELEMENTS``, and reserves
 ``MEMORY_RESERVATION`` bytes of address space instead of wasmtime's default 4 GiB; the GC
@@ -90,31 +91,55 @@ def _make_engine() -> wasmtime.Engine:
 
 
 ENGINE = _make_engine()
-_ticker_lock = threading.Lock()
-_ticker: threading.Thread | None = None
 
 
-def _ensure_ticker() -> None:
-    # Epoch deadlines only advance while something increments the engine's epoch: one daemon
-    # thread for the whole process, started on first use.
-    global _ticker
-    if _ticker is not None:
-        return
-    with _ticker_lock:
-        if _ticker is None:
-            def tick() -> None:
-                while True:
-                    time.sleep(EPOCH_TICK)
-                    ENGINE.increment_epoch()
-            _ticker = threading.Thread(target=tick, name="wasm-epoch", daemon=True)
-            _ticker.start()
+class _Ticker:
+    """The process's epoch ticker: one daemon thread (started at the first guest call) that
+    advances ENGINE's epoch every EPOCH_TICK while a guest call is inside wasmtime, and waits
+    without waking while none is."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._active = 0
+        self._thread: threading.Thread | None = None
+
+    def enter(self) -> None:
+        """A guest call is about to run under an epoch deadline: the epoch must advance."""
+        with self._cv:
+            self._active += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="wasm-epoch", daemon=True)
+                self._thread.start()
+            elif self._active == 1:
+                self._cv.notify()
+
+    def leave(self) -> None:
+        """That call is out of wasmtime."""
+        with self._cv:
+            self._active -= 1
+
+    def _run(self) -> None:
+        # Ticking only while calls run: a thread that woke 200 times a second for ever took the
+        # GIL from the event loop each time in every worker, WASM plugin or not. Deadlines
+        # count ticks from the epoch at the call's start, so a paused epoch loses nothing.
+        cv = self._cv
+        while True:
+            with cv:
+                while not self._active:
+                    cv.wait()
+            time.sleep(EPOCH_TICK)
+            ENGINE.increment_epoch()
+
+
+_ticker = _Ticker()
 
 
 def _after_fork_in_child() -> None:
-    # A forked child has no ticker thread, only the parent's Thread object: without a fresh
-    # one no epoch deadline of the child would ever arrive (a guest loop ran forever).
-    global _ticker, _ticker_lock
-    _ticker, _ticker_lock = None, threading.Lock()
+    # A forked child has no ticker thread, only the parent's object (and maybe its lock held by
+    # a thread that does not exist here): without a fresh one no epoch deadline of the child
+    # would ever arrive (a guest loop ran forever).
+    global _ticker
+    _ticker = _Ticker()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -428,12 +453,13 @@ class WasmInstance:
         """Instantiate, running the module's start function for at most ``seconds``."""
         compiled, self.compiled = self.compiled, None
         assert compiled is not None, "instantiated once"
-        _ensure_ticker()
         store = self.store = wasmtime.Store(ENGINE)
         store.set_limits(memory_size=self.spec.memory_bytes, table_elements=MAX_TABLE_ELEMENTS, instances=1,
                          tables=MAX_TABLES, memories=1)
-        store.set_epoch_deadline(_ticks(seconds))
+        ticker = _ticker
+        ticker.enter()
         try:
+            store.set_epoch_deadline(_ticks(seconds))
             self.instance = compiled.pre.instantiate(store)
         except wasmtime.Trap as exc:
             raise _trap_error(exc, self.spec, seconds) from None
@@ -442,6 +468,8 @@ class WasmInstance:
         except _HostTrap as exc:  # wasmtime-py re-raises a host function's exception as itself
             raise GuestError(f"the start function called the host: {exc}; make host calls from handlers",
                              poison=True) from None
+        finally:
+            ticker.leave()
         memory = _export(store, self.instance, "memory")
         alloc = _export(store, self.instance, "alloc")
         if not isinstance(memory, wasmtime.Memory) or not isinstance(alloc, wasmtime.Func):
@@ -470,9 +498,11 @@ class WasmInstance:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise GuestTimeout()
-        store.set_epoch_deadline(_ticks(remaining))
+        ticker = _ticker
+        ticker.enter()
         _tls.call, _tls.host, _tls.host_error = (self.spec, deadline), None, None
         try:
+            store.set_epoch_deadline(_ticks(remaining))
             ptr = self.alloc(len(payload))
             if ptr <= 0 or ptr + len(payload) > self.memory.data_len(store):
                 raise GuestError(f"alloc({len(payload)}) returned {ptr}, outside linear memory", poison=True)
@@ -483,6 +513,7 @@ class WasmInstance:
         except Exception as exc:
             raise self._failure(exc) from None
         finally:
+            ticker.leave()
             host, _tls.host, _tls.call = _tls.host, None, None
             if host is not None:
                 host.close()  # the call's end: the summary of dropped log lines and denied calls

@@ -309,3 +309,23 @@ def test_a_reply_of_nested_brackets_is_a_handler_error() -> None:
             f"(i32.const {wasm.MAX_REPLY_BYTES})) (call $pack (i32.const 0) (i32.const {wasm.MAX_REPLY_BYTES}))")
     with pytest.raises(HandlerError, match="nests too deep"):
         call(module(handler(body)))
+
+
+# -- the epoch ticker: it advances while a guest runs, and only then -------------------------------
+
+def test_the_epoch_ticks_while_a_guest_runs_and_not_while_none_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    ticks: list[float] = []
+    advance = wasm.ENGINE.increment_epoch
+    monkeypatch.setattr(wasm.ENGINE, "increment_epoch", lambda: (ticks.append(time.monotonic()), advance())[1])
+    # A loop stopped by its deadline: the ticker must have run during the call.
+    with pytest.raises(HandlerTimeout):
+        call(module(handler("(loop $l (br $l)) (i64.const 0)")), timeout=0.2)
+    assert len(ticks) >= 0.1 / wasm.EPOCH_TICK, "the epoch did not advance while the guest ran"
+    time.sleep(3 * wasm.EPOCH_TICK)  # the ticker's last sleep ends
+    idle_from = len(ticks)
+    time.sleep(20 * wasm.EPOCH_TICK)
+    assert len(ticks) == idle_from, f"{len(ticks) - idle_from} ticks while no guest ran"
+    # And a later call is still stopped at its deadline: the ticker wakes again.
+    with pytest.raises(HandlerTimeout):
+        call(module(handler("(loop $l (br $l)) (i64.const 0)")), timeout=0.2)
+    assert len(ticks) > idle_from
