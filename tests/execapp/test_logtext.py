@@ -28,7 +28,7 @@ def test_line_breaks_in_logged_values_are_escaped() -> None:
                          "\\x85end"), line
 
 
-def test_ordinary_text_tabs_and_the_servers_traceback_stay_as_they_are() -> None:
+def test_ordinary_text_tabs_and_the_servers_traceback_stay_readable() -> None:
     plain = _plain()
     assert plain.format(_record("a\tb é %s", "ü")).endswith(" a\tb é ü")
     try:
@@ -36,4 +36,24 @@ def test_ordinary_text_tabs_and_the_servers_traceback_stay_as_they_are() -> None
     except ValueError:
         line = plain.format(_record("failed: %s", "x\ny", exc_info=sys.exc_info()))
     head, *traceback = line.splitlines()
-    assert head.endswith("failed: x\\ny") and traceback[0] == "Traceback (most recent call last):"
+    assert head.endswith("failed: x\\ny") and traceback[0] == "  | Traceback (most recent call last):"
+    assert traceback[-1] == "  | ValueError: boom" and all(t.startswith("  | ") for t in traceback)
+
+
+def test_a_client_text_in_an_exception_message_cannot_start_a_line_of_its_own() -> None:
+    forged = "bad id\n2025-01-01 00:00:00,000 ERROR execapp.auth forged\x1b[31m"
+    plain = _plain()
+    try:
+        try:
+            raise KeyError(forged)
+        except KeyError as exc:
+            raise ValueError(forged) from exc
+    except ValueError:
+        record = _record("failed")
+        record.exc_info = sys.exc_info()
+        record.stack_info = "Stack (most recent call last):\n" + forged
+        line = plain.format(record)
+    head, *rest = line.splitlines()
+    assert head.endswith("failed") and len(rest) > 6
+    assert all(t.startswith("  | ") for t in rest), rest
+    assert "  | 2025-01-01 00:00:00,000 ERROR execapp.auth forged\\x1b[31m" in rest
