@@ -110,9 +110,10 @@ def bench_inline(quick: bool) -> list[dict[str, Any]]:
 
 def bench_connection(quick: bool) -> list[dict[str, Any]]:
     """The connection's path in process, recorder on vs off, GC on (see the docstring)."""
-    from execapp import history
+    from execapp import conf, history
     from execapp.connection import Connection
     from execapp.engine import Engine
+    from execapp.outbox_budget import OutboxBudget
     from execapp.protocol import Limits
 
     n, reps = (5_000, 3) if quick else (20_000, 7)
@@ -142,7 +143,9 @@ def bench_connection(quick: bool) -> list[dict[str, Any]]:
             if written[0] == 2 * n:  # every reply and done
                 done.set()
 
-        conn = Connection(engine, Admission(), Limits(65536, 1000), send, owner="tenant:bench")
+        # With its owner's outbox budget, as execapp.consumers builds it (execapp.outbox_budget).
+        conn = Connection(engine, Admission(), Limits(65536, 1000), send, owner="tenant:bench",
+                          outbox_budget=OutboxBudget(conf.DEFAULTS["OWNER_OUTBOX_BYTES"], "tenant:bench"))
         if on:
             recorder.start()
         flushed = 0.0

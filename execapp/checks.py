@@ -55,6 +55,7 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     errors += _frame_depth_checks()
     errors += _decode_share_checks()
     errors += _pool_share_checks()
+    errors += _owner_outbox_checks()
     errors += _env_checks()
     errors += _history_checks()
     errors += _duration_bucket_checks()
@@ -180,6 +181,30 @@ def _pool_share_checks() -> list[checks.CheckMessage]:
     return _fraction_check("POOL_SHARE_PER_OWNER", "the thread pool (POOL_MAX_WORKERS)", 0.5,
                            "lets one owner's events hold every pool thread while others wait for one",
                            "execapp.E064")
+
+
+def _owner_outbox_checks() -> list[checks.CheckMessage]:
+    """OWNER_OUTBOX_BYTES: a whole number of bytes >= 0, not below one outbox's OUTBOX_MAX_BYTES."""
+    key = "OWNER_OUTBOX_BYTES"
+    value = conf.get(key)
+    default = conf.DEFAULTS[key]
+    if not _number(value, True) or value < 0:
+        return [checks.Error(
+            f"EXECAPP[{key!r}] is {value!r}{_from(key)}, it must be a whole number of bytes >= 0 (0: no owner budget)",
+            hint=f"Set it to {default} (the default, 16 MiB) or another size: the most one owner's connections on a "
+                 "worker may hold in their outboxes together.", id="execapp.E067")]
+    if value == 0:
+        return [checks.Warning(
+            f"EXECAPP[{key!r}] is 0{_from(key)}: one owner whose clients stop reading can make a worker hold "
+            "MAX_CONNECTIONS_PER_OWNER x OUTBOX_MAX_BYTES of its frames", hint=f"Keep a budget (default {default}, "
+            "16 MiB).", id="execapp.W067")]
+    per_outbox = conf.get("OUTBOX_MAX_BYTES")
+    if _number(per_outbox, True) and value < per_outbox:
+        return [checks.Warning(
+            f"EXECAPP[{key!r}] ({value}) is below OUTBOX_MAX_BYTES ({per_outbox}): one connection that stops reading "
+            "holds its owner's whole budget before its own limit, and stops every other connection of that owner "
+            "on its worker", hint="Make it several times OUTBOX_MAX_BYTES (default 16x).", id="execapp.W068")]
+    return []
 
 
 def _frame_depth_checks() -> list[checks.CheckMessage]:

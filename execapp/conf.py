@@ -58,6 +58,13 @@ DEFAULTS: dict[str, Any] = {
     # it caught up) and the connection stops reading the client's own frames until it drains.
     "OUTBOX_MAX_FRAMES": 1000,
     "OUTBOX_MAX_BYTES": 1_048_576,
+    # The bytes all of one owner's outboxes on one worker may hold together (execapp/outbox_budget.py;
+    # 0: no owner budget). Past it the owner's connections stop reading their clients' frames and
+    # other members' session frames to them are dropped (then `lagged`), as for one full outbox.
+    # Without it one owner could make a worker hold MAX_CONNECTIONS_PER_OWNER x OUTBOX_MAX_BYTES
+    # (~1 GiB); 16 MiB lets 16 of its connections back up to their full 1 MiB at once (a few
+    # stalled session members, a slow dashboard) while a single tenant costs a worker 1/64 of that.
+    "OWNER_OUTBOX_BYTES": 16 * 1_048_576,
     # The channel layer (execapp/layer_watch.py, docs/operations.md "When Redis goes away"): how
     # often each worker checks it and, once it answers again, re-adds its session and control
     # memberships. This sets the time from Redis' return to working sessions and control.

@@ -20,6 +20,7 @@ from .engine.event import EventRun, Outcome, OutcomeCallback
 from .engine.ratelog import RateLimitedLog
 from .loop_share import LoopShare
 from .outbox import Outbox, OutboxLimits, text_size
+from .outbox_budget import OutboxBudget
 from .pool_share import PoolShare
 from .protocol import (
     MAX_SESSIONS_PER_CONNECTION,
@@ -76,7 +77,7 @@ class Connection:
                  publish: Callable[[str, str], Awaitable[None]] | None = None,
                  join: Callable[[str], Awaitable[None]] | None = None, owner: str | None = None,
                  outbox_limits: OutboxLimits | None = None, decode_share: LoopShare | None = None,
-                 pool_share: PoolShare | None = None) -> None:
+                 pool_share: PoolShare | None = None, outbox_budget: OutboxBudget | None = None) -> None:
         if (publish is not None or join is not None) and not owner:
             raise ValueError("a Connection with session groups needs its owner (e.g. 'tenant:acme'): group names "
                              "are namespaced by owner")
@@ -89,13 +90,15 @@ class Connection:
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         bounds = outbox_limits if outbox_limits is not None else OutboxLimits.from_settings()
-        self.outbox = Outbox(send, "execapp-ws-writer", limits=bounds, lagged=_lagged)
+        # Both outboxes also count in the owner's budget on this worker (execapp.outbox_budget;
+        # shared by the owner's connections): one tenant's many connections together are bounded.
+        self.outbox = Outbox(send, "execapp-ws-writer", limits=bounds, lagged=_lagged, budget=outbox_budget)
         self._publish = publish
         # Frames waiting for the channel layer are this client's own output too: bounded the same
         # way, by backpressure (a layer slower than the sender slows the sender; a layer that is
         # down fails each publish at once, so nothing piles up then).
-        self.group_outbox = (Outbox(self._publish_one, "execapp-ws-group", warn=True, limits=bounds)
-                             if publish is not None else None)
+        self.group_outbox = (Outbox(self._publish_one, "execapp-ws-group", warn=True, limits=bounds,
+                                    budget=outbox_budget) if publish is not None else None)
         self._join = join
         #: The loop time this connection's owner may spend on its frames (decoding, dispatch) while
         #: other owners are active (execapp.loop_share; shared by the owner's connections on this
@@ -128,7 +131,8 @@ class Connection:
         ``internal_error`` frame (logged once per cause per minute) and the connection stays."""
         try:  # one coroutine per frame: the whole path is written out here, not in helpers
             # Backpressure: this client does not read (or the channel layer is slower than its
-            # session's frames): stop reading its frames until its outboxes have room again.
+            # session's frames), or its owner's clients together hold the owner's outbox budget:
+            # stop reading its frames until its outboxes (and the owner) have room again.
             if self.outbox.full:
                 await self.outbox.wait_room()
             if self.group_outbox is not None and self.group_outbox.full:

@@ -155,7 +155,8 @@ class EventConsumer(AsyncWebsocketConsumer):
                                publish=self._publish if has_layer else None,
                                join=self._join if has_layer else None, owner=self.owner,
                                decode_share=worker.decode_share(self.owner, conf.get("DECODE_SHARE_PER_OWNER")),
-                               pool_share=worker.pool_share(self.owner, conf.get("POOL_SHARE_PER_OWNER")))
+                               pool_share=worker.pool_share(self.owner, conf.get("POOL_SHARE_PER_OWNER")),
+                               outbox_budget=worker.outbox_budget(self.owner, int(conf.get("OWNER_OUTBOX_BYTES"))))
         # Join the URL's sessions before accepting, so a client is a member once it is connected.
         problems = []
         query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))

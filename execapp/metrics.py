@@ -62,6 +62,10 @@ LOOP_SHARE_WAITS = Counter("execapp_loop_share_waits_total", "Times a connection
 POOL_SHARE_WAITS = Counter("execapp_pool_share_waits_total", "Times a connection stopped reading its frames because "
                            "its owner's events held its share of the thread pool while other owners' events used "
                            "the pool too (EXECAPP['POOL_SHARE_PER_OWNER']).")
+OWNER_OUTBOX_WAITS = Counter("execapp_owner_outbox_waits_total", "Times a connection stopped reading its frames "
+                             "because its owner's connections on its worker together held their outbox budget "
+                             "(frames queued for clients that read slower than they come; "
+                             "EXECAPP['OWNER_OUTBOX_BYTES']).")
 EVENTS_DISPATCHED = Counter("execapp_events_dispatched_total", "Events handed to an engine.")
 PROMOTIONS = Counter("execapp_profile_promotions_total", "Matchers promoted to the pool.", ["matcher"])
 DEMOTIONS = Counter("execapp_profile_demotions_total", "Matchers demoted to inline.", ["matcher"])

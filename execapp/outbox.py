@@ -12,6 +12,11 @@ memory until the keepalive closes it. The policy (docs/protocol.md, "Limits and 
   otherwise dropped and counted per key (the session). Once the writer has caught up (the outbox
   is down to half its limits) one item made by ``lagged(missed)`` is queued, saying how many were
   missed (tokio's broadcast ``Lagged(n)``), and offers are queued again.
+
+The outboxes of one owner's connections on a worker may also share an ``OutboxBudget``
+(execapp.outbox_budget, EXECAPP['OWNER_OUTBOX_BYTES']): while the owner is over it, each of its
+outboxes counts as over its limits too (``full``, ``wait_room``, ``offer``), and as caught up
+only once the owner is down to half of it.
 """
 from __future__ import annotations
 
@@ -19,10 +24,13 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from . import conf
 from .engine.ratelog import RateLimitedLog
+
+if TYPE_CHECKING:
+    from .outbox_budget import OutboxBudget
 
 log = logging.getLogger("execapp.connection")
 #: Writes to a channel layer that is down fail for every frame of every connection: one line per
@@ -75,17 +83,20 @@ class Outbox:
     """
 
     def __init__(self, write: Callable[[Any], Awaitable[None]], name: str, warn: bool = False,
-                 limits: OutboxLimits = UNBOUNDED, lagged: Callable[[dict[str, int]], tuple[Any, int]] | None = None
-                 ) -> None:
+                 limits: OutboxLimits = UNBOUNDED, lagged: Callable[[dict[str, int]], tuple[Any, int]] | None = None,
+                 budget: OutboxBudget | None = None) -> None:
         self._write = write
         self._items: deque[tuple[Any, Callable[[], None] | None, int]] = deque()
         self._wake: asyncio.Future[None] | None = None
         self._room: asyncio.Future[None] | None = None
+        self._held: asyncio.Future[None] | None = None  # waiting in the owner's budget (wait_room)
         self._closed = False
         self._warn = warn  # a client socket failing is routine (it left); a channel layer is not
         self._name = name
         self.limits = limits
         self._lagged = lagged
+        #: The budget of the owner's outboxes together (execapp.outbox_budget); None: none.
+        self.budget = budget
         #: Frames and bytes queued now (what the limits bound).
         self.frames = 0
         self.bytes = 0
@@ -106,6 +117,9 @@ class Outbox:
         self._items.append((item, after, size))
         self.frames += 1
         self.bytes += size
+        budget = self.budget
+        if budget is not None:
+            budget.bytes += size
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
@@ -114,19 +128,34 @@ class Outbox:
         lag (then count it as missed under ``key``); True if queued."""
         if self._closed:
             return False
-        # While ``missed`` is not empty something is queued (an empty outbox takes any frame),
-        # so the writer is running and calls _resume once it is down to half the limits.
+        # While ``missed`` is not empty, either something is queued and the writer calls _resume
+        # once it is down to half the limits, or (dropped for the owner's budget) the outbox is
+        # empty and waits in the budget, which calls resume_lagged once the owner drained.
         if self.missed or self._over(size):
             self.missed[key] = self.missed.get(key, 0) + 1
             self.dropped_total += 1
             SessionFrameTotals.dropped += 1
+            if self.frames == 0 and self.budget is not None:
+                self.budget.lag(self)
             return False
         self.push(item, None, size)
         return True
 
     def _over(self, extra: int = 0) -> bool:
-        """At or over a limit (with ``extra`` more bytes); an empty outbox is never over, so a
-        single frame larger than the byte limit still goes out."""
+        """At or over a limit of this outbox or its owner's budget (with ``extra`` more bytes)."""
+        budget = self.budget
+        if budget is not None and budget.bytes > 0 and budget.bytes + extra > budget.limit:
+            return True
+        if self.frames == 0:  # _own_over, inline: this runs for every frame read (``full``)
+            return False
+        limits = self.limits
+        return ((limits.max_frames > 0 and self.frames >= limits.max_frames)
+                or (limits.max_bytes > 0 and self.bytes + extra > limits.max_bytes))
+
+    def _own_over(self, extra: int = 0) -> bool:
+        """At or over this outbox's own limits; an empty outbox is never over, so a single frame
+        larger than the byte limit still goes out (and an owner with nothing queued is never
+        over its budget: the same for a frame larger than the budget)."""
         if self.frames == 0:
             return False
         limits = self.limits
@@ -134,10 +163,13 @@ class Outbox:
                 or (limits.max_bytes > 0 and self.bytes + extra > limits.max_bytes))
 
     def _low(self) -> bool:
-        """Down to half the limits: the member caught up (hysteresis, so one frame does not flap it)."""
+        """Down to half the limits (and the owner to half its budget): the member caught up
+        (hysteresis, so one frame does not flap it)."""
         limits = self.limits
+        budget = self.budget
         return ((limits.max_frames <= 0 or self.frames <= limits.max_frames // 2)
-                and (limits.max_bytes <= 0 or self.bytes <= limits.max_bytes // 2))
+                and (limits.max_bytes <= 0 or self.bytes <= limits.max_bytes // 2)
+                and (budget is None or budget.low))
 
     @property
     def full(self) -> bool:
@@ -145,13 +177,40 @@ class Outbox:
         return self._over()
 
     async def wait_room(self) -> None:
-        """Return once the outbox is under its limits (at once when it is): the connection awaits
-        this before reading its client's next frame, so a client that does not read its replies
-        stops being read (backpressure through TCP) instead of growing the worker."""
-        while self._over() and not self._closed and not self._task.done():
-            if self._room is None or self._room.done():
-                self._room = asyncio.get_running_loop().create_future()
-            await self._room
+        """Return once the outbox is under its limits and its owner under its budget (at once when
+        they are): the connection awaits this before reading its client's next frame, so a client
+        (or an owner's clients) that does not read its replies stops being read (backpressure
+        through TCP) instead of growing the worker."""
+        first = False
+        while not self._closed and not self._task.done():
+            if self._own_over():  # this outbox's writer wakes it (_run)
+                if self._room is None or self._room.done():
+                    self._room = asyncio.get_running_loop().create_future()
+                await self._room
+                continue
+            budget = self.budget
+            if budget is None or not budget.over:
+                break
+            # The owner's other outboxes hold its budget: woken, in turn, as any of them drains.
+            self._held = fut = budget.hold(first)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                budget.passed(fut)
+                raise
+            finally:
+                self._held = None
+            first = True
+        if first:
+            budget = self.budget
+            if budget is not None:
+                budget.passed(None)
+
+    def resume_lagged(self) -> None:
+        """The owner's budget drained while this outbox had missed frames and nothing queued
+        (execapp.outbox_budget): queue its ``lagged`` item now."""
+        if not self._closed and self.missed:
+            self._resume()
 
     def _resume(self) -> None:
         """The member caught up: queue one ``lagged`` item with what it missed, take offers again."""
@@ -168,6 +227,7 @@ class Outbox:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         items = self._items
+        budget = self.budget
         while True:
             while items:
                 item, after, size = items.popleft()
@@ -184,12 +244,20 @@ class Outbox:
                 finally:  # also when cancelled mid-write by close()
                     self.frames -= 1
                     self.bytes -= size
+                    if budget is not None:
+                        budget.bytes -= size
+                        if budget.waiting:  # the owner's held connections, lagging members
+                            budget.drained()
                     if after is not None:
                         after()
-                if self._room is not None and not self._room.done() and not self._over():
+                if self._room is not None and not self._room.done() and not self._own_over():
                     self._room.set_result(None)
                 if self.missed and self._low():
                     self._resume()
+            if self.missed and budget is not None:  # caught up but the owner has not: the budget resumes it
+                budget.lag(self)
+                if items:  # the owner had drained meanwhile: its lagged item is queued
+                    continue
             self._wake = loop.create_future()
             await self._wake
             self._wake = None
@@ -207,11 +275,19 @@ class Outbox:
         """Stop writing; queued items are dropped (the client is gone), their callbacks run."""
         self._closed = True
         self._task.cancel()
+        dropped = 0
         while self._items:
             _, after, size = self._items.popleft()
             self.frames -= 1
             self.bytes -= size
+            dropped += size
             if after is not None:
                 after()
-        if self._room is not None and not self._room.done():
-            self._room.set_result(None)
+        for fut in (self._room, self._held):
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        budget = self.budget
+        if budget is not None:
+            budget.forget(self)
+            budget.bytes -= dropped  # the frame being written is taken off by the writer, cancelled
+            budget.drained()

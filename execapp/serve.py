@@ -292,13 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: uvicorn's limit on one WebSocket message, as a multiple of EXECAPP['MAX_FRAME_BYTES'] (at least 1 MiB).
-WS_MAX_SIZE_FACTOR = 4
+#: uvicorn's limit on one WebSocket message, as a multiple of EXECAPP['MAX_FRAME_BYTES']. A held
+#: connection (execapp.outbox) may hold two messages up to it, the one waiting for the app and the
+#: one uvicorn reads meanwhile, so one owner's MAX_CONNECTIONS_PER_OWNER connections may hold
+#: 1000 x 2 x 128 KiB on a worker at the defaults (4x with a 1 MiB floor: ~2 GiB; the floor served
+#: nothing: no client needs a frame the app refuses anyway). Twice the app's limit still answers a
+#: frame somewhat over it with a `too_large` error frame instead of a close.
+WS_MAX_SIZE_FACTOR = 2
 
 
 def ws_max_size(max_frame_bytes: int) -> int:
     """The largest WebSocket message the server reads (larger: closed with 1009)."""
-    return max(WS_MAX_SIZE_FACTOR * max_frame_bytes, 1 << 20)
+    return WS_MAX_SIZE_FACTOR * max_frame_bytes
 
 
 def make_config(args: argparse.Namespace) -> uvicorn.Config:
@@ -312,8 +317,8 @@ def make_config(args: argparse.Namespace) -> uvicorn.Config:
         # permessage-deflate costs ~25% throughput on small JSON frames (runtime-facts.md).
         ws_per_message_deflate=False, timeout_graceful_shutdown=args.close_timeout,
         # uvicorn's default (16 MiB) let one client that does not read hold 16 MiB frames in the
-        # worker before the app's own MAX_FRAME_BYTES refused them: a frame up to a few times that
-        # still gets a too_large error frame, a larger one closes the connection (1009).
+        # worker before the app's own MAX_FRAME_BYTES refused them: a frame up to twice that still
+        # gets a too_large error frame, a larger one closes the connection (1009).
         ws_max_size=ws_max_size(int(conf.get("MAX_FRAME_BYTES"))),
         log_level=args.log_level, access_log=not args.no_access_log,
         forwarded_allow_ips=args.forwarded_allow_ips,

@@ -14,6 +14,7 @@ from typing import Any
 from . import conf, extensions
 from .engine import Engine, ExecPool, ExecProfile
 from .loop_share import LoopShare, ShareGroup
+from .outbox_budget import OutboxBudget
 from .pool_share import PoolShare, PoolShareGroup
 from .seams import Service, ServiceFactory
 from .watchdog_worker import WorkerWatch
@@ -85,6 +86,7 @@ class Worker:
         self._share_group = ShareGroup()  # enforces the shares only while two owners are active
         self._pool_shares: dict[str, PoolShare] = {}
         self._pool_group = PoolShareGroup()  # enforces them only while two owners use the pool
+        self._outbox_budgets: dict[str, OutboxBudget] = {}
         #: Set once this worker asked its supervisor for a replacement (too many stuck pool threads).
         self.recycling = False
         # Under the execapp.serve supervisor: this process's watchdog slot. The engine marks every
@@ -168,6 +170,8 @@ class Worker:
         else:
             self._connections.pop(owner, None)
             self._decode_shares.pop(owner, None)
+            # Its outboxes close right after (each takes its bytes off the budget it holds).
+            self._outbox_budgets.pop(owner, None)
             pool = self._pool_shares.get(owner)
             if pool is not None and not pool.held:  # else kept while its pooled events run (pool_share)
                 del self._pool_shares[owner]
@@ -193,6 +197,16 @@ class Worker:
                     del shares[gone]
             found = shares[owner] = PoolShare(max(1, int(share * self.pool.max_workers)), self._pool_group,
                                                 owner=owner)
+        return found
+
+    def outbox_budget(self, owner: str, limit: int) -> OutboxBudget | None:
+        """The bytes all of ``owner``'s outboxes here may hold together (``limit``; 0: no budget,
+        None), one for all its connections (event loop; dropped with the owner's last connection)."""
+        if limit <= 0:
+            return None
+        found = self._outbox_budgets.get(owner)
+        if found is None:
+            found = self._outbox_budgets[owner] = OutboxBudget(limit, owner=owner)
         return found
 
     def begin_event(self) -> bool:

@@ -31,6 +31,7 @@ from execapp.codes import ERROR_CODES
 from execapp.connection import Connection
 from execapp.engine import Engine, ExecPool
 from execapp.protocol import Limits
+from execapp.serve import ws_max_size
 from tests.conftest import AsgiServer, ServerProcess, manage, wait_until_async
 
 from .ws_fixtures import Admission
@@ -246,9 +247,9 @@ def test_duplicate_ids_in_flight_are_refused_and_each_accepted_one_gets_one_done
 
 # -- over a real server ---------------------------------------------------------------------------
 
-#: The server's hard frame limit (uvicorn --ws-max-size) and the app's own.
-WS_MAX_SIZE = 16 * 1024
+#: The app's own limits, and the server's hard frame limit as execapp.serve derives it (uvicorn --ws-max-size).
 SERVER_LIMITS = {"MAX_FRAME_BYTES": 4096, "MAX_FRAME_DEPTH": 8, "MAX_IN_FLIGHT_PER_CONNECTION": 50}
+WS_MAX_SIZE = ws_max_size(SERVER_LIMITS["MAX_FRAME_BYTES"])
 
 
 class FuzzServer(ServerProcess):
@@ -344,8 +345,8 @@ def test_the_real_server_refuses_over_its_own_limit_and_closes_only_over_uvicorn
                         ('{"id": "d", "type": "tick", "data": {"x": %s}}' % ("[" * 900 + "]" * 900), "too_deep")):
         real_ws.send(frame)
         assert _recv(real_ws)["code"] == code
-    # Over the app's limit, under uvicorn's: too_large, and the connection carries on.
-    real_ws.send('{"text": "/echo %s"}' % ("x" * 8000))
+    # Over the app's limit (almost twice), under uvicorn's: too_large, and the connection carries on.
+    real_ws.send('{"text": "/echo %s"}' % ("x" * (WS_MAX_SIZE - 200)))
     assert _recv(real_ws)["code"] == "too_large"
     real_ws.send('{"id": "after", "text": "/ping"}')
     assert [_recv(real_ws)["type"] for _ in range(2)] == ["reply", "done"]

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from execapp import serve
+from execapp import conf, serve
 
 
 def test_the_server_reads_no_websocket_message_far_past_the_apps_frame_limit(settings: Any) -> None:
-    # uvicorn's default (16 MiB) let a client that never reads park 16 MiB frames in the worker.
+    # uvicorn's default (16 MiB) let a client that never reads park 16 MiB frames in the worker;
+    # then a 1 MiB floor let one owner's 1000 connections park ~1 GiB of half-received frames.
     settings.EXECAPP = {"MAX_FRAME_BYTES": 300_000}
-    assert serve.make_config(serve.build_parser().parse_args([])).ws_max_size == 1_200_000
-    settings.EXECAPP = {}  # the default 64 KiB: 4x is under the 1 MiB floor
-    assert serve.make_config(serve.build_parser().parse_args([])).ws_max_size == 1 << 20
+    assert serve.make_config(serve.build_parser().parse_args([])).ws_max_size == 600_000
+    settings.EXECAPP = {}  # the default 64 KiB: twice that, no floor
+    config = serve.make_config(serve.build_parser().parse_args([]))
+    assert config.ws_max_size == 128 * 1024
+    # One owner's connections on one worker, each with a message half received.
+    assert config.ws_max_size * conf.DEFAULTS["MAX_CONNECTIONS_PER_OWNER"] <= 128 * 1024 * 1024
