@@ -60,7 +60,54 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     errors += _history_checks()
     errors += _duration_bucket_checks()
     errors += _resilience_checks()
+    errors += _handshake_checks()
     return errors
+
+
+#: A client's first packet lost costs it TCP's initial retransmission timeout (1 s) and more: a
+#: header deadline shorter than that closes clients on a lossy link that are doing nothing wrong.
+_MIN_SAFE_HANDSHAKE_SECONDS = 1.0
+
+
+def _open_files_limit() -> int | None:
+    """This process's soft limit on open file descriptors (``ulimit -n``), or None if unknown or unlimited."""
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _handshake_checks() -> list[checks.CheckMessage]:
+    """The deadline on a request's headers and the cap on connections waiting for them (execapp/handshake.py)."""
+    out: list[checks.CheckMessage] = []
+    timeout = conf.get("HANDSHAKE_TIMEOUT_SECONDS")
+    if not _number(timeout) or not timeout > 0:
+        out.append(checks.Error(
+            f"EXECAPP['HANDSHAKE_TIMEOUT_SECONDS'] is {timeout!r}{_from('HANDSHAKE_TIMEOUT_SECONDS')}, it must be a "
+            "positive number of seconds", hint="Default 10.0: a connection whose request line and headers are not "
+            "all in that long after it was accepted is closed (docs/operations.md).", id="execapp.E065"))
+    elif timeout < _MIN_SAFE_HANDSHAKE_SECONDS:
+        out.append(checks.Warning(
+            f"EXECAPP['HANDSHAKE_TIMEOUT_SECONDS'] is {timeout!r}: a client whose first packet is lost waits "
+            f"{_MIN_SAFE_HANDSHAKE_SECONDS:g} s for TCP to send it again, and is closed first",
+            hint=f"Keep it at least {_MIN_SAFE_HANDSHAKE_SECONDS:g} s (default 10.0).", id="execapp.W065"))
+    cap = conf.get("MAX_PENDING_CONNECTIONS")
+    if not _number(cap, True) or cap < 1:
+        out.append(checks.Error(
+            f"EXECAPP['MAX_PENDING_CONNECTIONS'] is {cap!r}{_from('MAX_PENDING_CONNECTIONS')}, it must be a whole "
+            "number of at least 1", hint="Default 256: connections one worker process lets wait for their request "
+            "headers at once; past it the one waiting longest is closed.", id="execapp.E066"))
+        return out
+    files = _open_files_limit()
+    if files is not None and cap > files // 2:
+        out.append(checks.Warning(
+            f"EXECAPP['MAX_PENDING_CONNECTIONS'] ({cap}) is over half this process's open-file limit ({files}, "
+            "ulimit -n): silent connections can still take the file descriptors every other client needs",
+            hint="Lower it, or raise the limit (LimitNOFILE= in systemd, --ulimit nofile= in Docker).",
+            id="execapp.W066"))
+    return out
 
 
 def _resilience_checks() -> list[checks.CheckMessage]:

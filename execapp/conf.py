@@ -28,6 +28,17 @@ DEFAULTS: dict[str, Any] = {
     # (refuse at once) or "inline".
     "OVERFLOW_POLICY": engine.OVERFLOW_POLICIES[0],
     "OVERFLOW_WAIT_SECONDS": engine.OVERFLOW_WAIT,
+    # Before a request (execapp/handshake.py, docs/operations.md "What clients and load balancers
+    # see"): a connection whose request line and headers (HTTP, or a WebSocket handshake) are not
+    # all in this long after it was accepted is closed, so a client sending a byte at a time, or
+    # nothing, cannot hold a worker's file descriptors; 10 s is many round trips and a lost
+    # packet's retransmissions even on a slow mobile link.
+    "HANDSHAKE_TIMEOUT_SECONDS": 10.0,
+    # Connections one worker process lets wait for their request headers at once; past it the one
+    # waiting the longest is closed. A client sends its request as soon as it connected, so its
+    # wait is about a round trip: 256 is 1,000 new connections a second at 250 ms each, and a
+    # flood of silent sockets takes at most a quarter of a common 1,024 file-descriptor limit.
+    "MAX_PENDING_CONNECTIONS": 256,
     # WebSocket protocol.
     "MAX_FRAME_BYTES": 64 * 1024,
     "MAX_IN_FLIGHT_PER_CONNECTION": 100,

@@ -2,7 +2,8 @@
 
 Who feeds them: ``execapp.metrics_updater`` (a worker service copying the engine's, pool's,
 profiles' and plugin pools' counters, and the buffered run observations), the connection
-(``count_event`` once per event) and the handshake (``unauthorized``). Who serves them:
+(``count_event`` once per event), the handshake (``unauthorized``) and the HTTP protocol's
+header deadline (``execapp.handshake``). Who serves them:
 ``execapp.metrics_view`` (with ``execapp.metrics_access``); several processes add up through
 ``execapp.metrics_multiprocess``. See docs/observability.md.
 """
@@ -91,6 +92,11 @@ EVENT_REFUSALS = Counter("execapp_event_refusals_total", "Events refused before 
 SESSION_FRAMES_DROPPED = Counter("execapp_session_frames_dropped_total", "Frames of other session members dropped "
                                  "for a member that fell behind (it then gets one `lagged` frame), by worker slot.",
                                  ["worker"])
+# From execapp.handshake: connections closed before their request's headers were all in.
+CONNECTIONS_CLOSED = Counter("execapp_connections_closed_total", "Connections the server closed before their "
+                             "request line and headers were all in, by reason: handshake_timeout (not in "
+                             "EXECAPP['HANDSHAKE_TIMEOUT_SECONDS']), pending_cap (the oldest waiting past "
+                             "EXECAPP['MAX_PENDING_CONNECTIONS']).", ["reason"])
 HISTORY_TRACES = Counter("execapp_history_traces_total", "Event traces recorded (docs/observability.md).")
 HISTORY_DROPPED = Counter("execapp_history_dropped_total", "Trace items dropped because the recorder's buffer was "
                           "full (its housekeeper fell behind).")

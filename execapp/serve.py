@@ -8,7 +8,9 @@ process (one Worker, ExecPool and engine each): it forwards SIGTERM/SIGINT, rest
 that dies, waits for the drains, and is the watchdog (execapp.watchdog): it kills and replaces a
 worker whose event loop stalls past EXECAPP['LOOP_STALL_SECONDS'], quarantining the matcher it
 was running inline on every worker, and recycles (replacement first, then a drain) a worker with
-EXECAPP['STUCK_THREADS_LIMIT'] pool threads stuck. Bare uvicorn or daphne have no watchdog.
+EXECAPP['STUCK_THREADS_LIMIT'] pool threads stuck. Each worker closes connections whose request
+headers are not in within EXECAPP['HANDSHAKE_TIMEOUT_SECONDS'] (execapp.handshake). Bare uvicorn
+or daphne have neither.
 See docs/operations.md.
 """
 from __future__ import annotations
@@ -34,7 +36,7 @@ import uvicorn
 from uvicorn._subprocess import get_subprocess
 from uvicorn.config import STARTUP_FAILURE
 
-from . import logjson, watchdog
+from . import handshake, logjson, watchdog
 from .server import reuse_port_socket, run_worker_process
 from .watchdog_quarantine import append_quarantine
 
@@ -312,8 +314,15 @@ def make_config(args: argparse.Namespace) -> uvicorn.Config:
         raise SystemExit(f"--workers {args.workers}: need at least 1")
     from . import conf  # the settings module is named by now (main, or the tests' settings)
 
+    try:
+        handshake.read_limits()  # each worker reads them again at its first connection
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     return uvicorn.Config(
         args.app, host=args.host, port=args.port, workers=args.workers, lifespan="off",
+        # uvicorn's httptools protocol plus a deadline on each request's headers and a cap on the
+        # connections waiting for them (slowloris; docs/operations.md).
+        http=handshake.HandshakeDeadlineProtocol,
         # permessage-deflate costs ~25% throughput on small JSON frames (runtime-facts.md).
         ws_per_message_deflate=False, timeout_graceful_shutdown=args.close_timeout,
         # uvicorn's default (16 MiB) let one client that does not read hold 16 MiB frames in the

@@ -1,0 +1,176 @@
+"""A deadline on every connection until its request headers are in, and a cap on connections waiting for them.
+
+uvicorn has no timeout for reading a request's line and headers: a client that opens connections
+and sends a WebSocket handshake (or any request) a byte at a time, or nothing at all, holds a
+file descriptor of the worker for as long as it likes, no token needed (slowloris). Our server
+(``execapp.serve.make_config``) runs uvicorn with ``HandshakeDeadlineProtocol``, its httptools
+protocol plus two bounds, per worker process:
+
+- a connection whose request line and headers are not all in ``HANDSHAKE_TIMEOUT_SECONDS`` after
+  it was accepted is closed (on a keep-alive connection: after the previous response ended, once
+  the next request's first bytes came; the idle wait before them is uvicorn's
+  ``timeout_keep_alive``). WebSocket upgrades alike: the deadline ends where uvicorn hands the
+  connection to its WebSocket protocol, so nothing here runs for frames;
+- at most ``MAX_PENDING_CONNECTIONS`` connections wait for their headers: past it the oldest of
+  them is closed, so a flood of silent sockets costs its sender its own oldest ones, never a
+  newcomer that sends its request at once.
+
+Each close is counted in ``execapp_connections_closed_total{reason}`` and logged once per cause
+per minute. See docs/operations.md ("What clients and load balancers see").
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+if TYPE_CHECKING:  # the rest lazily: the supervisor (execapp.serve) imports this module and stays light
+    from .engine.ratelog import RateLimitedLog
+
+log = logging.getLogger("execapp.handshake")
+
+#: The ``reason`` label of execapp_connections_closed_total: the deadline passed.
+HANDSHAKE_TIMEOUT = "handshake_timeout"
+#: The ``reason`` label of execapp_connections_closed_total: closed as the oldest past the cap.
+PENDING_CAP = "pending_cap"
+REASONS = (HANDSHAKE_TIMEOUT, PENDING_CAP)
+
+
+def read_limits() -> tuple[float, int]:
+    """HANDSHAKE_TIMEOUT_SECONDS and MAX_PENDING_CONNECTIONS, read now; ValueError if not usable
+    (``manage.py check`` says why, with a hint: execapp.E065, execapp.E066)."""
+    from . import conf
+
+    timeout, cap = conf.get("HANDSHAKE_TIMEOUT_SECONDS"), conf.get("MAX_PENDING_CONNECTIONS")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"EXECAPP['HANDSHAKE_TIMEOUT_SECONDS'] is {timeout!r}, it must be a positive number of "
+                         "seconds (manage.py check: execapp.E065)")
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"EXECAPP['MAX_PENDING_CONNECTIONS'] is {cap!r}, it must be a whole number of at least 1 "
+                         "(manage.py check: execapp.E066)")
+    return float(timeout), cap
+
+
+class PendingConnections:
+    """One worker process's connections still waiting for their request headers, oldest first, each
+    with its deadline timer; past ``cap`` of them the oldest are closed."""
+
+    def __init__(self, timeout: float, cap: int) -> None:
+        self.timeout = timeout
+        self.cap = cap
+        # A dict keeps insertion order: its first key is the connection pending the longest.
+        self._timers: dict[HandshakeDeadlineProtocol, asyncio.TimerHandle] = {}
+        self._trim_due = False
+
+    def add(self, protocol: "HandshakeDeadlineProtocol", since: float) -> None:
+        """``protocol`` waits for its request headers, due ``timeout`` after ``since`` (loop time)."""
+        loop = protocol.loop
+        # One timer per waiting connection, nothing per byte: it is cancelled once the headers are in.
+        self._timers[protocol] = loop.call_at(since + self.timeout, protocol.close_pending, HANDSHAKE_TIMEOUT)
+        if len(self._timers) > self.cap and not self._trim_due:
+            # Trimmed two loop rounds from now, not here. After a pause (a busy loop, a backlog
+            # that filled) the loop accepts a burst of connections in one round and reads them
+            # in the next; clients whose requests already wait in their sockets get that one read
+            # first instead of being closed as "oldest" unread (a burst of 100 with a cap of 8:
+            # all served on asyncio's loop and uvloop; 8 of 100 on asyncio's when trimmed at once).
+            # So one accept burst (bounded by the listen backlog) may exceed the cap for two rounds.
+            self._trim_due = True
+            loop.call_soon(loop.call_soon, self._trim)
+
+    def remove(self, protocol: "HandshakeDeadlineProtocol") -> None:
+        """``protocol`` no longer waits: its headers are in, or it is closed."""
+        timer = self._timers.pop(protocol, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _trim(self) -> None:
+        """Close the oldest pending connections until at most ``cap`` remain."""
+        self._trim_due = False
+        while len(self._timers) > self.cap:
+            next(iter(self._timers)).close_pending(PENDING_CAP)
+
+
+_pending: PendingConnections | None = None
+_ratelog: "RateLimitedLog | None" = None
+
+
+def pending() -> PendingConnections:
+    """This process's pending connections (made on first use, from the settings read then)."""
+    global _pending
+    if _pending is None:
+        _pending = PendingConnections(*read_limits())
+    return _pending
+
+
+class HandshakeDeadlineProtocol(HttpToolsProtocol):
+    """uvicorn's httptools HTTP protocol with a deadline on each request's line and headers, the
+    connection counted among its worker's pending ones until they are in (``PendingConnections``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Loop time the last response ended, while the keep-alive connection idles for the next request.
+        self._idle_since: float | None = None
+        self._headers_in = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """Accepted: the request's headers are due within the timeout from now."""
+        super().connection_made(transport)
+        pending().add(self, self.loop.time())
+
+    def data_received(self, data: bytes) -> None:
+        """Bytes in; the first ones after a keep-alive response start the next request's deadline."""
+        since = self._idle_since
+        if since is None:
+            super().data_received(data)
+            return
+        # The next request on a keep-alive connection. uvicorn's keep-alive timer covered the idle
+        # wait and these bytes just cancelled it; its headers are due a timeout after the previous
+        # response ended. A request that arrives whole (the usual case) never takes a timer.
+        self._idle_since = None
+        self._headers_in = False
+        super().data_received(data)
+        if not self._headers_in and not self.transport.is_closing():
+            pending().add(self, since)
+
+    def on_headers_complete(self) -> None:
+        """The request's line and headers are in: its deadline ends (before a WebSocket upgrade
+        hands the connection over, so no timer outlives the handshake)."""
+        self._headers_in = True
+        pending().remove(self)
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        """A response ended: if the connection now idles for another request, remember since when."""
+        super().on_response_complete()
+        if self.timeout_keep_alive_task is not None and not self.transport.is_closing():
+            self._idle_since = self.loop.time()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Closed, by either side: no longer pending."""
+        pending().remove(self)
+        super().connection_lost(exc)
+
+    def close_pending(self, reason: str) -> None:
+        """Close this connection waiting for its headers: its deadline passed, or it is the oldest past the cap."""
+        pending().remove(self)
+        if self.transport is None or self.transport.is_closing():
+            return
+        global _ratelog
+        from . import metrics  # here, not at import: the supervisor imports this module too
+        from .engine.ratelog import RateLimitedLog
+
+        metrics.CONNECTIONS_CLOSED.labels(reason).inc()
+        if _ratelog is None:
+            _ratelog = RateLimitedLog(log, interval=60.0)  # one line per reason per minute
+        client = "%s:%d" % self.client if self.client else "?"
+        limits = pending()
+        if reason == HANDSHAKE_TIMEOUT:
+            _ratelog.warning(reason, "closed a connection from %s: its request headers were not all in %g s "
+                             "(EXECAPP['HANDSHAKE_TIMEOUT_SECONDS']); a slow or silent client", client, limits.timeout)
+        else:
+            _ratelog.warning(reason, "closed a connection from %s: the oldest of more than %d waiting for their "
+                             "request headers (EXECAPP['MAX_PENDING_CONNECTIONS']); a flood of silent or slow "
+                             "connections?", client, limits.cap)
+        self.transport.close()
