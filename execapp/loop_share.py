@@ -59,6 +59,12 @@ class ActiveOwners:
             del active[stale]
         self._update()
 
+    def others_than(self, key: object) -> bool:
+        """True if an owner other than ``key`` was active within the window (``key``'s own next
+        step would make the shares contended, if they are not already)."""
+        active = self._active
+        return len(active) > 1 or (len(active) == 1 and key not in active)
+
     def _may_forget(self, share: Any) -> bool:
         return True
 

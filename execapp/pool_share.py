@@ -88,9 +88,11 @@ class PoolShare:
 
     def ahead(self) -> bool:
         """True while the owner is within its share and another owner uses the pool: its dispatch
-        that finds the pool full waits for a slot ahead of those past their share."""
+        that finds the pool full waits for a slot ahead of those past their share. Asked when the
+        dispatch parks, before its ``take``: an owner's first event at a pool that another owner
+        filled is ahead too (the group is not contended yet: this owner was not active)."""
         group = self.group
-        return self.held < self.limit and group is not None and group.contended
+        return self.held < self.limit and group is not None and group.others_than(self.key)
 
     def take(self) -> None:
         """One more of the owner's events holds pooled work."""

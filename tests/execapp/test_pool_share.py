@@ -27,6 +27,8 @@ def test_a_share_is_enforced_only_while_another_owner_holds_pooled_work(clock: M
     for _ in range(5):  # alone: the whole pool
         a.take()
     assert a.held == 5 and not group.contended and not a.over and not a.ahead()
+    # b's first dispatch, parked before it counts: ahead of a's already (a holds the pool).
+    assert b.ahead()
     b.take()  # another owner's event holds pooled work
     assert group.contended and a.over and not b.over and b.ahead() and not a.ahead()
     b.give()
