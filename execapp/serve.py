@@ -39,6 +39,7 @@ from uvicorn.config import STARTUP_FAILURE
 from . import handshake, logjson, watchdog
 from .server import reuse_port_socket, run_worker_process
 from .watchdog_quarantine import append_quarantine
+from .ws_flow import BackpressuredWebSocketProtocol
 
 log = logging.getLogger("execapp.serve")
 
@@ -323,6 +324,9 @@ def make_config(args: argparse.Namespace) -> uvicorn.Config:
         # uvicorn's httptools protocol plus a deadline on each request's headers and a cap on the
         # connections waiting for them (slowloris; docs/operations.md).
         http=handshake.HandshakeDeadlineProtocol,
+        # uvicorn's sans-I/O WebSocket protocol, which also stops reading a client whose writes
+        # back up (a client sending pings it never reads the pongs of; execapp/ws_flow.py).
+        ws=BackpressuredWebSocketProtocol,
         # permessage-deflate costs ~25% throughput on small JSON frames (runtime-facts.md).
         ws_per_message_deflate=False, timeout_graceful_shutdown=args.close_timeout,
         # uvicorn's default (16 MiB) let one client that does not read hold 16 MiB frames in the
