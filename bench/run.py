@@ -45,9 +45,14 @@ from bench.common import fmt, machine, row  # noqa: E402
 COLUMNS = ("bench", "case", "value", "unit", "baseline", "ratio", "target", "ok")
 
 
+#: bench_*.py modules that are not benchmarks: the ASGI application bench_ws serves (importing it
+#: sets up Django in the runner's process).
+NOT_BENCHES = frozenset({"bench_app"})
+
+
 def discover(only: list[str] | None) -> list[str]:
     """Module names bench_*.py, filtered by --only."""
-    names = sorted(p.stem for p in HERE.glob("bench_*.py"))
+    names = sorted(p.stem for p in HERE.glob("bench_*.py") if p.stem not in NOT_BENCHES)
     if only:
         names = [n for n in names if any(o in n for o in only)]
     return names
