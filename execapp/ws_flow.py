@@ -41,7 +41,7 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
         if not self.read_paused and not self.transport.is_closing():
             self.transport.resume_reading()
 
-    async def receive(self) -> Any:  # type: ignore[override]
+    async def receive(self) -> Any:
         """uvicorn's receive: the next message for the app; its resume of reading waits for the writes."""
         message = await self.queue.get()
         if self.read_paused and self.queue.empty():
