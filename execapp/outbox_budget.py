@@ -17,10 +17,10 @@ The per-frame cost is an int add in ``push`` and a subtraction in the writer.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from typing import TYPE_CHECKING
 
 from . import metrics
+from .waitline import WaitLine
 
 if TYPE_CHECKING:
     from .outbox import Outbox
@@ -45,7 +45,7 @@ class OutboxBudget:
         #: Someone waits for bytes to be taken off (held connections, lagging members): the
         #: outboxes' writers call ``drained`` only then (one attribute read per frame otherwise).
         self.waiting = False
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters = WaitLine()
         #: Outboxes that missed session frames and have nothing queued: no writer of theirs will
         #: send their ``lagged`` frame, so this budget does once the owner is down to half of it.
         self._lagging: dict[Outbox, None] = {}
@@ -89,32 +89,20 @@ class OutboxBudget:
 
     def wake(self) -> None:
         """Let the first held connection read its frame (it wakes the next while the owner is under)."""
-        waiters = self._waiters
-        while waiters:
-            fut = waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
+        self._waiters.wake()
 
     def hold(self, first: bool) -> asyncio.Future[None]:
         """A future a connection awaits until the owner is under its budget; ``first``: it was woken
         already and found the room taken, so it keeps its turn. Counted once per wait."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiting = True
-        if first:
-            self._waiters.appendleft(fut)
-        else:
-            self._waiters.append(fut)
+        if not first:
             self.holds += 1
             metrics.OWNER_OUTBOX_WAITS.inc()
-        return fut
+        return self._waiters.join(first)
 
     def passed(self, fut: asyncio.Future[None] | None = None) -> None:
         """A held connection stopped waiting (it reads on; or it left, ``fut`` cancelled): pass the turn on."""
         if fut is not None and fut.cancelled():  # the client left while held: not in line any more
-            try:
-                self._waiters.remove(fut)
-            except ValueError:
-                pass
+            self._waiters.leave(fut)
         if self._waiters and not self.over:
             self.wake()

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from typing import Any
 
 from .loop_share import ActiveOwners
+from .waitline import WaitLine
 
 
 class PoolShareGroup(ActiveOwners):
@@ -79,7 +79,7 @@ class PoolShare:
         self.key: object = owner if owner is not None else self
         #: Times a connection waited for this share (execapp_pool_share_waits_total).
         self.waits = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters = WaitLine()
 
     @property
     def over(self) -> bool:
@@ -112,12 +112,7 @@ class PoolShare:
 
     def wake(self) -> None:
         """Let the first waiting connection read its frame (it wakes the next while there is room)."""
-        waiters = self._waiters
-        while waiters:
-            fut = waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
+        self._waiters.wake()
 
     async def wait(self) -> None:
         """Wait until the owner is back within its share, or alone on the pool (woken, no polling)."""
@@ -125,21 +120,15 @@ class PoolShare:
         loop = asyncio.get_running_loop()
         first = False
         while self.over:
-            fut: asyncio.Future[None] = loop.create_future()
-            if first:  # woken, and another connection of the owner took the room first: keep the turn
-                self._waiters.appendleft(fut)
-            else:
-                self._waiters.append(fut)
+            # first: woken, and another connection of the owner took the room first: keep the turn
+            fut = self._waiters.join(first)
             if self.group is not None:
                 self.group.recheck_later(loop)
             try:
                 await fut
             except asyncio.CancelledError:  # the client left
                 if fut.cancelled():
-                    try:
-                        self._waiters.remove(fut)
-                    except ValueError:
-                        pass
+                    self._waiters.leave(fut)
                 elif not self.over:  # woken just before: pass the turn on
                     self.wake()
                 raise

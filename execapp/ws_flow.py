@@ -1,4 +1,4 @@
-"""The server's WebSocket protocol: uvicorn's sans-I/O one, which stops reading a client whose writes back up.
+"""The server's WebSocket protocol: uvicorn's sans-I/O one, bounded in what a client makes it do by itself.
 
 uvicorn answers every ping frame with a pong written straight to the socket, with no flow
 control: a client that sends pings and never reads made the worker buffer every pong (about a
@@ -10,12 +10,29 @@ written to it are above the transport's high-water mark, and reads on once they 
 its low-water mark: a client that does not read stops being read (TCP backpressure), whatever
 it sends. One that never reads again is closed by the keepalive (``ws_ping_interval`` +
 ``ws_ping_timeout``: its pong never comes). Nothing runs per frame; two callbacks per backlog.
+
+Protocol frames are also work on the event loop that reaches no handler, so no owner's share of
+the loop pays for it (execapp.loop_share charges the messages the app decodes): a client reading
+its pongs (or sending pongs nobody asked for, which uvicorn parses and ignores) could keep a
+worker's loop parsing them, and one message may come in a frame per byte (each a parse and a
+Python object, 128 KiB of them within uvicorn's size limit). So at most
+``MAX_CONTROL_FRAMES_PER_SECOND`` pings and pongs a second (keepalives are one every few seconds)
+and ``MAX_FRAGMENTS`` frames per message (browsers send one); past either the connection is
+closed, 1008 or 1009 with the reason, and counted in ``execapp_connections_closed_total{reason}``.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.frames import Frame
+
+#: Ping and pong frames one client may send in a second (window from its first) before it is closed (1008).
+MAX_CONTROL_FRAMES_PER_SECOND = 20
+#: Frames one message may be sent in (the first and its continuations) before the client is closed (1009).
+MAX_FRAGMENTS = 64
+#: The ``reason`` labels of execapp_connections_closed_total for these two closes.
+TOO_MANY_CONTROL_FRAMES, TOO_MANY_FRAGMENTS = "too_many_control_frames", "too_many_fragments"
 
 
 class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -25,6 +42,8 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
         super().__init__(*args, **kwargs)
         #: The transport's write buffer is above its high-water mark (pause_writing .. resume_writing).
         self.writes_backed_up = False
+        self._controls = 0
+        self._controls_since = 0.0
 
     def pause_writing(self) -> None:
         """The transport's write buffer went above its high-water mark: stop reading this client too."""
@@ -41,7 +60,7 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
         if not self.read_paused and not self.transport.is_closing():
             self.transport.resume_reading()
 
-    async def receive(self) -> Any:  # type: ignore[override]
+    async def receive(self) -> Any:
         """uvicorn's receive: the next message for the app; its resume of reading waits for the writes."""
         message = await self.queue.get()
         if self.read_paused and self.queue.empty():
@@ -49,3 +68,47 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
             if not self.writes_backed_up:
                 self.transport.resume_reading()
         return message
+
+    def handle_ping(self) -> None:
+        """A ping frame: answered (uvicorn) within MAX_CONTROL_FRAMES_PER_SECOND, else the client is closed."""
+        if self.close_sent or self.transport.is_closing():
+            self.conn.data_to_send()  # its pong: not for a connection on its way out
+            return
+        if self._within_control_rate():
+            super().handle_ping()
+
+    def handle_pong(self, event: Frame) -> None:
+        """A pong frame (the keepalive's answer, or unasked): counted like a ping, then uvicorn's."""
+        if not self.close_sent and self._within_control_rate():
+            super().handle_pong(event)
+
+    def _within_control_rate(self) -> bool:
+        """Count one ping or pong; past MAX_CONTROL_FRAMES_PER_SECOND close the client (False)."""
+        now = self.loop.time()
+        if now - self._controls_since >= 1.0:
+            self._controls, self._controls_since = 0, now
+        self._controls += 1
+        if self._controls <= MAX_CONTROL_FRAMES_PER_SECOND:
+            return True
+        self.refuse(1008, TOO_MANY_CONTROL_FRAMES, f"more than {MAX_CONTROL_FRAMES_PER_SECOND} pings and pongs a "
+                    "second; ping less often")
+        return False
+
+    def handle_cont(self, event: Frame) -> None:
+        """A continuation frame of a message: taken up to MAX_FRAGMENTS frames, else the client is closed."""
+        if self.close_sent:
+            return
+        if len(self.frames) >= MAX_FRAGMENTS:
+            self.refuse(1009, TOO_MANY_FRAGMENTS, f"a message in more than {MAX_FRAGMENTS} frames; send it in fewer")
+            return
+        super().handle_cont(event)
+
+    def refuse(self, code: int, label: str, reason: str) -> None:
+        """Close this client for a protocol limit: a close frame with ``reason``, the app told it left."""
+        from . import metrics  # here: the supervisor imports this module and stays light
+
+        metrics.CONNECTIONS_CLOSED.labels(label).inc()
+        self.frames = []
+        self.conn.data_to_send()  # pongs not yet written: the close goes first
+        self.conn.send_close(code, reason)
+        self.handle_parser_exception()  # uvicorn's close after a protocol error: frame, disconnect, transport

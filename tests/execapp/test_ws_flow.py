@@ -1,9 +1,10 @@
-"""A client whose writes back up stops being read (execapp/ws_flow.py), through the real server.
+"""What a client makes the server's WebSocket protocol do by itself is bounded (execapp/ws_flow.py).
 
 The case that grew a worker without bound: a client that sends ping frames and never reads the
-pongs (uvicorn writes each pong straight to the socket). With the protocol, once the socket's
-buffers are full the server reads nothing more from that client, so what the client can send
-stops growing; without it the server read on (measured: ~28 MB/s of pongs held by the worker).
+pongs (uvicorn writes each pong straight to the socket; measured: ~28 MB/s of pongs held by the
+worker). Now a client whose writes back up stops being read (uvicorn in this process, the ping
+limit lifted), and through the real server pings and pongs are limited per second and a message
+to a number of frames.
 """
 from __future__ import annotations
 
@@ -12,13 +13,18 @@ import base64
 import json
 import os
 import socket
+import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
+import uvicorn
+import uvloop
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
-from tests.conftest import manage
+from execapp import ws_flow
+from tests.conftest import free_port, manage, wait_until
 
 from .test_handshake import Server
 
@@ -37,13 +43,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server.stop()
 
 
-def _upgraded(server: Server) -> socket.socket:
-    """A raw socket past the WebSocket handshake of /ws/events/ (that reads nothing after it)."""
-    sock = server.raw()
+def _upgraded(port: int, path: str) -> socket.socket:
+    """A raw socket past the WebSocket handshake of ``path`` (that reads nothing after it)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     key = base64.b64encode(os.urandom(16)).decode()
-    sock.sendall((f"GET /ws/events/?{server.ws_url.split('?', 1)[1]} HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\n"
-                  f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+    sock.sendall((f"GET {path} HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
     assert sock.recv(4096).startswith(b"HTTP/1.1 101"), "handshake refused"
     sock.setblocking(False)
     return sock
@@ -60,18 +66,83 @@ def _flood(sock: socket.socket, seconds: float) -> int:
     return sent
 
 
-async def test_a_client_that_sends_pings_and_never_reads_stops_being_read(server: Server) -> None:
-    sock = _upgraded(server)
+async def silent_app(scope: dict, receive: Any, send: Any) -> None:
+    """An ASGI app that accepts a WebSocket and then only waits for it to end."""
+    if scope["type"] == "websocket":
+        await receive()
+        await send({"type": "websocket.accept"})
+        while (await receive())["type"] != "websocket.disconnect":
+            pass
+
+
+def test_a_client_that_never_reads_what_the_protocol_writes_stops_being_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The protocol writes a pong for every ping by itself; with the ping limit lifted, a client
+    # that pings and never reads had the server read on (and hold every pong) without bound.
+    monkeypatch.setattr(ws_flow, "MAX_CONTROL_FRAMES_PER_SECOND", 10 ** 9)
+    server = uvicorn.Server(uvicorn.Config(silent_app, port=free_port(), ws=ws_flow.BackpressuredWebSocketProtocol,
+                                           lifespan="off", log_level="warning", access_log=False))
+    loop = uvloop.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
+    thread.start()
     try:
-        _flood(sock, 1.5)  # the socket buffers fill, and (without the protocol) the server reads on
-        more = _flood(sock, 1.5)
-        # Kernel buffers take a little more as they drain into the paused transport, but not the
-        # MBs a reading server takes in 1.5 s.
-        assert more < 1 << 20, f"the server read {more} more bytes of pings from a client that reads nothing"
+        assert wait_until(lambda: server.started, 10)
+        sock = _upgraded(server.config.port, "/")
+        try:
+            _flood(sock, 1.5)  # the socket buffers fill, and (without the rule) the server reads on
+            more = _flood(sock, 1.5)
+            # Kernel buffers take a little more as they drain into the paused transport, not the
+            # MBs a reading server takes in 1.5 s.
+            assert more < 1 << 20, f"the server read {more} more bytes of pings from a client that reads nothing"
+        finally:
+            sock.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        loop.close()
+
+
+async def _closed_with(ws: object) -> tuple[int | None, str]:
+    """The close code and reason the server sent ``ws`` (waiting for its close)."""
+    with pytest.raises(ConnectionClosed) as closed:
+        while True:
+            await asyncio.wait_for(ws.recv(), 10)  # type: ignore[attr-defined]
+    rcvd = closed.value.rcvd
+    return (rcvd.code, rcvd.reason) if rcvd is not None else (None, "")
+
+
+async def test_a_message_in_a_few_frames_is_taken_and_one_in_too_many_closes_the_client(server: Server) -> None:
+    async with connect(server.ws_url) as ws:
+        await ws.send(['{"id": "f", ', '"type": "message", ', '"text": "/nothing-matches"}'])  # 3 frames
+        frame = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert frame["type"] == "done" and frame["id"] == "f", frame
+        pieces = ['{"id": "g", "text": "'] + ["x"] * ws_flow.MAX_FRAGMENTS + ['"}']
+        await ws.send(pieces)
+        code, reason = await _closed_with(ws)
+    assert code == 1009 and "frames" in reason, (code, reason)
+
+
+async def test_a_client_pinging_faster_than_the_limit_is_closed_and_a_keepalive_is_not(server: Server) -> None:
+    async with connect(server.ws_url) as steady:
+        for _ in range(3):
+            await asyncio.wait_for(await steady.ping(), 10)  # answered
+        async with connect(server.ws_url) as flood:
+            for _ in range(ws_flow.MAX_CONTROL_FRAMES_PER_SECOND + 5):
+                await flood.ping()
+            code, reason = await _closed_with(flood)
+        assert code == 1008 and "pings" in reason, (code, reason)
+        await steady.send('{"id": "s", "text": "/nothing-matches"}')  # the other client is served on
+        assert json.loads(await asyncio.wait_for(steady.recv(), 10))["id"] == "s"
+
+
+def test_a_client_flooding_pings_it_never_reads_is_closed_at_the_limit(server: Server) -> None:
+    sock = _upgraded(server.port, "/ws/events/?" + server.ws_url.split("?", 1)[1])
+    try:
+        with pytest.raises(OSError):  # reset: the server closed it (1008) with pings still unread
+            _flood(sock, 3.0)
+            sock.setblocking(True)
+            sock.settimeout(5)
+            while sock.recv(1 << 16):  # or the close came while the client was not sending
+                pass
+            raise ConnectionResetError("closed")
     finally:
         sock.close()
-    # The worker serves everyone else meanwhile and after.
-    async with connect(server.ws_url) as ws:
-        await ws.send('{"id": "p", "type": "message", "text": "/nothing-matches"}')
-        frame = json.loads(await asyncio.wait_for(ws.recv(), 10))
-        assert frame["type"] == "done" and frame["id"] == "p", frame
