@@ -135,14 +135,13 @@ async def test_a_client_pinging_faster_than_the_limit_is_closed_and_a_keepalive_
 
 
 def test_a_client_flooding_pings_it_never_reads_is_closed_at_the_limit(server: Server) -> None:
+    before = server.closed(ws_flow.TOO_MANY_CONTROL_FRAMES)
     sock = _upgraded(server.port, "/ws/events/?" + server.ws_url.split("?", 1)[1])
     try:
-        with pytest.raises(OSError):  # reset: the server closed it (1008) with pings still unread
-            _flood(sock, 3.0)
-            sock.setblocking(True)
-            sock.settimeout(5)
-            while sock.recv(1 << 16):  # or the close came while the client was not sending
-                pass
-            raise ConnectionResetError("closed")
+        _flood(sock, 1.0)
+    except (ConnectionResetError, BrokenPipeError):
+        pass  # closed by the server with pings still unread
     finally:
         sock.close()
+    assert wait_until(lambda: server.closed(ws_flow.TOO_MANY_CONTROL_FRAMES) > before, 10), \
+        "a client sending pings it never reads was not closed for them"
