@@ -101,6 +101,95 @@ def test_a_client_that_never_reads_what_the_protocol_writes_stops_being_read(mon
         loop.close()
 
 
+class InProcess:
+    """uvicorn with execapp's WebSocket protocol serving ``app`` on a uvloop in a thread of this process."""
+
+    def __init__(self, app: Any) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, port=free_port(), ws=ws_flow.BackpressuredWebSocketProtocol,
+                                                    lifespan="off", log_level="warning", access_log=False,
+                                                    timeout_graceful_shutdown=1))
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self.server.serve(),), daemon=True)
+
+    def __enter__(self) -> "InProcess":
+        self.thread.start()
+        assert wait_until(lambda: self.server.started, 10)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.loop.close()
+
+    @property
+    def port(self) -> int:
+        return self.server.config.port
+
+    def protocols(self) -> list[ws_flow.BackpressuredWebSocketProtocol]:
+        return [p for p in list(self.server.server_state.connections)
+                if isinstance(p, ws_flow.BackpressuredWebSocketProtocol)]
+
+
+def _text(payload: bytes) -> bytes:
+    """One masked text frame (zero mask) of a short payload."""
+    assert len(payload) < 126
+    return bytes([0x81, 0x80 | len(payload)]) + b"\x00\x00\x00\x00" + payload
+
+
+async def stuck_app(scope: dict, receive: Any, send: Any) -> None:
+    """An ASGI app that accepts a WebSocket and then never takes a message."""
+    if scope["type"] == "websocket":
+        await receive()
+        await send({"type": "websocket.accept"})
+        await asyncio.Event().wait()
+
+
+def test_one_read_of_many_tiny_messages_queues_a_bounded_number_for_an_app_that_waits() -> None:
+    # 256 KiB of empty text frames in one read were ~43,000 messages queued at once (~8 MB).
+    with InProcess(stuck_app) as server:
+        sock = _upgraded(server.port, "/")
+        try:
+            sock.setblocking(True)
+            sock.sendall(_text(b"") * 40_000)
+            assert wait_until(lambda: server.protocols() and server.protocols()[0].queue.qsize() > 0, 10)
+            time.sleep(0.3)  # whatever the server would still parse of what it has read
+            queued = server.protocols()[0].queue.qsize()
+            assert queued <= ws_flow.MAX_QUEUED_MESSAGES + ws_flow.PARSE_SLICE // 6, queued
+        finally:
+            sock.close()
+
+
+def test_messages_held_back_reach_the_app_whole_and_in_order() -> None:
+    got: list[str] = []
+
+    async def counting_app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "websocket":
+            return
+        await receive()
+        await send({"type": "websocket.accept"})
+        while (message := await receive())["type"] != "websocket.disconnect":
+            got.append(message["text"])
+            if len(got) % 97 == 0:
+                await asyncio.sleep(0.001)  # a slow app: the parser stops and goes on many times
+
+    with InProcess(counting_app) as server:
+        frames = [_text(str(i).encode()) for i in range(5000)]
+        frames.insert(2500, _text(b"x" * 100))
+        stream = b"".join(frames)
+        sock = _upgraded(server.port, "/")
+        try:
+            sock.setblocking(True)
+            sock.sendall(stream[:100_003])  # two reads at least, the first ending mid-frame
+            time.sleep(0.05)
+            sock.sendall(stream[100_003:])
+            assert wait_until(lambda: len(got) == 5001, 20), len(got)
+        finally:
+            sock.close()
+    expected = [str(i) for i in range(5000)]
+    cut = 2500
+    assert got == expected[:cut] + ["x" * 100] + expected[cut:]
+
+
 async def _closed_with(ws: object) -> tuple[int | None, str]:
     """The close code and reason the server sent ``ws`` (waiting for its close)."""
     with pytest.raises(ConnectionClosed) as closed:
