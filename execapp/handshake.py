@@ -35,7 +35,18 @@ log = logging.getLogger("execapp.handshake")
 HANDSHAKE_TIMEOUT = "handshake_timeout"
 #: The ``reason`` label of execapp_connections_closed_total: closed as the oldest past the cap.
 PENDING_CAP = "pending_cap"
-REASONS = (HANDSHAKE_TIMEOUT, PENDING_CAP)
+#: The ``reason`` label of execapp_connections_closed_total: a request line and headers past MAX_HEADER_BYTES.
+HEADER_TOO_LARGE = "header_too_large"
+REASONS = (HANDSHAKE_TIMEOUT, PENDING_CAP, HEADER_TOO_LARGE)
+#: Bytes a request's line and headers may take, cookies included (nginx's default buffers hold
+#: 32 KiB, Node's limit is 16 KiB). httptools keeps a header's bytes as they come, with no limit
+#: of its own: one header streamed for the whole deadline made a worker hold it all (measured:
+#: +108 MB for 76 MB sent in 6 s, no token needed). Past it: 431 and the connection closed.
+MAX_HEADER_BYTES = 64 * 1024
+_HEADER_TOO_LARGE_BODY = f"request line and headers over {MAX_HEADER_BYTES} bytes\n".encode()
+_HEADER_TOO_LARGE_RESPONSE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8"
+                              b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                              % (len(_HEADER_TOO_LARGE_BODY), _HEADER_TOO_LARGE_BODY))
 
 
 def read_limits() -> tuple[float, int]:
@@ -113,6 +124,8 @@ class HandshakeDeadlineProtocol(HttpToolsProtocol):
         #: Loop time the last response ended, while the keep-alive connection idles for the next request.
         self._idle_since: float | None = None
         self._headers_in = False
+        #: Bytes received since this request started, until its headers are in (MAX_HEADER_BYTES).
+        self._header_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Accepted: the request's headers are due within the timeout from now."""
@@ -120,18 +133,24 @@ class HandshakeDeadlineProtocol(HttpToolsProtocol):
         pending().add(self, self.loop.time())
 
     def data_received(self, data: bytes) -> None:
-        """Bytes in; the first ones after a keep-alive response start the next request's deadline."""
+        """Bytes in: counted against MAX_HEADER_BYTES until the headers are in; the first ones after
+        a keep-alive response start the next request's deadline."""
         since = self._idle_since
-        if since is None:
-            super().data_received(data)
+        if since is not None:
+            # The next request on a keep-alive connection. uvicorn's keep-alive timer covered the
+            # idle wait and these bytes just cancelled it; its headers are due a timeout after the
+            # previous response ended. A request that arrives whole (the usual case) takes no timer.
+            self._idle_since = None
+            self._headers_in = False
+            self._header_bytes = 0
+        if not self._headers_in:
+            self._header_bytes += len(data)
+        super().data_received(data)  # one read at most past the limit reaches the parser
+        if self._headers_in or self.transport.is_closing():
             return
-        # The next request on a keep-alive connection. uvicorn's keep-alive timer covered the idle
-        # wait and these bytes just cancelled it; its headers are due a timeout after the previous
-        # response ended. A request that arrives whole (the usual case) never takes a timer.
-        self._idle_since = None
-        self._headers_in = False
-        super().data_received(data)
-        if not self._headers_in and not self.transport.is_closing():
+        if self._header_bytes > MAX_HEADER_BYTES:
+            self.close_pending(HEADER_TOO_LARGE)
+        elif since is not None:
             pending().add(self, since)
 
     def on_headers_complete(self) -> None:
@@ -169,6 +188,10 @@ class HandshakeDeadlineProtocol(HttpToolsProtocol):
         if reason == HANDSHAKE_TIMEOUT:
             _ratelog.warning(reason, "closed a connection from %s: its request headers were not all in %g s "
                              "(EXECAPP['HANDSHAKE_TIMEOUT_SECONDS']); a slow or silent client", client, limits.timeout)
+        elif reason == HEADER_TOO_LARGE:
+            _ratelog.warning(reason, "closed a connection from %s: its request line and headers passed %d bytes "
+                             "(execapp.handshake.MAX_HEADER_BYTES)", client, MAX_HEADER_BYTES)
+            self.transport.write(_HEADER_TOO_LARGE_RESPONSE)
         else:
             _ratelog.warning(reason, "closed a connection from %s: the oldest of more than %d waiting for their "
                              "request headers (EXECAPP['MAX_PENDING_CONNECTIONS']); a flood of silent or slow "

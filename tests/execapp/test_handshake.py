@@ -176,6 +176,39 @@ def test_the_next_request_on_a_keep_alive_connection_gets_the_deadline_from_the_
     assert took >= TIMEOUT * 0.8
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize("keep_alive", [False, True])
+def test_a_request_whose_headers_pass_the_byte_limit_gets_431_and_is_closed(server: Server, keep_alive: bool) -> None:
+    before = server.closed(handshake.HEADER_TOO_LARGE)
+    with server.raw() as sock:
+        if keep_alive:  # the limit counts again for the next request on the connection
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert b" 200 " in read_response(sock)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ")
+        got = b""
+        try:
+            for _ in range(4 * handshake.MAX_HEADER_BYTES // 4096):  # far past the limit, in reads
+                sock.sendall(b"a" * 4096)
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        try:
+            sock.settimeout(5)
+            while chunk := sock.recv(4096):
+                got += chunk
+        except (ConnectionResetError, TimeoutError):
+            pass
+    assert got == b"" or got.startswith(b"HTTP/1.1 431 "), got[:80]
+    assert server.closed(handshake.HEADER_TOO_LARGE) >= before + 1
+
+
+@pytest.mark.e2e
+def test_headers_within_the_byte_limit_are_served(server: Server) -> None:
+    with server.raw() as sock:
+        cookie = b"c=" + b"a" * (handshake.MAX_HEADER_BYTES - 1024)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nCookie: " + cookie + b"\r\n\r\n")
+        assert b" 200 " in read_response(sock)
+
+
 async def ws_ping(server: Server, hold: float = 0.0) -> list[dict]:
     """Open a WebSocket, keep it ``hold`` seconds, then send /ping: its frames up to the done."""
     async with connect(server.ws_url, open_timeout=5) as ws:
