@@ -10,13 +10,15 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
+from execapp.http_limits import RequestBodyLimit  # noqa: E402
 from execapp.routing import websocket_application  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
         # The embedded default serves the admin's static files itself; put a CDN or a
-        # static file server in front in production if the admin sees heavy use.
-        "http": ASGIStaticFilesHandler(django_asgi_app),
+        # static file server in front in production if the admin sees heavy use. Every request
+        # body is bounded in size and time before Django reads it (execapp/http_limits.py).
+        "http": RequestBodyLimit(ASGIStaticFilesHandler(django_asgi_app)),
         "websocket": websocket_application,
     }
 )

@@ -61,6 +61,7 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     errors += _duration_bucket_checks()
     errors += _resilience_checks()
     errors += _handshake_checks()
+    errors += _request_body_checks()
     return errors
 
 
@@ -77,6 +78,25 @@ def _open_files_limit() -> int | None:
         return None
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _request_body_checks() -> list[checks.CheckMessage]:
+    """The size limit and the deadline on HTTP request bodies (execapp/http_limits.py)."""
+    out: list[checks.CheckMessage] = []
+    size = conf.get("MAX_REQUEST_BODY_BYTES")
+    if not _number(size, True) or size < 1:
+        out.append(checks.Error(
+            f"EXECAPP['MAX_REQUEST_BODY_BYTES'] is {size!r}{_from('MAX_REQUEST_BODY_BYTES')}, it must be a whole "
+            "number of bytes of at least 1", hint="Default 8 MiB (8388608): an HTTP request body past it is "
+            "answered 413 before Django reads it to disk; keep it above the largest plugin upload (4 MiB).",
+            id="execapp.E069"))
+    timeout = conf.get("REQUEST_BODY_TIMEOUT_SECONDS")
+    if not _number(timeout) or not timeout > 0:
+        out.append(checks.Error(
+            f"EXECAPP['REQUEST_BODY_TIMEOUT_SECONDS'] is {timeout!r}{_from('REQUEST_BODY_TIMEOUT_SECONDS')}, it must "
+            "be a positive number of seconds", hint="Default 30.0: an HTTP request body not all in that long after "
+            "the request started is answered 408.", id="execapp.E070"))
+    return out
 
 
 def _handshake_checks() -> list[checks.CheckMessage]:

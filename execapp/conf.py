@@ -39,6 +39,12 @@ DEFAULTS: dict[str, Any] = {
     # wait is about a round trip: 256 is 1,000 new connections a second at 250 ms each, and a
     # flood of silent sockets takes at most a quarter of a common 1,024 file-descriptor limit.
     "MAX_PENDING_CONNECTIONS": 256,
+    # Every HTTP request's body (execapp/http_limits.py): Django reads a whole body into a file that
+    # rolls over to disk before it looks at the request, so without these a POST to any path wrote
+    # as much to disk as its sender streamed. Past the size: 413; not all in after the time: 408.
+    # 8 MiB holds the admin's largest upload (a 4 MiB plugin file) with the form around it.
+    "MAX_REQUEST_BODY_BYTES": 8 * 1_048_576,
+    "REQUEST_BODY_TIMEOUT_SECONDS": 30.0,
     # WebSocket protocol.
     "MAX_FRAME_BYTES": 64 * 1024,
     "MAX_IN_FLIGHT_PER_CONNECTION": 100,

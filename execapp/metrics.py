@@ -92,12 +92,14 @@ EVENT_REFUSALS = Counter("execapp_event_refusals_total", "Events refused before 
 SESSION_FRAMES_DROPPED = Counter("execapp_session_frames_dropped_total", "Frames of other session members dropped "
                                  "for a member that fell behind (it then gets one `lagged` frame), by worker slot.",
                                  ["worker"])
-# From execapp.handshake (before a request's headers are all in) and execapp.ws_flow (after a handshake).
+# From execapp.handshake (before a request's headers are all in), execapp.http_limits (bodies) and
+# execapp.ws_flow (after a WebSocket handshake).
 CONNECTIONS_CLOSED = Counter("execapp_connections_closed_total", "Connections the server closed for a protocol "
                              "limit, by reason: handshake_timeout (request line and headers not in "
                              "EXECAPP['HANDSHAKE_TIMEOUT_SECONDS']), pending_cap (the oldest waiting past "
                              "EXECAPP['MAX_PENDING_CONNECTIONS']), header_too_large (request line and headers "
-                             "over 64 KiB), too_many_control_frames, too_many_fragments (execapp.ws_flow).",
+                             "over 64 KiB), body_too_large, body_timeout (execapp.http_limits), "
+                             "too_many_control_frames, too_many_fragments (execapp.ws_flow).",
                              ["reason"])
 HISTORY_TRACES = Counter("execapp_history_traces_total", "Event traces recorded (docs/observability.md).")
 HISTORY_DROPPED = Counter("execapp_history_dropped_total", "Trace items dropped because the recorder's buffer was "

@@ -34,12 +34,12 @@ SLACK = 2.0
 class Server(ServerProcess):
     """``python -m execapp.serve --workers 1`` with a short header deadline and a small pending cap."""
 
-    def __init__(self, env: dict[str, str], tmp: Path) -> None:
+    def __init__(self, env: dict[str, str], tmp: Path, settings: dict[str, Any] | None = None) -> None:
         (tmp / "metrics").mkdir()
         env = {**env, "DJANGO_SETTINGS_MODULE": "tests.execapp.e2e_settings", "REDIS_URL": "",
                "PROMETHEUS_MULTIPROC_DIR": str(tmp / "metrics"),
                "EXECAPP_TEST_SETTINGS": json.dumps({"HANDSHAKE_TIMEOUT_SECONDS": TIMEOUT,
-                                                    "MAX_PENDING_CONNECTIONS": CAP})}
+                                                    "MAX_PENDING_CONNECTIONS": CAP, **(settings or {})})}
         super().__init__(["execapp.serve", "--workers", "1", "--log-level", "warning", "--no-access-log"], env,
                          "handshake")
         self.ws_url = f"ws://127.0.0.1:{self.port}/ws/events/?token={env['TOKEN']}"
