@@ -10,11 +10,12 @@ from . import conf
 from .engine.engine import OVERFLOW_POLICIES
 
 _POSITIVE_INTS = ("POOL_MAX_WORKERS", "POOL_QUEUE_SIZE", "PROFILE_WINDOW", "MAX_FRAME_BYTES",
-                  "MAX_IN_FLIGHT_PER_CONNECTION", "MAX_FRAME_DEPTH", "MAX_CONNECTIONS_PER_OWNER")
+                  "MAX_IN_FLIGHT_PER_CONNECTION", "MAX_FRAME_DEPTH", "MAX_CONNECTIONS_PER_OWNER",
+                  "MAX_REQUEST_BODY_BYTES")
 _POSITIVE_NUMBERS = ("SLOW_THRESHOLD_SECONDS", "OVERFLOW_WAIT_SECONDS", "PROFILE_FLUSH_SECONDS",
                      "SNAPSHOT_SECONDS", "WORKER_STALE_SECONDS", "WORKER_DROP_SECONDS",
                      "REGISTRY_POLL_SECONDS", "DRAIN_TIMEOUT_SECONDS", "SHUTDOWN_GRACE_SECONDS",
-                     "DASHBOARD_HISTORY_SECONDS")
+                     "DASHBOARD_HISTORY_SECONDS", "REQUEST_BODY_TIMEOUT_SECONDS")
 
 
 @checks.register()
@@ -61,7 +62,6 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     errors += _duration_bucket_checks()
     errors += _resilience_checks()
     errors += _handshake_checks()
-    errors += _request_body_checks()
     return errors
 
 
@@ -78,25 +78,6 @@ def _open_files_limit() -> int | None:
         return None
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return None if soft == resource.RLIM_INFINITY else int(soft)
-
-
-def _request_body_checks() -> list[checks.CheckMessage]:
-    """The size limit and the deadline on HTTP request bodies (execapp/http_limits.py)."""
-    out: list[checks.CheckMessage] = []
-    size = conf.get("MAX_REQUEST_BODY_BYTES")
-    if not _number(size, True) or size < 1:
-        out.append(checks.Error(
-            f"EXECAPP['MAX_REQUEST_BODY_BYTES'] is {size!r}{_from('MAX_REQUEST_BODY_BYTES')}, it must be a whole "
-            "number of bytes of at least 1", hint="Default 8 MiB (8388608): an HTTP request body past it is "
-            "answered 413 before Django reads it to disk; keep it above the largest plugin upload (4 MiB).",
-            id="execapp.E069"))
-    timeout = conf.get("REQUEST_BODY_TIMEOUT_SECONDS")
-    if not _number(timeout) or not timeout > 0:
-        out.append(checks.Error(
-            f"EXECAPP['REQUEST_BODY_TIMEOUT_SECONDS'] is {timeout!r}{_from('REQUEST_BODY_TIMEOUT_SECONDS')}, it must "
-            "be a positive number of seconds", hint="Default 30.0: an HTTP request body not all in that long after "
-            "the request started is answered 408.", id="execapp.E070"))
-    return out
 
 
 def _handshake_checks() -> list[checks.CheckMessage]:

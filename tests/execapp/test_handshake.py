@@ -69,14 +69,19 @@ class Server(ServerProcess):
         return socket.create_connection(("127.0.0.1", self.port), timeout=5)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("handshake")
+def started(tmp_path_factory: pytest.TempPathFactory, name: str, settings: dict[str, Any] | None = None) -> Server:
+    """A migrated database, a token and a Server on them (the module fixture of these server tests)."""
+    tmp = tmp_path_factory.mktemp(name)
     env = {"DATABASE_URL": f"sqlite:///{tmp / 'db.sqlite3'}"}
     assert manage("migrate", "--noinput", env=env).returncode == 0
-    token = manage("create_token", "handshake", env=env)
+    token = manage("create_token", name, env=env)
     assert token.returncode == 0, token.stderr
-    server = Server({**env, "TOKEN": token.stdout.strip().splitlines()[-1]}, tmp)
+    return Server({**env, "TOKEN": token.stdout.strip().splitlines()[-1]}, tmp, settings)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = started(tmp_path_factory, "handshake")
     yield server
     server.stop()
 

@@ -12,9 +12,8 @@ from typing import Any, Iterator
 import pytest
 
 from execapp import http_limits
-from tests.conftest import manage
 
-from .test_handshake import Server, read_response
+from .test_handshake import Server, read_response, started
 
 LIMIT = 64 * 1024
 BODY_TIMEOUT = 1.0
@@ -22,13 +21,8 @@ BODY_TIMEOUT = 1.0
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("http_limits")
-    env = {"DATABASE_URL": f"sqlite:///{tmp / 'db.sqlite3'}"}
-    assert manage("migrate", "--noinput", env=env).returncode == 0
-    token = manage("create_token", "http-limits", env=env)
-    assert token.returncode == 0, token.stderr
-    server = Server({**env, "TOKEN": token.stdout.strip().splitlines()[-1]}, tmp,
-                    {"MAX_REQUEST_BODY_BYTES": LIMIT, "REQUEST_BODY_TIMEOUT_SECONDS": BODY_TIMEOUT})
+    server = started(tmp_path_factory, "http-limits",
+                     {"MAX_REQUEST_BODY_BYTES": LIMIT, "REQUEST_BODY_TIMEOUT_SECONDS": BODY_TIMEOUT})
     yield server
     server.stop()
 
@@ -97,9 +91,9 @@ def test_a_body_within_the_limits_reaches_django(server: Server) -> None:
 
 
 @pytest.mark.parametrize("key, value, check_id", [
-    ("MAX_REQUEST_BODY_BYTES", 0, "execapp.E069"), ("MAX_REQUEST_BODY_BYTES", 1.5, "execapp.E069"),
-    ("MAX_REQUEST_BODY_BYTES", "8M", "execapp.E069"), ("REQUEST_BODY_TIMEOUT_SECONDS", 0, "execapp.E070"),
-    ("REQUEST_BODY_TIMEOUT_SECONDS", "30", "execapp.E070"), ("REQUEST_BODY_TIMEOUT_SECONDS", None, "execapp.E070"),
+    ("MAX_REQUEST_BODY_BYTES", 0, "execapp.E003"), ("MAX_REQUEST_BODY_BYTES", 1.5, "execapp.E003"),
+    ("MAX_REQUEST_BODY_BYTES", "8M", "execapp.E003"), ("REQUEST_BODY_TIMEOUT_SECONDS", 0, "execapp.E004"),
+    ("REQUEST_BODY_TIMEOUT_SECONDS", "30", "execapp.E004"), ("REQUEST_BODY_TIMEOUT_SECONDS", None, "execapp.E004"),
 ])
 def test_the_checks_refuse_a_bad_body_limit_or_deadline(settings: Any, key: str, value: Any, check_id: str) -> None:
     from execapp.checks import check_execapp_settings
@@ -108,4 +102,4 @@ def test_the_checks_refuse_a_bad_body_limit_or_deadline(settings: Any, key: str,
     found = {m.id: m for m in check_execapp_settings()}
     assert check_id in found and key in found[check_id].msg and found[check_id].hint
     settings.EXECAPP = {}
-    assert not {"execapp.E069", "execapp.E070"} & {m.id for m in check_execapp_settings()}
+    assert not {"execapp.E003", "execapp.E004"} & {m.id for m in check_execapp_settings()}

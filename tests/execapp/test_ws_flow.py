@@ -24,21 +24,16 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from execapp import ws_flow
-from tests.conftest import free_port, manage, wait_until
+from tests.conftest import free_port, wait_until
 
-from .test_handshake import Server
+from .test_handshake import Server, started
 
 PING = bytes([0x89, 0x80 | 125]) + b"\x00\x00\x00\x00" + b"p" * 125  # masked, 125-byte payload
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("ws_flow")
-    env = {"DATABASE_URL": f"sqlite:///{tmp / 'db.sqlite3'}"}
-    assert manage("migrate", "--noinput", env=env).returncode == 0
-    token = manage("create_token", "ws-flow", env=env)
-    assert token.returncode == 0, token.stderr
-    server = Server({**env, "TOKEN": token.stdout.strip().splitlines()[-1]}, tmp)
+    server = started(tmp_path_factory, "ws-flow")
     yield server
     server.stop()
 
