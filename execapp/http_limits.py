@@ -65,11 +65,14 @@ class RequestBodyLimit:
         refused: list[str] = []
         started = False
         received = 0
+        body_done = False
 
         async def limited_receive() -> dict[str, Any]:
-            nonlocal received
+            nonlocal received, body_done
             if refused:
                 return {"type": "http.disconnect"}
+            if body_done:  # Django listens for a disconnect while the view runs: no deadline on that
+                return await receive()
             try:
                 async with asyncio.timeout_at(deadline):
                     message = await receive()
@@ -81,6 +84,7 @@ class RequestBodyLimit:
                 if received > limit:
                     refused.append(BODY_TOO_LARGE)
                     return {"type": "http.disconnect"}
+                body_done = not message.get("more_body", False)
             return message
 
         async def tracked_send(message: dict[str, Any]) -> None:

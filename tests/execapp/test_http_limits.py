@@ -5,6 +5,7 @@ raw sockets. Without the middleware Django spooled any body to disk for as long 
 """
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from typing import Any, Iterator
@@ -103,3 +104,28 @@ def test_the_checks_refuse_a_bad_body_limit_or_deadline(settings: Any, key: str,
     assert check_id in found and key in found[check_id].msg and found[check_id].hint
     settings.EXECAPP = {}
     assert not {"execapp.E003", "execapp.E004"} & {m.id for m in check_execapp_settings()}
+
+
+async def test_the_deadline_ends_with_the_body_not_with_the_response(settings: Any) -> None:
+    """Django listens for a disconnect while the view runs: after the body, receive() has no deadline."""
+    settings.EXECAPP = {"REQUEST_BODY_TIMEOUT_SECONDS": 0.2}
+    incoming: asyncio.Queue[dict] = asyncio.Queue()
+    await incoming.put({"type": "http.request", "body": b"x=1", "more_body": False})
+    sent: list[dict] = []
+    seen: list[str] = []
+
+    async def slow_view(scope: dict, receive: Any, send: Any) -> None:
+        assert (await receive())["body"] == b"x=1"
+        try:  # what Django's listen_for_disconnect does while the view takes longer than the body deadline
+            seen.append((await asyncio.wait_for(receive(), 0.6))["type"])
+        except asyncio.TimeoutError:
+            seen.append("no disconnect")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await http_limits.RequestBodyLimit(slow_view)({"type": "http", "headers": [(b"content-length", b"3")]},
+                                                  incoming.get, send)
+    assert seen == ["no disconnect"] and sent[0]["status"] == 200
