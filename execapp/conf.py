@@ -42,9 +42,10 @@ DEFAULTS: dict[str, Any] = {
     # Every HTTP request's body (execapp/http_limits.py): Django reads a whole body into a file that
     # rolls over to disk before it looks at the request, so without these a POST to any path wrote
     # as much to disk as its sender streamed. Past the size: 413; not all in after the time: 408.
-    # 8 MiB holds the admin's largest upload (a 4 MiB plugin file) with the form around it.
+    # 8 MiB holds the admin's largest upload (a 4 MiB plugin file) with the form around it; 60 s
+    # lets that upload come at ~70 KB/s (a slow mobile link) and bounds how long a body holds a socket.
     "MAX_REQUEST_BODY_BYTES": 8 * 1_048_576,
-    "REQUEST_BODY_TIMEOUT_SECONDS": 30.0,
+    "REQUEST_BODY_TIMEOUT_SECONDS": 60.0,
     # WebSocket protocol.
     "MAX_FRAME_BYTES": 64 * 1024,
     "MAX_IN_FLIGHT_PER_CONNECTION": 100,
