@@ -133,6 +133,11 @@ DEFAULTS: dict[str, Any] = {
     # error messages (up to ~13 KB each) cannot make 100,000 of them a gigabyte of the worker.
     "HISTORY_LOCAL_MAX_BYTES": 128 * 1024 * 1024,
     "HISTORY_FAILURE_DAYS": 7.0,
+    # The database keeps at most this many failure traces per owner (the newest; the hourly prune
+    # and `manage.py prune_history` delete the rest). A quota: one tenant whose events all fail
+    # writes 100 rows a second per worker (DB_ROWS_PER_OWNER_PER_SECOND), ~60 million a worker in
+    # the 7 days kept; with the cap it keeps 100,000 plus what it writes between two prunes.
+    "HISTORY_FAILURES_PER_OWNER": 100_000,
     # How much of an event a trace keeps: its text's first characters, its replies' bytes.
     "HISTORY_TEXT_CHARS": 200,
     "HISTORY_REPLY_BYTES": 4096,

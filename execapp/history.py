@@ -38,7 +38,7 @@ from .engine.event import Completion, Event, Failure, Reply
 from .engine.pool import count_value
 from .engine.profile import ExecClass
 from .engine.ratelog import RateLimitedLog
-from .history_query import detail, get, prune, search
+from .history_query import detail, get, prune, prune_owners, search
 from .history_record import (
     H_CODE,
     H_MATCHER,
@@ -355,6 +355,7 @@ class Recorder:
             try:
                 close_old_connections()
                 prune(self.failure_days)
+                prune_owners()  # each owner's newest HISTORY_FAILURES_PER_OWNER, the rest deleted
             except Exception as exc:
                 _rare.warning(("prune", type(exc).__name__), "pruning old event traces failed: %r", exc)
 
@@ -611,4 +612,4 @@ def current() -> Recorder | None:
 
 
 __all__ = ["BUFFER_LIMIT", "INCOMPLETE", "Filters", "Recorder", "Summary", "accepted", "current", "delivered",
-           "detail", "get", "prune", "recorder", "refused", "search"]
+           "detail", "get", "prune", "prune_owners", "recorder", "refused", "search"]

@@ -121,3 +121,22 @@ def prune(days: float | None = None) -> int:
     cutoff = timezone.now() - dt.timedelta(days=days)
     deleted, _ = EventTrace.objects.filter(created_at__lt=cutoff).delete()
     return deleted
+
+
+def prune_owners(keep: int | None = None) -> int:
+    """Delete each owner's database traces past its newest ``keep`` (default HISTORY_FAILURES_PER_OWNER);
+    how many. One grouped count over the owner index, then a delete per owner over the cap."""
+    from django.db.models import Count
+
+    from .models import EventTrace
+
+    keep = int(conf.get("HISTORY_FAILURES_PER_OWNER")) if keep is None else keep
+    deleted = 0
+    over = EventTrace.objects.order_by().values("owner").annotate(n=Count("id")).filter(n__gt=keep)
+    for row in over:
+        rows = EventTrace.objects.filter(owner=row["owner"])
+        # Ids grow with insertion: the (keep+1)-th newest id and every older one go.
+        oldest_kept = rows.order_by("-id").values_list("id", flat=True)[keep - 1]
+        removed, _ = rows.filter(id__lt=oldest_kept).delete()
+        deleted += removed
+    return deleted

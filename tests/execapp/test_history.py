@@ -423,6 +423,30 @@ def test_prune_deletes_failures_past_the_retention(settings: Any) -> None:
     assert history.prune() == 1 and not EventTrace.objects.exists()
 
 
+@pytest.mark.django_db
+def test_prune_keeps_each_owner_s_newest_failures_up_to_its_cap(settings: Any) -> None:
+    """A quota on the database: a tenant whose events all fail keeps its newest N, the others theirs."""
+    now = timezone.now()
+
+    def rows(owner: str, n: int) -> list[EventTrace]:
+        return [EventTrace(uid=f"{owner}-{i}", event_id=f"e{i}", owner=owner, outcome="error",
+                           created_at=now - dt.timedelta(seconds=n - i), trace={}) for i in range(n)]
+
+    EventTrace.objects.bulk_create(rows("tenant:flood", 130) + rows("tenant:quiet", 7))
+    settings.EXECAPP = {"HISTORY_FAILURES_PER_OWNER": 50}
+    assert history.prune_owners() == 80
+    flood = list(EventTrace.objects.filter(owner="tenant:flood").order_by("id").values_list("event_id", flat=True))
+    assert flood == [f"e{i}" for i in range(80, 130)]  # the newest 50
+    assert EventTrace.objects.filter(owner="tenant:quiet").count() == 7
+    assert history.prune_owners() == 0  # within the cap now
+    from io import StringIO
+
+    EventTrace.objects.bulk_create(rows("tenant:more", 60))
+    out = StringIO()
+    call_command("prune_history", stdout=out)
+    assert "and 10 past each owner's newest 50" in out.getvalue(), out.getvalue()
+
+
 async def test_events_still_running_when_the_worker_stops_are_recorded_incomplete(recorded: Any) -> None:
     async with Client(app=_app("tenant:acme")) as c:
         await c.send({"type": "message", "id": "unfinished", "text": "/slow 5000"})

@@ -13,7 +13,8 @@ from execapp.models import EventTrace
 
 class Command(BaseCommand):
     help = ("Delete the database's event traces (failed events) older than EXECAPP['HISTORY_FAILURE_DAYS'] "
-            "(default 7) or --days. Workers also prune hourly; the recent store trims itself.")
+            "(default 7) or --days, and each owner's past its newest EXECAPP['HISTORY_FAILURES_PER_OWNER'] "
+            "(default 100000). Workers also prune hourly; the recent store trims itself.")
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--days", type=float, default=None,
@@ -31,6 +32,8 @@ class Command(BaseCommand):
                               f"{cutoff:%Y-%m-%d %H:%M} UTC)")
             return
         deleted = history.prune(days)
+        capped = history.prune_owners()
         kept = EventTrace.objects.count()
         self.stdout.write(f"deleted {deleted} event traces older than {days:g} days (before {cutoff:%Y-%m-%d %H:%M} "
-                          f"UTC); {kept} kept")
+                          f"UTC) and {capped} past each owner's newest {conf.get('HISTORY_FAILURES_PER_OWNER')} "
+                          f"(EXECAPP['HISTORY_FAILURES_PER_OWNER']); {kept} kept")
