@@ -9,8 +9,9 @@ that dies, waits for the drains, and is the watchdog (execapp.watchdog): it kill
 worker whose event loop stalls past EXECAPP['LOOP_STALL_SECONDS'], quarantining the matcher it
 was running inline on every worker, and recycles (replacement first, then a drain) a worker with
 EXECAPP['STUCK_THREADS_LIMIT'] pool threads stuck. Each worker closes connections whose request
-headers are not in within EXECAPP['HANDSHAKE_TIMEOUT_SECONDS'] (execapp.handshake). Bare uvicorn
-or daphne have neither.
+headers are not in within EXECAPP['HANDSHAKE_TIMEOUT_SECONDS'] or pass 64 KiB (execapp.handshake),
+and bounds what a WebSocket client makes the protocol do by itself (execapp.ws_flow). Bare uvicorn
+or daphne have none of these.
 See docs/operations.md.
 """
 from __future__ import annotations
