@@ -144,13 +144,7 @@ class Outbox:
     def _over(self, extra: int = 0) -> bool:
         """At or over a limit of this outbox or its owner's budget (with ``extra`` more bytes)."""
         budget = self.budget
-        if budget is not None and budget.bytes > 0 and budget.bytes + extra > budget.limit:
-            return True
-        if self.frames == 0:  # _own_over, inline: this runs for every frame read (``full``)
-            return False
-        limits = self.limits
-        return ((limits.max_frames > 0 and self.frames >= limits.max_frames)
-                or (limits.max_bytes > 0 and self.bytes + extra > limits.max_bytes))
+        return (budget is not None and budget.over_with(extra)) or self._own_over(extra)
 
     def _own_over(self, extra: int = 0) -> bool:
         """At or over this outbox's own limits; an empty outbox is never over, so a single frame

@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 class OutboxBudget:
     """At most ``limit`` bytes queued in one owner's outboxes on a worker (past it: held, see the module)."""
 
-    __slots__ = ("limit", "bytes", "holds", "key", "waiting", "_waiters", "_lagging")
+    __slots__ = ("limit", "bytes", "holds", "waiting", "_waiters", "_lagging")
 
-    def __init__(self, limit: int, owner: str | None = None) -> None:
+    def __init__(self, limit: int) -> None:
         if limit < 1:
             raise ValueError(f"an outbox budget is at least one byte, got {limit!r}")
         self.limit = limit
@@ -40,8 +40,6 @@ class OutboxBudget:
         #: Times one of the owner's connections stopped reading because of this budget
         #: (execapp_owner_outbox_waits_total).
         self.holds = 0
-        #: Whose budget this is (for the worker's bookkeeping and messages).
-        self.key: object = owner if owner is not None else self
         #: Someone waits for bytes to be taken off (held connections, lagging members): the
         #: outboxes' writers call ``drained`` only then (one attribute read per frame otherwise).
         self.waiting = False

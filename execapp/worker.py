@@ -206,7 +206,7 @@ class Worker:
             return None
         found = self._outbox_budgets.get(owner)
         if found is None:
-            found = self._outbox_budgets[owner] = OutboxBudget(limit, owner=owner)
+            found = self._outbox_budgets[owner] = OutboxBudget(limit)
         return found
 
     def begin_event(self) -> bool:
