@@ -203,8 +203,7 @@ def delivered(conn: Any, outcome: Any, size: int = -1) -> None:
             pending[_OUTS] = [outs, outcome]
         return
     del _pending[key]
-    if len(_buffer) >= BUFFER_LIMIT or _bytes[0] - _bytes[1] >= BUFFER_BYTES:
-        next(_dropped)
+    if _full():
         return
     out = pending[_OUTS]
     if len(pending) == 6 and not outcome.errors and (out is None or (
@@ -236,12 +235,19 @@ def delivered(conn: Any, outcome: Any, size: int = -1) -> None:
         _hand_over(pending, outcome)
 
 
+def _full() -> bool:
+    """The buffer is at BUFFER_LIMIT items or BUFFER_BYTES: the item at hand is dropped, and counted."""
+    if len(_buffer) >= BUFFER_LIMIT or _bytes[0] - _bytes[1] >= BUFFER_BYTES:
+        next(_dropped)
+        return True
+    return False
+
+
 def _hand_over(pending: list[Any], completion: Any) -> None:
     """Buffer an event of the general kind (several handlers, a failure, a cut reply, or never
     completed): its list, with the event itself replaced by a small one when it is large (a frame's
     decoded data can be many times its size; the trace keeps its text's first characters only)."""
-    if len(_buffer) >= BUFFER_LIMIT or _bytes[0] - _bytes[1] >= BUFFER_BYTES:
-        next(_dropped)
+    if _full():
         return
     event = pending[_EVENT]
     if event.size > _text_chars or len(event.text) > _text_chars:
@@ -263,8 +269,7 @@ def refused(conn: Any, code: str, message: str, event_id: str | None) -> None:
     bounded recent store (the rest are counted, with no event id to keep). Loop thread."""
     if _recorder is None:
         return
-    if len(_buffer) >= BUFFER_LIMIT or _bytes[0] - _bytes[1] >= BUFFER_BYTES:
-        next(_dropped)
+    if _full():
         return
     if event_id is not None and not _within_second(_refusal_budgets, getattr(conn, "owner", "") or "",
                                                    REFUSAL_TRACES_PER_SECOND):
