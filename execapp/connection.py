@@ -14,7 +14,6 @@ from time import monotonic
 from typing import Any, Awaitable, Callable, Coroutine, Protocol
 
 from . import extensions, history, metrics, resend
-from .codes import ERROR, OK
 from .engine import Completion, Event
 from .engine.event import EventRun, Outcome, OutcomeCallback
 from .engine.ratelog import RateLimitedLog
@@ -37,8 +36,8 @@ from .protocol import (
 log = logging.getLogger("execapp.connection")
 #: Failures a client can cause on every frame are logged once per cause per minute, with a count.
 _rare = RateLimitedLog(log, 60.0)
-#: events_total's children for a done, looked up once (``labels()`` takes a lock per call).
-_COUNT_DONE = {False: metrics.EVENTS.labels(OK).inc, True: metrics.EVENTS.labels(ERROR).inc}
+#: events_total's ok and error counts of a done (execapp.metrics.flush_done copies them over).
+_DONE_TALLY = metrics.DONE_TALLY
 
 
 class Dispatcher(Protocol):
@@ -281,7 +280,7 @@ class Connection:
         session = self.in_flight.pop(eid, None)
         if not outcome.matched:
             hint = self._hint(eid)
-        _COUNT_DONE[bool(outcome.errors)]()
+        _DONE_TALLY[1 if outcome.errors else 0] += 1
         if self._resends and eid in self._resends:  # its done waits for the durable record
             self._resends.discard(eid)
             # Still in flight until that done is queued: a client sending resend events

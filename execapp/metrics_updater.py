@@ -93,6 +93,7 @@ class MetricsUpdater:
 
     def tick(self) -> None:
         """Drain buffered observations and copy gauges and counters into Prometheus."""
+        m.flush_done()
         with self._lock:
             self._drain()
             self._sync_pool()
@@ -234,6 +235,7 @@ def metrics_updater(worker: WorkerLike) -> MetricsUpdater:
 
 def refresh_local() -> None:
     """Bring this process's metrics up to date now (called before a scrape)."""
+    m.flush_done()  # also in a process with no worker (yet)
     for updater in list(_updaters):
         try:
             updater.tick()

@@ -44,3 +44,21 @@ def test_observe_many_on_an_unlabelled_histogram_counts_each_amount_in_its_bucke
     observe_many(h, [0.0001, 0.0002, 0.002, 5.0, 50.0])
     got = {dict(s.labels).get("le"): s.value for m in h.collect() for s in m.samples if s.name == "h_seconds_bucket"}
     assert got["0.0001"] == 1 and got["0.001"] == 2 and got["0.005"] == 3 and got["10.0"] == 4 and got["+Inf"] == 5
+
+
+def test_done_tally_reaches_events_total_once_per_flush_and_on_every_scrape_refresh() -> None:
+    from execapp import metrics
+    from execapp.metrics_updater import refresh_local
+
+    def count(outcome: str) -> float:
+        return metrics.EVENTS.labels(outcome)._value.get()
+
+    refresh_local()
+    before = {o: count(o) for o in ("ok", "error")}
+    metrics.DONE_TALLY[0] += 3
+    metrics.DONE_TALLY[1] += 2
+    assert {o: count(o) for o in before} == before  # the hot path wrote no counter
+    refresh_local()  # what a scrape runs first
+    assert {o: count(o) - before[o] for o in before} == {"ok": 3, "error": 2}
+    metrics.flush_done()  # nothing new: nothing added twice
+    assert {o: count(o) - before[o] for o in before} == {"ok": 3, "error": 2}
