@@ -17,8 +17,8 @@ from django.core.handlers.asgi import ASGIRequest
 from django.db import Error as DatabaseError
 from django.middleware.csrf import CsrfViewMiddleware
 
-from . import metrics
-from .codes import UNAUTHORIZED
+from . import auth_throttle, metrics
+from .codes import AUTH_THROTTLED, UNAUTHORIZED
 from .engine.ratelog import RateLimitedLog
 
 log = logging.getLogger("execapp.auth")
@@ -75,6 +75,8 @@ async def deny(scope: Scope, receive: Callable[[], Awaitable[dict]], send: Calla
     _rare.log(logging.INFO, ("refused", code), "refused WebSocket %s (%s): %s", scope.get("path"), code, message)
     if outcome is not None:
         metrics.count_event(outcome)
+    if outcome == UNAUTHORIZED:  # judged and refused: one failure of this client network
+        auth_throttle.current().failed(auth_throttle.client_network(scope))
     await send({"type": "websocket.close"})
 
 
@@ -146,6 +148,16 @@ class TokenAuthMiddleware:
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "websocket":
             return await self.inner(scope, receive, send)
+        # A client network that failed too often is not judged (no lookup): closed at once.
+        network = auth_throttle.client_network(scope)
+        wait = auth_throttle.current().retry_after(network)
+        if wait > 0:
+            _rare.log(logging.INFO, ("throttled",), "refused WebSocket %s from %s unjudged: too many failed "
+                      "authentications (EXECAPP['AUTH_FAILURES_BURST'])", scope.get("path"), network)
+            metrics.count_event(AUTH_THROTTLED)
+            return await refuse_unavailable(receive, send, CLOSE_TRY_AGAIN_LATER,
+                                            f"too many failed authentications from your network; retry in "
+                                            f"{min(wait, 3600):.0f} s with a valid token")
         # Token and session lookups need the database: without it no client can be judged, so
         # the handshake is closed with 1013 "try again later" instead of failing as HTTP 500.
         # (Only while nothing of the socket was read yet; the consumer covers its own part.)

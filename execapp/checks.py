@@ -62,7 +62,26 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     errors += _duration_bucket_checks()
     errors += _resilience_checks()
     errors += _handshake_checks()
+    errors += _auth_throttle_checks()
     return errors
+
+
+def _auth_throttle_checks() -> list[checks.CheckMessage]:
+    """Failed authentications per client network (execapp/auth_throttle.py)."""
+    out: list[checks.CheckMessage] = []
+    burst = conf.get("AUTH_FAILURES_BURST")
+    if not _number(burst, True) or burst < 0:
+        out.append(checks.Error(
+            f"EXECAPP['AUTH_FAILURES_BURST'] is {burst!r}{_from('AUTH_FAILURES_BURST')}, it must be a whole number "
+            "of at least 0", hint="Default 20: failed WebSocket authentications per client network before its "
+            "handshakes are closed unjudged (0 turns that off).", id="execapp.E093"))
+    rate = conf.get("AUTH_FAILURES_PER_MINUTE")
+    if not _number(rate) or not rate > 0:
+        out.append(checks.Error(
+            f"EXECAPP['AUTH_FAILURES_PER_MINUTE'] is {rate!r}{_from('AUTH_FAILURES_PER_MINUTE')}, it must be a "
+            "positive number", hint="Default 30.0: how many failures a minute a throttled client network earns "
+            "back.", id="execapp.E094"))
+    return out
 
 
 #: A client's first packet lost costs it TCP's initial retransmission timeout (1 s) and more: a

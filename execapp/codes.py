@@ -48,11 +48,15 @@ UNAUTHORIZED = "unauthorized"
 #: The outcome of a WebSocket handshake refused because its owner already holds
 #: EXECAPP['MAX_CONNECTIONS_PER_OWNER'] connections to the worker (closed with 1008).
 TOO_MANY_CONNECTIONS = "too_many_connections"
+#: The outcome of a WebSocket handshake closed unjudged (1013) because its client network failed
+#: to authenticate too often (execapp.auth_throttle).
+AUTH_THROTTLED = "auth_throttled"
 #: What an outcome outside ``EVENT_OUTCOMES`` is counted as (a code added without updating this module).
 OTHER = "other"
 
 #: Every label of ``execapp_events_total``: the done outcomes, every error code, the refused handshakes.
-EVENT_OUTCOMES: frozenset[str] = frozenset((OK, ERROR, *ERROR_CODES, UNAUTHORIZED, TOO_MANY_CONNECTIONS))
+EVENT_OUTCOMES: frozenset[str] = frozenset((OK, ERROR, *ERROR_CODES, UNAUTHORIZED, TOO_MANY_CONNECTIONS,
+                                            AUTH_THROTTLED))
 
 #: The refusals that come before any matching: the whole event was refused (the connection's
 #: in-flight cap, a resend that is neither run nor replayed), so they are counted per worker only.

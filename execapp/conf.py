@@ -39,6 +39,13 @@ DEFAULTS: dict[str, Any] = {
     # wait is about a round trip: 256 is 1,000 new connections a second at 250 ms each, and a
     # flood of silent sockets takes at most a quarter of a common 1,024 file-descriptor limit.
     "MAX_PENDING_CONNECTIONS": 256,
+    # Failed WebSocket authentications (a bad token or session) per client network (an IPv4
+    # address, an IPv6 /64) and worker process before its handshakes are closed unjudged, and how
+    # fast it earns them back (execapp/auth_throttle.py): each failure is a database lookup on
+    # the worker's one sync thread. 20 lets a misconfigured client see its mistake many times;
+    # 30 a minute is a retry every two seconds. AUTH_FAILURES_BURST 0 turns it off.
+    "AUTH_FAILURES_BURST": 20,
+    "AUTH_FAILURES_PER_MINUTE": 30.0,
     # Every HTTP request's body (execapp/http_limits.py): Django reads a whole body into a file that
     # rolls over to disk before it looks at the request, so without these a POST to any path wrote
     # as much to disk as its sender streamed. Past the size: 413; not all in after the time: 408.

@@ -355,6 +355,45 @@ async def test_a_client_retrying_bad_tokens_does_not_flood_the_log(token: str, c
 
 
 @pytest.mark.parametrize("channel_layer", ["memory"], indirect=True)
+async def test_a_network_that_failed_its_burst_is_closed_unjudged_until_it_earned_a_try_back(
+        token: str, settings: Any, monkeypatch: Any) -> None:
+    from execapp import auth_throttle
+    from execapp.metrics import EVENTS
+
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "AUTH_FAILURES_BURST": 3,
+                        "AUTH_FAILURES_PER_MINUTE": 60.0}
+    now = [1000.0]
+    throttle = auth_throttle.current()
+    monkeypatch.setattr(throttle, "_clock", lambda: now[0])
+
+    def from_network(host: str) -> Any:
+        async def app(scope: dict, receive: Any, send: Any) -> None:
+            return await websocket_application({**scope, "client": (host, 40000)}, receive, send)
+        return app
+
+    async def handshake(host: str, raw: str) -> dict:
+        comm = WebsocketCommunicator(from_network(host), f"/ws/events/?token={raw}")
+        await comm.send_input({"type": "websocket.connect"})
+        first = await comm.receive_output(5)
+        if first["type"] == "websocket.accept":
+            if not await comm.receive_nothing(0.2):  # accepted only to carry a close's code and reason
+                return await comm.receive_output(5)
+            await comm.disconnect()
+        return first
+
+    counted = {o: EVENTS.labels(o)._value.get() for o in ("unauthorized", "auth_throttled")}
+    for n in range(3):  # judged and refused: HTTP 403 (a close before accept)
+        assert await handshake("203.0.113.9", f"guess-{n}") == {"type": "websocket.close"}
+    closed = await handshake("203.0.113.9", token)  # even a good token is not looked up now
+    assert closed["code"] == 1013 and "retry in 1 s" in closed["reason"], closed
+    assert (await handshake("198.51.100.7", token))["type"] == "websocket.accept"  # another network
+    now[0] += 1.0  # one failure earned back: judged again
+    assert (await handshake("203.0.113.9", token))["type"] == "websocket.accept"
+    assert {o: EVENTS.labels(o)._value.get() - counted[o] for o in counted} == {"unauthorized": 3,
+                                                                               "auth_throttled": 1}
+
+
+@pytest.mark.parametrize("channel_layer", ["memory"], indirect=True)
 async def test_an_owner_over_its_connection_quota_is_closed_with_1008(token: str, settings: Any) -> None:
     settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "MAX_CONNECTIONS_PER_OWNER": 2}
     path = f"/ws/events/?token={token}"

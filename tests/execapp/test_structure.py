@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 
 from execapp import conf, extensions, metrics, snapshots
 from execapp import worker as worker_module
-from execapp.codes import ERROR_CODES, EVENT_OUTCOMES, TOO_MANY_CONNECTIONS, UNAUTHORIZED
+from execapp.codes import AUTH_THROTTLED, ERROR_CODES, EVENT_OUTCOMES, TOO_MANY_CONNECTIONS, UNAUTHORIZED
 from execapp.engine import Engine, ExecPool, ExecProfile
 from execapp.engine.engine import COUNTERS, OVERFLOW_POLICIES
 from execapp.routing import websocket_application
@@ -63,7 +63,7 @@ def test_every_overflow_policy_of_the_engine_passes_the_checks(settings: Any) ->
 
 
 def test_every_error_code_is_counted_under_its_own_name() -> None:
-    assert {"ok", "error", UNAUTHORIZED, TOO_MANY_CONNECTIONS} | set(ERROR_CODES) == EVENT_OUTCOMES
+    assert {"ok", "error", UNAUTHORIZED, TOO_MANY_CONNECTIONS, AUTH_THROTTLED} | set(ERROR_CODES) == EVENT_OUTCOMES
     other = _events_total("other")
     for code in ERROR_CODES:
         before = _events_total(code)
