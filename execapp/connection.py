@@ -91,7 +91,8 @@ class Connection:
         bounds = outbox_limits if outbox_limits is not None else OutboxLimits.from_settings()
         # Both outboxes also count in the owner's budget on this worker (execapp.outbox_budget;
         # shared by the owner's connections): one tenant's many connections together are bounded.
-        self.outbox = Outbox(send, "execapp-ws-writer", limits=bounds, lagged=_lagged, budget=outbox_budget)
+        self.outbox = Outbox(send, "execapp-ws-writer", limits=bounds, lagged=_lagged, budget=outbox_budget,
+                             eager=True)
         self._publish = publish
         # Frames waiting for the channel layer are this client's own output too: bounded the same
         # way, by backpressure (a layer slower than the sender slows the sender; a layer that is
@@ -182,11 +183,10 @@ class Connection:
             history.accepted(self, event)  # one list made; traces are built by the housekeeper
             self._dispatching = event
             try:
-                # Inline handlers run right here on the loop (their frames are queued before this
-                # returns; the outbox's task writes them a loop turn later, which lets the loop take
-                # in other connections' frames first: fewer wake-ups per event under load); pooled
-                # ones start in threads. With the "wait" overflow policy ``rest`` awaits a pool
-                # slot: backpressure on this client only.
+                # Inline handlers run right here on the loop (their frames are written as they are
+                # queued while the outbox's writer is idle, else a loop turn later by that task:
+                # Outbox._write_now); pooled ones start in threads. With the "wait" overflow policy
+                # ``rest`` awaits a pool slot: backpressure on this client only.
                 if share is None:
                     run, rest = self.engine.start_event(event, self._on_outcome, self._ahead)
                 else:  # the dispatch is this owner's loop time too: regex matching, inline handlers

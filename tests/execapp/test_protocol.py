@@ -10,6 +10,8 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from execapp.codes import ERROR_CODES
 from execapp.connection import Connection, Outbox
@@ -464,7 +466,8 @@ async def test_sessions_per_connection_are_bounded() -> None:
     conn.close()
 
 
-async def test_a_failing_write_does_not_stop_the_outbox() -> None:
+@pytest.mark.parametrize("eager", [False, True])
+async def test_a_failing_write_does_not_stop_the_outbox(eager: bool) -> None:
     written: list[int] = []
 
     async def write(item: int) -> None:
@@ -472,7 +475,8 @@ async def test_a_failing_write_does_not_stop_the_outbox() -> None:
             raise ConnectionError("socket gone")
         written.append(item)
 
-    box = Outbox(write, "test")
+    box = Outbox(write, "test", eager=eager)
+    await asyncio.sleep(0)  # the writer parks (an eager outbox then writes at once)
     for i in range(3):
         box.push(i)
     await box.flush()
@@ -482,7 +486,8 @@ async def test_a_failing_write_does_not_stop_the_outbox() -> None:
     assert box.pending() == 0
 
 
-async def test_a_closed_outbox_still_runs_the_callbacks_of_what_it_drops() -> None:
+@pytest.mark.parametrize("eager", [False, True])
+async def test_a_closed_outbox_still_runs_the_callbacks_of_what_it_drops(eager: bool) -> None:
     gate = asyncio.Event()
     ran: list[str] = []
     writing: list[str] = []
@@ -491,10 +496,85 @@ async def test_a_closed_outbox_still_runs_the_callbacks_of_what_it_drops() -> No
         writing.append(item)
         await gate.wait()
 
-    box = Outbox(write, "test")
+    box = Outbox(write, "test", eager=eager)
+    await asyncio.sleep(0)
     box.push("a", lambda: ran.append("a"))  # being written when the box closes
     box.push("b", lambda: ran.append("b"))  # still queued
     assert await wait_until_async(lambda: writing == ["a"])
     box.close()
     box.push("c", lambda: ran.append("c"))  # after close
     assert await wait_until_async(lambda: sorted(ran) == ["a", "b", "c"]), ran
+
+
+async def test_an_eager_outbox_writes_an_item_at_once_while_its_writer_is_idle() -> None:
+    written: list[str] = []
+    ran: list[str] = []
+
+    async def write(item: str) -> None:
+        written.append(item)
+
+    box = Outbox(write, "test", eager=True)
+    await asyncio.sleep(0)  # the writer parks
+    box.push("a", lambda: ran.append("a"), 10)
+    box.push("b", lambda: ran.append("b"), 10)
+    # Written before push returned (no loop turn, no wake-up of the writer task), accounted for.
+    assert written == ["a", "b"] and ran == ["a", "b"] and box.frames == box.bytes == 0
+    box.close()
+
+
+def _eager_schedule(ops: list[tuple[str, int]]) -> None:
+    """Run ``ops`` on an eager outbox whose writes wait when told to; check order and accounting."""
+
+    async def main() -> None:
+        gates: dict[int, asyncio.Event] = {}
+        written: list[int] = []
+        ran: list[int] = []
+
+        async def write(item: int) -> None:
+            gate = gates.get(item)
+            if gate is not None:
+                await gate.wait()
+            written.append(item)
+
+        box = Outbox(write, "test", eager=True)
+        await asyncio.sleep(0)
+        pushed: list[int] = []
+        closed_at = None
+        for op, arg in ops:
+            if op == "push":
+                n = len(pushed)
+                if arg:  # this one's write waits until released
+                    gates[n] = asyncio.Event()
+                pushed.append(n)
+                box.push(n, lambda n=n: ran.append(n), 1)  # type: ignore[misc]
+            elif op == "release" and gates:
+                next(iter(g for g in gates.values() if not g.is_set()), asyncio.Event()).set()
+            elif op == "turn":
+                for _ in range(arg):
+                    await asyncio.sleep(0)
+            elif op == "close" and closed_at is None:
+                closed_at = len(pushed)
+                box.close()
+        for gate in gates.values():
+            gate.set()
+        if closed_at is None:
+            assert await wait_until_async(lambda: len(ran) == len(pushed), 5), (ran, pushed)
+            assert written == pushed  # every item, in the order pushed
+        else:
+            box.close()
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert written == pushed[:len(written)]  # a prefix, in order: nothing after a gap
+        assert sorted(ran) == pushed  # every callback once, written or dropped
+        assert box.frames == 0 and box.bytes == 0
+        box.close()
+
+    asyncio.run(main())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.just("push"), st.integers(0, 1)), st.tuples(st.just("release"), st.just(0)),
+                          st.tuples(st.just("turn"), st.integers(1, 3)), st.tuples(st.just("close"), st.just(0))),
+                max_size=40))
+def test_an_eager_outbox_keeps_order_and_runs_each_callback_once_whatever_waits(ops: list[tuple[str, int]]) -> None:
+    _eager_schedule(ops)
