@@ -5,7 +5,7 @@
 // captured before any guest code ran; it returns the implementations.
 const {apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
        sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
-       getOwnDescriptor, ITERATOR} = c;
+       getOwnDescriptor, ITERATOR, TA} = c;
 const FIELDS = ["enumerable", "configurable", "value", "writable", "get", "set"];
 // CreateDataProperty: a plain `a[i] = v` would call a setter the guest put on Array.prototype.
 const put = (a, k, v) => {
@@ -50,7 +50,73 @@ const substitute = (repl, matched, at, s) => apply(sIndexOf, repl, ["$"]) < 0 ? 
   apply(rxReplace, DOLLAR, [repl, (_, ch) => ch === "$" ? "$" : ch === "&" ? matched :
     ch === "`" ? apply(sSlice, s, [0, at]) : apply(sSlice, s, [at + matched.length])]);
 const replacement = (fn, repl, matched, at, s) => fn ? text(repl(matched, at, s)) : substitute(repl, matched, at, s);
+// Typed arrays past TA.CHUNK elements (js_guards.js): the natives on views of at most TA.CHUNK
+// elements each, made with the native constructor of the array's own kind (never its species).
+const taKind = (ta) => TA.kinds[apply(TA.tag, ta, [])];
+const view = (ta, i, j) => {
+  const N = taKind(ta);
+  return new N(apply(TA.buffer, ta, []), apply(TA.offset, ta, []) + i * N.BYTES_PER_ELEMENT, j - i);
+};
+const chunks = (n, f) => { for (let i = 0; i < n; i += TA.CHUNK) f(i, i + TA.CHUNK < n ? i + TA.CHUNK : n); };
+// The default order: ascending, -0 before +0, NaN last (a BigInt 0n is never === 0).
+const le = (a, b) => a < b || (a === b ? a !== 0 || 1 / a < 0 || 1 / b > 0 : b !== b);
+const taSet = (target, src, offset) => {
+  const tn = apply(TA.length, target, []);  // (a TypeError if target is no typed array)
+  let o = +offset;
+  o = o !== o ? 0 : trunc(o);
+  const n = apply(TA.length, src, []);
+  // What the native refuses (a negative offset or one past the end, a detached array) it refuses
+  // before any work: let it say so.
+  if (o < 0 || o + n > tn) return apply(TA.set, target, [src, o]);
+  // One buffer: the native moves memory as a whole between arrays of one kind (copied first here,
+  // chunks in order could overwrite what a later one reads) and converts element by element, in
+  // order, between kinds (so do these chunks, in order).
+  if (apply(TA.buffer, target, []) === apply(TA.buffer, src, []) && taKind(target) === taKind(src)) {
+    const copy = new (taKind(src))(n);
+    chunks(n, (i, j) => apply(TA.set, view(copy, i, j), [view(src, i, j)]));
+    src = copy;
+  }
+  chunks(n, (i, j) => apply(TA.set, view(target, o + i, o + j), [view(src, i, j)]));
+};
+const taSort = (ta) => {
+  const n = apply(TA.length, ta, []);
+  chunks(n, (i, j) => apply(TA.sort, view(ta, i, j), []));
+  // Then runs of TA.CHUNK, 2 x TA.CHUNK... merged in bytecode between ta and a scratch array.
+  let src = view(ta, 0, n), dst = new (taKind(ta))(n), flipped = false;
+  for (let w = TA.CHUNK; w < n; w *= 2, flipped = !flipped) {
+    for (let lo = 0; lo < n; lo += 2 * w) {
+      const mid = lo + w < n ? lo + w : n, hi = lo + 2 * w < n ? lo + 2 * w : n;
+      let i = lo, j = mid, k = lo;
+      while (i < mid && j < hi) dst[k++] = le(src[i], src[j]) ? src[i++] : src[j++];
+      while (i < mid) dst[k++] = src[i++];
+      while (j < hi) dst[k++] = src[j++];
+    }
+    const t = src; src = dst; dst = t;
+  }
+  if (flipped) chunks(n, (i, j) => apply(TA.set, view(ta, i, j), [view(src, i, j)]));
+  return ta;
+};
 return {
+  taSet,
+  taSort,
+  taToSorted(ta) {
+    const n = apply(TA.length, ta, []), copy = new (taKind(ta))(n);
+    chunks(n, (i, j) => apply(TA.set, view(copy, i, j), [view(ta, i, j)]));
+    return taSort(copy);
+  },
+  taCopy(N, src, newTarget) {  // new N(src) for a typed array src past TA.CHUNK elements
+    const t = TA.construct(N, [apply(TA.length, src, [])], newTarget);
+    taSet(t, src, 0);
+    return t;
+  },
+  taJoin(ta, sep) {
+    let out = "";
+    chunks(apply(TA.length, ta, []), (i, j) => {
+      const part = apply(TA.join, view(ta, i, j), [sep]);
+      out = i ? out + sep + part : part;
+    });
+    return out;
+  },
   // The native on a receiver that is neither a genuine array nor a string: its length read once,
   // and a view that reports that value to the native (which reads it again).
   view(native, self, args, name) {

@@ -1,0 +1,130 @@
+"""Red-team cases against the JS sandbox, from the outside, as a hostile plugin author writes them.
+
+Each case runs through the real plugin call path (plugins.loaded.LoadedPlugin) on the real
+QuickJS-NG binding and asserts what an operator expects: stopped at the deadline (plus a small
+margin) or refused, and the plugin serving on. The typed-array cases ran for seconds past their
+budget in one C call before js_guards.js split them into polled chunks (a memory cap of up to
+1 GiB makes their length, not the default 16 MiB).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import pytest
+import quickjs
+
+from execapp.engine import HandlerTimeout
+from plugins.runtimes import js
+from tests.plugins.test_js_containment import BUDGET, Worker, event, make
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def worker() -> Iterator[Worker]:
+    w = Worker()
+    yield w
+    w.close()
+
+
+def outcome_within_budget(worker: Worker, code: str, memory_mb: int = 16,
+                           budget: float = BUDGET) -> tuple[Any, float]:
+    """(what calling ``f`` gave: its reply or its exception, seconds it took) on a pooled plugin."""
+    plugin = make("pooled", code=code, timeout=budget, memory_bytes=memory_mb * MIB)
+    try:
+        def call() -> Any:
+            try:
+                return plugin.call("f", event())
+            except Exception as exc:  # noqa: BLE001 - the timeout is the result under test
+                return exc
+        started = time.monotonic()
+        outcome = worker.run(call, budget)  # fails the test if the call outlives twice its budget
+        took = time.monotonic() - started
+        assert plugin.call("ok", event()) == "fine"  # the plugin serves on
+    finally:
+        plugin.close()
+    return outcome, took
+
+
+# -- typed arrays: native loops over a length only the memory cap bounds --------------------------
+
+# 64 Ki random doubles copied over the whole array, natively (sorting zeros is quick).
+RANDOM = ("for (let i = 0; i < 65536; i++) a[i] = Math.random();"
+          " for (let k = 65536; k < a.length; k *= 2) a.copyWithin(k, 0, k);")
+# (memory cap in MiB, the handler's body): each one C call of 1.4-5 s at that cap, unguarded.
+TYPED_ARRAYS = {
+    "sort of 28M doubles": (256, "const a = new Float64Array(28e6);" + RANDOM + " a.sort()"),
+    "toSorted of 10M doubles": (256, "const a = new Float64Array(10e6);" + RANDOM + " a.toSorted()"),
+    "join of 100M bytes": (256, "new Uint8Array(100e6).join('')"),
+    "toString of 100M bytes": (256, "String(new Uint8Array(100e6))"),
+    "set converting 60M bytes to 16 bits": (256, "new Uint16Array(60e6).set(new Uint8Array(60e6))"),
+    "set converting on the same buffer": (256, "const b = new ArrayBuffer(120e6);"
+                                               " new Uint16Array(b).set(new Uint8Array(b, 0, 60e6))"),
+    "a constructor converting 80M bytes": (256, "new Uint16Array(new Uint8Array(80e6))"),
+}
+
+
+@pytest.mark.parametrize("case", TYPED_ARRAYS)
+def test_a_typed_array_method_over_a_huge_length_stops_at_the_deadline(worker: Worker, case: str) -> None:
+    memory_mb, body = TYPED_ARRAYS[case]
+    code = f"function f(e) {{ {body}; return 'finished'; }} function ok(e) {{ return 'fine'; }}"
+    # (a budget the setup fits in: filling the arrays is not what is under test)
+    outcome, took = outcome_within_budget(worker, code, memory_mb, budget=1.0)
+    assert isinstance(outcome, HandlerTimeout), outcome
+    assert took < 1.0 + 0.5, took
+
+
+def _contexts() -> tuple[Any, Any]:
+    """(a Context with the prelude, its typed-array chunk lowered to 4 elements; a plain one)."""
+    guarded, plain = quickjs.Context(), quickjs.Context()
+    prelude = js._PRELUDE.replace("TA_CHUNK = 1 << 18", "TA_CHUNK = 4")
+    assert "TA_CHUNK = 4" in prelude
+    guarded.eval(prelude)
+    return guarded, plain
+
+
+GUARDED, PLAIN = _contexts()
+VALUES = "[3, -0, 0, NaN, -1, 2.5, 0, -0, 1e300, -Infinity, Infinity, 7, NaN, -3, 2.5, 0.1, 300, -129]"
+
+
+@pytest.mark.parametrize("expr", [
+    *(f"Array.from(new {kind}({VALUES}).sort(), x => Object.is(x, -0) ? '-0' : String(x))"
+      for kind in ("Float64Array", "Float32Array", "Int8Array", "Uint8Array", "Uint8ClampedArray", "Int16Array",
+                   "Uint32Array")),
+    *(f"Array.from(new {kind}({VALUES}.slice(0, n)).toSorted(), x => Object.is(x, -0) ? '-0' : String(x))"
+      for kind in ("Float64Array", "Int32Array") for n in (5, 8, 9, 13, 17)),
+    "Array.from(new BigInt64Array([5n, -3n, 0n, 2n ** 63n - 1n, -(2n ** 63n), 7n, 1n, -1n, 0n]).sort(), String)",
+    "Array.from(new BigUint64Array([5n, 3n, 0n, 2n ** 64n - 1n, 7n, 1n]).toSorted(), String)",
+    "(() => { const a = new Float64Array([5, 4, 3, 2, 1, 0]), s = a.sort(); return [s === a, Array.from(a)]; })()",
+    "Array.from(new Float64Array(new ArrayBuffer(80), 16, 7).fill(2).fill(1, 3).sort())",
+    f"new Float64Array({VALUES}).join()", f"new Int8Array({VALUES}).join('')", f"String(new Uint8Array({VALUES}))",
+    f"new Float32Array({VALUES}).join({{toString() {{ return '<>'; }}}})", f"new Int16Array({VALUES}).join(undefined)",
+    "new BigInt64Array([1n, 2n, 3n, 4n, 5n, 6n]).join('-')", "new Uint8Array(9).join(null)",
+    "Array.prototype.join.call(new Uint8Array([1, 2, 3, 4, 5]), '+')",
+    "(() => { try { return Uint8Array.prototype.join.call([1, 2, 3, 4, 5, 6]); } catch (e) { return e.name; } })()",
+    *(f"(() => {{ const t = new {dst}(12); t.set(new {src}({VALUES}.slice(0, 9)), 2);"
+      f" return Array.from(t, String); }})()"
+      for dst, src in (("Uint16Array", "Float64Array"), ("Float32Array", "Int8Array"), ("Int8Array", "Int8Array"),
+                       ("Uint8ClampedArray", "Float64Array"))),
+    *(f"(() => {{ try {{ new Int8Array(8).set(new Int8Array(6), {off}); return 'set'; }} "
+      f"catch (e) {{ return e.name; }} }})()"
+      for off in ("3", "-1", "'2'", "NaN", "Infinity", "2n", "{valueOf() { return 1; }}")),
+    "(() => { try { new Int8Array(8).set(new BigInt64Array(6)); return 'set'; } catch (e) { return e.name; } })()",
+    # overlapping views of one buffer, both directions, of one kind and of two
+    *(f"(() => {{ const b = new ArrayBuffer(32), u8 = new Uint8Array(b); u8.forEach((_, i) => u8[i] = i * 3);"
+      f" new Int8Array(b, {d}).set(new Int8Array(b, {s}, 13)); return Array.from(u8); }})()"
+      for d, s in ((0, 3), (3, 0), (0, 0))),
+    "(() => { const b = new ArrayBuffer(32), u8 = new Uint8Array(b); u8.forEach((_, i) => u8[i] = i * 3);"
+    " new Uint16Array(b).set(new Uint8Array(b, 0, 12)); return Array.from(u8); })()",
+    "(() => { const b = new ArrayBuffer(32), u8 = new Uint8Array(b); u8.forEach((_, i) => u8[i] = i * 3);"
+    " new Uint8Array(b).set(new Uint16Array(b, 8, 10)); return Array.from(u8); })()",
+    *(f"Array.from(new {dst}(new {src}({VALUES})), String)" for dst, src in
+      (("Uint16Array", "Float64Array"), ("Float64Array", "Int8Array"), ("Uint8Array", "Uint8Array"))),
+    "(() => { class U extends Uint8Array {} const u = new U(new Float64Array([1, 2, 3, 4, 5, 300]));"
+    " return [u instanceof U, u.constructor === U, Array.from(u)]; })()",
+    "(() => { try { return new Int8Array(new BigInt64Array(6)); } catch (e) { return e.name; } })()",
+])
+def test_chunked_typed_array_methods_answer_as_the_natives(expr: str) -> None:
+    code = f"(() => {{ try {{ return JSON.stringify({expr}); }} catch (e) {{ return 'threw ' + e.name; }} }})()"
+    assert GUARDED.eval(code) == PLAIN.eval(code), expr
