@@ -128,3 +128,53 @@ VALUES = "[3, -0, 0, NaN, -1, 2.5, 0, -0, 1e300, -Infinity, Infinity, 7, NaN, -3
 def test_chunked_typed_array_methods_answer_as_the_natives(expr: str) -> None:
     code = f"(() => {{ try {{ return JSON.stringify({expr}); }} catch (e) {{ return 'threw ' + e.name; }} }})()"
     assert GUARDED.eval(code) == PLAIN.eval(code), expr
+
+
+# -- host-side copies: what crosses into Python is outside the memory cap --------------------------
+
+# 4M emoji are 8M UTF-16 units: 16 MB in QuickJS, and each crossing made Python allocate 76-137 MB
+# (its UTF-8 text, its str, the JSON state parsed, a repr in an error message) before any check.
+HUGE = "'\\u{1F600}'.repeat(4e6)"
+CROSSINGS = {
+    "a string reply": (f"function f(e) {{ return {HUGE}; }}", "the reply is 8000000 characters"),
+    "a JSON reply": (f"function f(e) {{ return {{s: {HUGE}}}; }}", "the reply's JSON is 8000008 characters"),
+    "an error message": (f"function f(e) {{ throw new Error({HUGE}); }}", "(cut: the message was 8000"),
+    "a rejected promise": (f"async function f(e) {{ await null; throw {HUGE}; }}", "(cut: the message was 8000000"),
+    "a log line": (f"function f(e) {{ log({HUGE}); return 'logged'; }}", None),
+    "a kv value": (f"async function f(e) {{ await kv_set('k', {HUGE}); }}", "value of 65537 chars is over"),
+    "a kv key": (f"async function f(e) {{ await kv_get({HUGE}); }}", "kv key must be a non-empty string"),
+    "an async reply": ("async function f(e) { await null; return 'x'.repeat(9e6); }",
+                       "one step of the handler (its reply, error and queued host calls) is 9000024 characters"),
+    "host call arguments": ("async function f(e) { const s = '\\u{1F600}'.repeat(3e6);"
+                            " await Promise.all([sleep([s]), sleep([s])]); }", "one step of the handler"),
+}
+
+
+@pytest.mark.parametrize("case", CROSSINGS)
+def test_what_crosses_into_python_is_bounded_before_it_crosses(case: str) -> None:
+    import tracemalloc
+
+    from plugins.errors import GuestError
+    from plugins.runtimes.js import JsCompiled
+    from plugins.spec import PluginSpec
+
+    code, message = CROSSINGS[case]
+    spec = PluginSpec(name="crossing", runtime="js", code=code, timeout=5.0, memory_bytes=64 * MIB,
+                      permissions=frozenset({"log", "kv"}))
+    inst = JsCompiled(spec).new_instance()
+    tracemalloc.start()
+    try:
+        try:
+            outcome: Any = inst.call("f", event(), time.monotonic() + 5.0)
+        except GuestError as exc:
+            outcome = exc
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        inst.close()
+    if message is None:
+        assert outcome == "logged"
+    else:
+        assert isinstance(outcome, GuestError) and message in str(outcome), outcome
+        assert len(str(outcome)) < 9000
+    assert peak < 4 * MIB, peak
