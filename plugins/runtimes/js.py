@@ -123,6 +123,11 @@ _PRELUDE = r"""
     try { f(); } catch (e) { done = {s: "err", e: errstr(e)}; }
   });
   delete g.FinalizationRegistry;
+  // Error.prepareStackTrace (QuickJS-NG has V8's hook) runs guest code whenever an error is made,
+  // QuickJS's own "interrupted" InternalError included, with that error in hand: a hook that gave
+  // it a `message` getter that loops hung the process (the binding reads it with no interrupt
+  // handler). Not offered: undefined, and no setter left to install a hook with.
+  Object.defineProperty(Error, "prepareStackTrace", {value: undefined, writable: false, configurable: false});
 __NATIVE_GUARDS__
   const request = (op, args) => {
     if (loading)

@@ -92,7 +92,9 @@ VALUES = "[3, -0, 0, NaN, -1, 2.5, 0, -0, 1e300, -Infinity, Infinity, 7, NaN, -3
 @pytest.mark.parametrize("expr", [
     *(f"Array.from(new {kind}({VALUES}).sort(), x => Object.is(x, -0) ? '-0' : String(x))"
       for kind in ("Float64Array", "Float32Array", "Int8Array", "Uint8Array", "Uint8ClampedArray", "Int16Array",
-                   "Uint32Array")),
+                   "Uint32Array", "Uint16Array")),
+    *(f"Array.from(new {kind}(new Float64Array(41).map((_, i) => (i * 7919) % 300 - 150)).sort())"
+      for kind in ("Int8Array", "Uint8Array", "Uint8ClampedArray", "Int16Array", "Uint16Array")),
     *(f"Array.from(new {kind}({VALUES}.slice(0, n)).toSorted(), x => Object.is(x, -0) ? '-0' : String(x))"
       for kind in ("Float64Array", "Int32Array") for n in (5, 8, 9, 13, 17)),
     "Array.from(new BigInt64Array([5n, -3n, 0n, 2n ** 63n - 1n, -(2n ** 63n), 7n, 1n, -1n, 0n]).sort(), String)",
@@ -253,9 +255,11 @@ def test_stack_trace_hooks_never_reach_the_bindings_exception_text() -> None:
         "an object for a stack, then out of memory": f"function h(e) {{ {obj} const a = [];"
                                                      " for (;;) a.push('x'.repeat(1000) + a.length); }",
         "a huge stack": "function h(e) { Error.prepareStackTrace = () => 'x'.repeat(1 << 23); for (;;) {} }",
-        "a getter on the interrupted error's message": "function h(e) { Error.prepareStackTrace = (err) => {"
-                                                       " Object.defineProperty(err, 'message', {get() " + LOOP
-                                                       + "}); return ''; }; for (;;) {} }",
+        # the hook's own getters on QuickJS's InternalError, which the binding reads: hung the
+        # process (2 runs in 3) before Error.prepareStackTrace was fixed at undefined
+        **{f"a getter on the interrupted error's {key}, run {n}": "function h(e) { Error.prepareStackTrace = (err) =>"
+           " { Object.defineProperty(err, '" + key + "', {get() " + LOOP + "}); return ''; }; for (;;) {} }"
+           for key in ("message", "name", "toString") for n in (1, 2)},
         "top_level, an object for a stack": f"{obj} for (;;) {{}}",
         "top_level, an object for a stack, a TypeError": f"{obj} null.x",
     }
@@ -264,5 +268,21 @@ def test_stack_trace_hooks_never_reach_the_bindings_exception_text() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     outcomes = json.loads(done.stdout.strip().splitlines()[-1])
     for name, outcome in outcomes.items():
-        expected = ("refused: timeout",) if name.startswith("top_level") else ("timeout", "error: memory cap")
+        # (the TypeError at the top level: refused as the plugin's own error, the hook not being offered)
+        expected = ("refused: timeout", "refused: plugin_invalid") if name.startswith("top_level") else \
+            ("timeout", "error: memory cap")
         assert outcome.startswith(expected), (name, outcome)
+
+
+def test_error_prepare_stack_trace_is_not_offered(worker: Worker) -> None:
+    code = """
+    function f(e) {
+      Error.prepareStackTrace = () => "hooked";
+      let stack;
+      try { null.x; } catch (err) { stack = err.stack; }
+      return [typeof Error.prepareStackTrace, stack === "hooked"].join();
+    }
+    function ok(e) { return 'fine'; }
+    """
+    outcome, _ = outcome_within_budget(worker, code)
+    assert outcome == "undefined,false"
