@@ -58,8 +58,6 @@ const view = (ta, i, j) => {
   return new N(apply(TA.buffer, ta, []), apply(TA.offset, ta, []) + i * N.BYTES_PER_ELEMENT, j - i);
 };
 const chunks = (n, f) => { for (let i = 0; i < n; i += TA.CHUNK) f(i, i + TA.CHUNK < n ? i + TA.CHUNK : n); };
-// The default order: ascending, -0 before +0, NaN last (a BigInt 0n is never === 0).
-const le = (a, b) => a < b || (a === b ? a !== 0 || 1 / a < 0 || 1 / b > 0 : b !== b);
 const taSet = (target, src, offset) => {
   const tn = apply(TA.length, target, []);  // (a TypeError if target is no typed array)
   let o = +offset;
@@ -78,31 +76,65 @@ const taSet = (target, src, offset) => {
   }
   chunks(n, (i, j) => apply(TA.set, view(target, o + i, o + j), [view(src, i, j)]));
 };
+// Integer kinds of 8 and 16 bits are counted instead, in place: merging needs a scratch array as
+// long as the original, which a 14 MB Uint8Array at the default 16 MiB cap does not leave room for.
+// (Each kind's lowest value and its number of values.)
+const COUNTED = {__proto__: null, Int8Array: [-128, 256], Uint8Array: [0, 256], Uint8ClampedArray: [0, 256],
+                 Int16Array: [-32768, 65536], Uint16Array: [0, 65536]};
+// Natively, in chunks: from[i, j) into to[at + i - from_i...) (tails of merged runs, the result).
+const copy = (to, at, from, i, j) => chunks(j - i, (a, b) => apply(TA.set, view(to, at + a, at + b),
+                                                                   [view(from, i + a, i + b)]));
 const taSort = (ta) => {
-  const n = apply(TA.length, ta, []);
+  const n = apply(TA.length, ta, []), counted = COUNTED[apply(TA.tag, ta, [])];
+  if (counted !== undefined) {
+    const low = counted[0], src = view(ta, 0, n), counts = new TA.kinds.Uint32Array(counted[1]);
+    if (counted[1] === 256) {
+      // 8 bits: each chunk sorted natively, then each run of one value measured by a binary
+      // search (at most 256 per chunk): ~2x faster than counting element by element in bytecode.
+      chunks(n, (i, j) => {
+        apply(TA.sort, view(ta, i, j), []);
+        for (let p = i; p < j;) {
+          const v = src[p];
+          let lo = p + 1, hi = j;
+          while (lo < hi) { const m = (lo + hi) >>> 1; if (src[m] === v) lo = m + 1; else hi = m; }
+          counts[v - low] += lo - p;
+          p = lo;
+        }
+      });
+    } else {
+      for (let i = 0; i < n; i++) counts[src[i] - low]++;
+    }
+    for (let v = 0, k = 0; v < counts.length; k += counts[v++])
+      if (counts[v]) chunks(counts[v], (i, j) => apply(TA.fill, view(ta, k + i, k + j), [v + low]));
+    return ta;
+  }
   chunks(n, (i, j) => apply(TA.sort, view(ta, i, j), []));
-  // Then runs of TA.CHUNK, 2 x TA.CHUNK... merged in bytecode between ta and a scratch array.
+  // Then runs of TA.CHUNK, 2 x TA.CHUNK... merged in bytecode between ta and a scratch array, in
+  // the default order: ascending, -0 before +0, NaN last (a BigInt 0n is never === 0).
   let src = view(ta, 0, n), dst = new (taKind(ta))(n), flipped = false;
   for (let w = TA.CHUNK; w < n; w *= 2, flipped = !flipped) {
     for (let lo = 0; lo < n; lo += 2 * w) {
       const mid = lo + w < n ? lo + w : n, hi = lo + 2 * w < n ? lo + 2 * w : n;
-      let i = lo, j = mid, k = lo;
-      while (i < mid && j < hi) dst[k++] = le(src[i], src[j]) ? src[i++] : src[j++];
-      while (i < mid) dst[k++] = src[i++];
-      while (j < hi) dst[k++] = src[j++];
+      let i = lo, j = mid, k = lo, a = src[i], b = src[j];
+      while (i < mid && j < hi) {
+        if (a < b || b !== b || (a === b && (a !== 0 || 1 / a < 0 || 1 / b > 0))) { dst[k++] = a; a = src[++i]; }
+        else { dst[k++] = b; b = src[++j]; }
+      }
+      copy(dst, k, src, i, mid);
+      copy(dst, k + mid - i, src, j, hi);
     }
     const t = src; src = dst; dst = t;
   }
-  if (flipped) chunks(n, (i, j) => apply(TA.set, view(ta, i, j), [view(src, i, j)]));
+  if (flipped) copy(ta, 0, src, 0, n);
   return ta;
 };
 return {
   taSet,
   taSort,
   taToSorted(ta) {
-    const n = apply(TA.length, ta, []), copy = new (taKind(ta))(n);
-    chunks(n, (i, j) => apply(TA.set, view(copy, i, j), [view(ta, i, j)]));
-    return taSort(copy);
+    const n = apply(TA.length, ta, []), c = new (taKind(ta))(n);
+    copy(c, 0, ta, 0, n);
+    return taSort(c);
   },
   taCopy(N, src, newTarget) {  // new N(src) for a typed array src past TA.CHUNK elements
     const t = TA.construct(N, [apply(TA.length, src, [])], newTarget);
