@@ -286,3 +286,16 @@ def test_error_prepare_stack_trace_is_not_offered(worker: Worker) -> None:
     """
     outcome, _ = outcome_within_budget(worker, code)
     assert outcome == "undefined,false"
+
+
+@pytest.mark.parametrize("body", [
+    "return JSON.parse('['.repeat(1200) + ']'.repeat(1200))",  # a plain value: its JSON read at once
+    "let a = []; for (let i = 0; i < 1500; i++) a = [a]; return Promise.resolve(a)",  # through a step
+])
+def test_a_reply_nested_too_deep_for_python_is_a_handler_error(worker: Worker, body: str) -> None:
+    # QuickJS writes ~1,000-3,000 levels; Python's JSON parser recursed into a RecursionError that
+    # left the runtime raw (no caller expects it from a plugin: WASM's replies had the same fix).
+    from execapp.engine import HandlerError
+
+    outcome, took = outcome_within_budget(worker, f"function f(e) {{ {body}; }} function ok(e) {{ return 'fine'; }}")
+    assert isinstance(outcome, HandlerError) and "nests too deep" in str(outcome), repr(outcome)
