@@ -536,7 +536,8 @@ class JsInstance:
         except quickjs.StackOverflow as exc:
             raise GuestError(f"stack overflow: {exc}", poison=True) from None
         except RecursionError:  # a reply ~1,000 levels deep: QuickJS writes it, Python's parser recurses per level
-            raise GuestError("the reply's JSON nests too deep to parse; flatten it") from None
+            raise GuestError("the reply's JSON (or a host call's arguments) nests too deep to parse; "
+                             "flatten it") from None
         except (StopIteration, ValueError, TypeError, KeyError, IndexError) as exc:  # a broken protocol reply
             raise GuestError(f"the plugin broke the host protocol ({type(exc).__name__})", poison=True) from None
         finally:
