@@ -105,3 +105,24 @@ def test_bulk_memory_at_a_1_gib_cap_stops_near_the_deadline() -> None:
     finally:
         plugin.close()
     assert took < 0.3 + 0.5, took
+
+
+def test_a_shared_memory_that_could_block_in_atomic_wait_is_refused_at_save() -> None:
+    # memory.atomic.wait32 with no timeout parks the thread where no epoch reaches it: a start
+    # function doing it would hang the call. The engine has no shared memories.
+    from plugins.errors import CompileError
+    from plugins.runtimes.wasm import WasmCompiled
+
+    head = ('(memory (export "memory") 1 1 shared) (func (export "alloc") (param i32) (result i32) (i32.const 16))'
+            ' (func $s (drop (memory.atomic.wait32 (i32.const 0) (i32.const 0) (i64.const -1)))) (start $s)')
+    with pytest.raises(CompileError, match="shared memory"):
+        bounded(lambda: WasmCompiled(PluginSpec(name="shared", runtime="wasm", code=module("", head=head),
+                                                timeout=0.3)))
+
+
+def test_atomic_wait_on_an_unshared_memory_traps_at_once() -> None:
+    started = time.monotonic()
+    with pytest.raises(HandlerError, match="trap"):
+        call(module(handler("(drop (memory.atomic.wait32 (i32.const 0) (i32.const 0) (i64.const -1)))"
+                            " (i64.const 0)")))
+    assert time.monotonic() - started < 0.3 + 0.5
