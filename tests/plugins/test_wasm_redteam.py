@@ -126,3 +126,17 @@ def test_atomic_wait_on_an_unshared_memory_traps_at_once() -> None:
         call(module(handler("(drop (memory.atomic.wait32 (i32.const 0) (i32.const 0) (i64.const -1)))"
                             " (i64.const 0)")))
     assert time.monotonic() - started < 0.3 + 0.5
+
+
+@pytest.mark.parametrize("extra, body", [
+    # a tail call that never returns (no loop back-edge: the epoch is checked at function entry)
+    ("(func $f (param i32) (result i64) (return_call $f (local.get 0)))", "(return_call $f (i32.const 0))"),
+    # a loop of thrown and caught exceptions (the interrupt is a trap, which no catch_all catches)
+    ("(tag $e) (func $g (throw $e))",
+     "(loop $l (block $b (try_table (catch_all $b) (call $g))) (br $l)) (i64.const 0)"),
+], ids=["tail_call", "exceptions"])
+def test_newer_control_flow_still_stops_at_the_deadline(extra: str, body: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(HandlerTimeout):
+        call(module(extra + handler(body)))
+    assert time.monotonic() - started < 0.3 + 0.5
