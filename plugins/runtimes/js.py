@@ -79,7 +79,7 @@ _PRELUDE = r"""
   // instead of reading queue.length and the Map's size getter).
   let queue = [], seq = 0, waiting = new Map(), done = null, loading = true, dirty = false, value = null;
   // Every string that leaves JS is copied into Python, outside the memory cap: a 4M-character
-  // reply, error or log line made Python allocate 76-95 MB for a plugin capped at 64 MiB. So
+  // reply, error or log line made Python allocate 76-137 MB for a plugin capped at 64 MiB. So
   // each is bounded here, before it crosses: a reply refused past its limit (it would be
   // anyway), an error text cut as the host cuts it, a log line cut to what the host can keep (it
   // keeps __MAX_LOG__ code points: at most twice as many UTF-16 units), and one step's JSON

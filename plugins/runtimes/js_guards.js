@@ -176,8 +176,8 @@
     const taLength = getOwnDescriptor(TAP, "length").get, TA_CHUNK = 1 << 18, kinds = {__proto__: null};
     const taLen = (v) => { try { return apply(taLength, v, []); } catch (_) { return -1; } };  // -1: not one
     const nSort = TAP.sort, nToSorted = TAP.toSorted, nJoin = TAP.join;
-    assign(taNatives, {kinds, CHUNK: TA_CHUNK, construct: nConstruct, length: taLength, sort: nSort, join: nJoin, set: nSet, fill: TAP.fill,
-                       tag: getOwnDescriptor(TAP, Symbol.toStringTag).get,
+    assign(taNatives, {kinds, CHUNK: TA_CHUNK, construct: nConstruct, length: taLength, sort: nSort, join: nJoin,
+                       set: nSet, fill: TAP.fill, tag: getOwnDescriptor(TAP, Symbol.toStringTag).get,
                        buffer: getOwnDescriptor(TAP, "buffer").get, offset: getOwnDescriptor(TAP, "byteOffset").get});
     assign(TAP, {
       set(items, ...rest) {
