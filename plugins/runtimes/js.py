@@ -46,8 +46,9 @@ import quickjs
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from . import js_deadline
-from .base import MAX_REPLY_BYTES, FreshInstanceIsolation, scan_json, to_json, to_reply
-from .host import Host
+from .base import MAX_ERROR_CHARS, MAX_REPLY_BYTES, FreshInstanceIsolation, scan_json, to_json, to_reply
+from .host import MAX_LOG_CHARS, Host
+from .kvstore import MAX_KEY_CHARS, MAX_VALUE_CHARS
 
 if not quickjs._quickjs.__file__.endswith(".abi3.so"):
     # The old `quickjs` 1.19.4 binding (its .so wins over quickjs-ng's when both are installed)
@@ -57,6 +58,9 @@ if not quickjs._quickjs.__file__.endswith(".abi3.so"):
 
 STACK_BYTES = 512 << 10
 MAX_STEPS = 10_000
+#: Characters of JSON one step may hand to Python (its reply, error and queued host calls): what
+#: crosses is copied into Python, outside the memory cap, before any check there.
+MAX_STEP_CHARS = 8 << 20
 #: Wall-clock deadlines inside JS through the js_deadline watchdog (read when a Context is made).
 #: False gives the binding's CPU-time limit per step instead: only for the benchmark comparing
 #: the hot path guarded and unguarded; the checks after jobs and before host calls stay.
@@ -74,20 +78,34 @@ _PRELUDE = r"""
   // dirty: a host request or log line was queued since the last reset (one check per call
   // instead of reading queue.length and the Map's size getter).
   let queue = [], seq = 0, waiting = new Map(), done = null, loading = true, dirty = false, value = null;
+  // Every string that leaves JS is copied into Python, outside the memory cap: a 4M-character
+  // reply, error or log line made Python allocate 76-137 MB for a plugin capped at 64 MiB. So
+  // each is bounded here, before it crosses: a reply refused past its limit (it would be
+  // anyway), an error text cut as the host cuts it, a log line cut to what the host can keep (it
+  // keeps __MAX_LOG__ code points: at most twice as many UTF-16 units), and one step's JSON
+  // refused past __MAX_STEP__ characters.
+  const MAX_REPLY = __MAX_REPLY__, MAX_ERROR = __MAX_ERROR__;
+  const tooLarge = (what, n) => ({s: "err", e: what + " is " + n + " characters, over the limit of " + MAX_REPLY +
+                                             " bytes (MAX_REPLY_BYTES); reply with less"});
   // Nothing a guest throws may leave an entry point: the binding turns an escaping exception
   // into text (toString, name, message, stack getters: guest code) after it has removed the
   // interrupt handler, so a looping toString froze the process with the GIL held. Guest values
   // are turned into text here, inside JS, under the deadline; errstr itself never throws.
   const errstr = (e) => {
+    let s;
     try {
       if (e instanceof Error) {
         const at = String(e.stack || "").split("\n").map(s => s.trim()).filter(Boolean)[0];
-        return e.name + ": " + e.message + (at ? " (" + at + ")" : "");
+        s = e.name + ": " + e.message + (at ? " (" + at + ")" : "");
+      } else {
+        s = String(e);
       }
-      return String(e);
     } catch (_) {
       return "an error value that cannot be turned into text";
     }
+    // (cut as base.clip_error cuts, short enough that it leaves this text alone)
+    return s.length <= MAX_ERROR ? s :
+      apply(sSlice, s, [0, MAX_ERROR - 64]) + " ... (cut: the message was " + s.length + " characters)";
   };
   // What does leave JS uncaught is QuickJS's own InternalError (interrupted, out of memory):
   // its text comes from InternalError.prototype, frozen here before any guest code runs with
@@ -105,6 +123,11 @@ _PRELUDE = r"""
     try { f(); } catch (e) { done = {s: "err", e: errstr(e)}; }
   });
   delete g.FinalizationRegistry;
+  // Error.prepareStackTrace (QuickJS-NG has V8's hook) runs guest code whenever an error is made,
+  // QuickJS's own "interrupted" InternalError included, with that error in hand: a hook that gave
+  // it a `message` getter that loops hung the process (the binding reads it with no interrupt
+  // handler). Not offered: undefined, and no setter left to install a hook with.
+  Object.defineProperty(Error, "prepareStackTrace", {value: undefined, writable: false, configurable: false});
 __NATIVE_GUARDS__
   const request = (op, args) => {
     if (loading)
@@ -118,18 +141,29 @@ __NATIVE_GUARDS__
   };
   // Read-only, not enumerable, not configurable: a new property's attributes default to false.
   const define = (name, value) => Object.defineProperty(g, name, {value});
-  define("log", (msg) => { if (loading) request("log", []); queue.push([0, "log", [String(msg)]]); dirty = true; });
-  define("kv_get", (key) => request("kv_get", [key]));
-  define("kv_set", (key, value) => request("kv_set", [key, value]));
+  define("log", (msg) => {
+    if (loading) request("log", []);
+    const s = String(msg);
+    queue.push([0, "log", [s.length > 2 * __MAX_LOG__ ? apply(sSlice, s, [0, 2 * __MAX_LOG__]) : s]]);
+    dirty = true;
+  });
+  // A key or value past its limit is refused by the host: cut to a length that still is (2n + 2
+  // UTF-16 units hold more than n code points), so the whole of it never crosses.
+  const cut = (v, n) => typeof v === "string" && v.length > 2 * n + 2 ? apply(sSlice, v, [0, 2 * n + 2]) : v;
+  define("kv_get", (key) => request("kv_get", [cut(key, __MAX_KEY__)]));
+  define("kv_set", (key, value) => request("kv_set", [cut(key, __MAX_KEY__), cut(value, __MAX_VALUE__)]));
   define("sleep", (ms) => request("sleep", [ms]));
   define("http_get", (url) => request("http_get", [url]));
   const step = () => {
     const q = queue; queue = [];
+    let out;
     try {
-      return stringify(done ? assign({q}, done) : {s: "wait", q});
+      out = stringify(done ? assign({q}, done) : {s: "wait", q});
     } catch (e) {  // a value's toJSON threw (the reply's, or a host call argument's)
       return stringify({s: "err", e: errstr(e), q: []});
     }
+    return out.length <= __MAX_STEP__ ? out : stringify({s: "err", q: [], e: "one step of the handler (its reply, " +
+      "error and queued host calls) is " + out.length + " characters of JSON, over the limit of __MAX_STEP__"});
   };
   // One call: `event` is the event's JSON, or (fields) an object whose `data` is its JSON.
   // What it returns, for the common case of a plain value and no host call queued: a string
@@ -159,7 +193,10 @@ __NATIVE_GUARDS__
       // (A guest that replaces these two methods can only spoil its own reply: a string cut at
       // a NUL, or a reply the host refuses as a protocol error.)
       // (includes: the native one; the guest's sees the wrapper of js_guards.js, ~0.5 us more)
-      if (typeof r === "string" && r.isWellFormed() && !apply(sIncludes, r, ["\0"])) return r;
+      if (typeof r === "string") {
+        if (r.length > MAX_REPLY) { done = tooLarge("the reply", r.length); return 0; }  // (at least as many bytes)
+        if (r.isWellFormed() && !apply(sIncludes, r, ["\0"])) return r;
+      }
       if (r === undefined || r === null) return null;
       value = r;
       return 1;
@@ -168,7 +205,12 @@ __NATIVE_GUARDS__
   // The JSON of the plain value the last call returned 1 for (a value JSON cannot represent,
   // like a function, is null); 0 (the error in `done`) if its toJSON threw.
   define("__execapp_value", () => {
-    try { return stringify(value) ?? "null"; } catch (e) { done = {s: "err", e: errstr(e)}; return 0; }
+    try {
+      const s = stringify(value) ?? "null";
+      if (s.length <= MAX_REPLY) return s;
+      done = tooLarge("the reply's JSON", s.length);
+    } catch (e) { done = {s: "err", e: errstr(e)}; }
+    return 0;
   });
   define("__execapp_run", (name, event) => run(name, event, false));
   // The engine's event with its strings as arguments: only `data` crosses as JSON.
@@ -196,11 +238,20 @@ _GUARDED_METHODS = tuple(json.loads(quickjs.Context().eval("JSON.stringify(%s.fi
     "join", "toString", "toLocaleString", "indexOf", "lastIndexOf", "includes", "fill", "copyWithin", "reverse",
     "forEach", "map", "filter", "some", "every", "find", "findIndex", "findLast", "findLastIndex", "reduce",
     "reduceRight", "slice", "splice", "sort", "shift", "unshift", "with", "toReversed", "toSorted", "toSpliced"]))))
+def _code_lines(path: Path) -> str:
+    """The file's text without its comment lines: the slow paths are carried as text in every
+    new Context (a string constant of the prelude's bytecode), their comments too otherwise."""
+    return "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("//"))
+
+
 # The guards are inlined into the prelude's function, their slow paths as the text of a function
 # body that a Context compiles when it first needs one. Method shorthand: each wrapper is named as
 # the method it guards and, like a built-in method, is no constructor.
+_PRELUDE = (_PRELUDE.replace("__MAX_REPLY__", str(MAX_REPLY_BYTES)).replace("__MAX_ERROR__", str(MAX_ERROR_CHARS))
+            .replace("__MAX_LOG__", str(MAX_LOG_CHARS)).replace("__MAX_STEP__", str(MAX_STEP_CHARS))
+            .replace("__MAX_KEY__", str(MAX_KEY_CHARS)).replace("__MAX_VALUE__", str(MAX_VALUE_CHARS)))
 _PRELUDE = _PRELUDE.replace("__NATIVE_GUARDS__", (Path(__file__).with_name("js_guards.js").read_text()
-    .replace("__GUARDS_SLOW__", json.dumps(Path(__file__).with_name("js_guards_slow.js").read_text()))
+    .replace("__GUARDS_SLOW__", json.dumps(_code_lines(Path(__file__).with_name("js_guards_slow.js"))))
     .replace("__GUARDED_ORIGINALS__", "[" + ", ".join(f"AP.{name}" for name in _GUARDED_METHODS) + "]")
     .replace("__GUARDED_NAMES__", json.dumps(_GUARDED_METHODS))
     .replace("__GUARDED_WRAPPERS__", "{" + ", ".join(
@@ -484,6 +535,9 @@ class JsInstance:
             raise _js_error(exc, self.spec) from None
         except quickjs.StackOverflow as exc:
             raise GuestError(f"stack overflow: {exc}", poison=True) from None
+        except RecursionError:  # a reply ~1,000 levels deep: QuickJS writes it, Python's parser recurses per level
+            raise GuestError("the reply's JSON (or a host call's arguments) nests too deep to parse; "
+                             "flatten it") from None
         except (StopIteration, ValueError, TypeError, KeyError, IndexError) as exc:  # a broken protocol reply
             raise GuestError(f"the plugin broke the host protocol ({type(exc).__name__})", poison=True) from None
         finally:

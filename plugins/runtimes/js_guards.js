@@ -48,12 +48,13 @@
   const genuine = (o) => isArray(o) && shortChain(o);
 
   let slowPaths = null;
+  const taNatives = {__proto__: null};  // filled in with the typed arrays' natives below
   // Everything the slow paths use was captured above, before any guest code: a guest's own
   // String.prototype.slice, say, could hand a native search the whole string again.
   const slow = () => slowPaths ??= NativeFunction("c", __GUARDS_SLOW__)({
     apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
     sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
-    getOwnDescriptor, ITERATOR: ITER});
+    getOwnDescriptor, ITERATOR: ITER, TA: taNatives});
 
   // -- Array.prototype: its methods walk `length` in C (`a.length = 2**31; a.join()`, indexOf,
   // fill, sort, forEach over holes... ran for minutes). Each refuses a length past MAX_LENGTH,
@@ -165,11 +166,38 @@
     // An array-like without an iterator is read by index; one with an iterator goes through it.
     const source = (v) => primitive(v) || shortChain(v) || typeof v[ITER] === "function" ? v : slow().list(v);
     assign(Array, {from(items, ...rest) { return apply(nFrom, this, [source(items), ...rest]); }});
-    const TA = getProto(Int8Array), nTAFrom = TA.from, nSet = TA.prototype.set;
+    const TA = getProto(Int8Array), TAP = TA.prototype, nTAFrom = TA.from, nSet = TAP.set;
     assign(TA, {from(items, ...rest) { return apply(nTAFrom, this, [source(items), ...rest]); }});
-    assign(TA.prototype, {set(items, ...rest) {
-      return apply(nSet, this, [isView(items) ? items : source(items), ...rest]);
-    }});
+    // A typed array's length is bounded by the memory cap only (up to 1 GiB), and some of its
+    // methods cost tens of ns per element in C: at that cap, sorting 28M doubles took 4.8 s,
+    // joining 50M bytes 2.2 s, converting 300M bytes to 16 bits (set, a constructor) 7.3 s. Past
+    // TA_CHUNK elements they run natively on views of at most TA_CHUNK elements from a polled
+    // loop (js_guards_slow.js), with every argument made primitive first: no guest code between.
+    const taLength = getOwnDescriptor(TAP, "length").get, TA_CHUNK = 1 << 18, kinds = {__proto__: null};
+    const taLen = (v) => { try { return apply(taLength, v, []); } catch (_) { return -1; } };  // -1: not one
+    const nSort = TAP.sort, nToSorted = TAP.toSorted, nJoin = TAP.join;
+    assign(taNatives, {kinds, CHUNK: TA_CHUNK, construct: nConstruct, length: taLength, sort: nSort, join: nJoin,
+                       set: nSet, fill: TAP.fill, tag: getOwnDescriptor(TAP, Symbol.toStringTag).get,
+                       buffer: getOwnDescriptor(TAP, "buffer").get, offset: getOwnDescriptor(TAP, "byteOffset").get});
+    assign(TAP, {
+      set(items, ...rest) {
+        if (!isView(items)) return apply(nSet, this, [source(items), ...rest]);
+        return taLen(items) > TA_CHUNK ? slow().taSet(this, items, rest[0]) : apply(nSet, this, [items, ...rest]);
+      },
+      sort(cmp) {
+        return cmp === undefined && apply(taLength, this, []) > TA_CHUNK ? slow().taSort(this) :
+          apply(nSort, this, [cmp]);
+      },
+      toSorted(cmp) {
+        return cmp === undefined && apply(taLength, this, []) > TA_CHUNK ? slow().taToSorted(this) :
+          apply(nToSorted, this, [cmp]);
+      },
+      join(sep) {
+        apply(taLength, this, []);  // (not a typed array: its TypeError comes before sep's toString)
+        const s = sep === undefined ? "," : text(sep);
+        return apply(taLength, this, []) > TA_CHUNK ? slow().taJoin(this, s) : apply(nJoin, this, [s]);
+      },
+    });
     // Property descriptors are read field by field (enumerable, configurable, value, writable,
     // get, set: each a lookup along the descriptor's chain) for every property at once: with a
     // 30,000-deep chain behind one descriptor used for 50,000 keys, Object.defineProperties ran
@@ -204,9 +232,12 @@
       const name = N.name;
       const W = {[name]: function (a, b, c) {
         if (new.target === undefined) throw new TypeError("constructor " + name + " requires 'new'");
+        const nt = new.target === W ? N : new.target;
+        if (isView(a) && taLen(a) > TA_CHUNK) return slow().taCopy(N, a, nt);  // a typed array: set's chunks
         const args = !primitive(a) && !isView(a) && !isBuffer(a) ? [source(a), b, c] : arguments;
-        return nConstruct(N, args, new.target === W ? N : new.target);
+        return nConstruct(N, args, nt);
       }}[name];
+      kinds[name] = N;
       defineProp(W, "prototype", {value: N.prototype, writable: false});
       defineProp(W, "BYTES_PER_ELEMENT", {value: N.BYTES_PER_ELEMENT});
       defineProp(N.prototype, "constructor", {value: W});

@@ -5,7 +5,7 @@
 // captured before any guest code ran; it returns the implementations.
 const {apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
        sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
-       getOwnDescriptor, ITERATOR} = c;
+       getOwnDescriptor, ITERATOR, TA} = c;
 const FIELDS = ["enumerable", "configurable", "value", "writable", "get", "set"];
 // CreateDataProperty: a plain `a[i] = v` would call a setter the guest put on Array.prototype.
 const put = (a, k, v) => {
@@ -50,7 +50,105 @@ const substitute = (repl, matched, at, s) => apply(sIndexOf, repl, ["$"]) < 0 ? 
   apply(rxReplace, DOLLAR, [repl, (_, ch) => ch === "$" ? "$" : ch === "&" ? matched :
     ch === "`" ? apply(sSlice, s, [0, at]) : apply(sSlice, s, [at + matched.length])]);
 const replacement = (fn, repl, matched, at, s) => fn ? text(repl(matched, at, s)) : substitute(repl, matched, at, s);
+// Typed arrays past TA.CHUNK elements (js_guards.js): the natives on views of at most TA.CHUNK
+// elements each, made with the native constructor of the array's own kind (never its species).
+const taKind = (ta) => TA.kinds[apply(TA.tag, ta, [])];
+const view = (ta, i, j) => {
+  const N = taKind(ta);
+  return new N(apply(TA.buffer, ta, []), apply(TA.offset, ta, []) + i * N.BYTES_PER_ELEMENT, j - i);
+};
+const chunks = (n, f) => { for (let i = 0; i < n; i += TA.CHUNK) f(i, i + TA.CHUNK < n ? i + TA.CHUNK : n); };
+const taSet = (target, src, offset) => {
+  const tn = apply(TA.length, target, []);  // (a TypeError if target is no typed array)
+  let o = +offset;
+  o = o !== o ? 0 : trunc(o);
+  const n = apply(TA.length, src, []);
+  // What the native refuses (a negative offset or one past the end, a detached array) it refuses
+  // before any work: let it say so.
+  if (o < 0 || o + n > tn) return apply(TA.set, target, [src, o]);
+  // One buffer: the native moves memory as a whole between arrays of one kind (copied first here,
+  // chunks in order could overwrite what a later one reads) and converts element by element, in
+  // order, between kinds (so do these chunks, in order).
+  if (apply(TA.buffer, target, []) === apply(TA.buffer, src, []) && taKind(target) === taKind(src)) {
+    const copy = new (taKind(src))(n);
+    chunks(n, (i, j) => apply(TA.set, view(copy, i, j), [view(src, i, j)]));
+    src = copy;
+  }
+  chunks(n, (i, j) => apply(TA.set, view(target, o + i, o + j), [view(src, i, j)]));
+};
+// Integer kinds of 8 and 16 bits are counted instead, in place: merging needs a scratch array as
+// long as the original, which a 14 MB Uint8Array at the default 16 MiB cap does not leave room for.
+// (Each kind's lowest value and its number of values.)
+const COUNTED = {__proto__: null, Int8Array: [-128, 256], Uint8Array: [0, 256], Uint8ClampedArray: [0, 256],
+                 Int16Array: [-32768, 65536], Uint16Array: [0, 65536]};
+// Natively, in chunks: from[i, j) into to[at + i - from_i...) (tails of merged runs, the result).
+const copy = (to, at, from, i, j) => chunks(j - i, (a, b) => apply(TA.set, view(to, at + a, at + b),
+                                                                   [view(from, i + a, i + b)]));
+const taSort = (ta) => {
+  const n = apply(TA.length, ta, []), counted = COUNTED[apply(TA.tag, ta, [])];
+  if (counted !== undefined) {
+    const low = counted[0], src = view(ta, 0, n), counts = new TA.kinds.Uint32Array(counted[1]);
+    if (counted[1] === 256) {
+      // 8 bits: each chunk sorted natively, then each run of one value measured by a binary
+      // search (at most 256 per chunk): ~2x faster than counting element by element in bytecode.
+      chunks(n, (i, j) => {
+        apply(TA.sort, view(ta, i, j), []);
+        for (let p = i; p < j;) {
+          const v = src[p];
+          let lo = p + 1, hi = j;
+          while (lo < hi) { const m = (lo + hi) >>> 1; if (src[m] === v) lo = m + 1; else hi = m; }
+          counts[v - low] += lo - p;
+          p = lo;
+        }
+      });
+    } else {
+      for (let i = 0; i < n; i++) counts[src[i] - low]++;
+    }
+    for (let v = 0, k = 0; v < counts.length; k += counts[v++])
+      if (counts[v]) chunks(counts[v], (i, j) => apply(TA.fill, view(ta, k + i, k + j), [v + low]));
+    return ta;
+  }
+  chunks(n, (i, j) => apply(TA.sort, view(ta, i, j), []));
+  // Then runs of TA.CHUNK, 2 x TA.CHUNK... merged in bytecode between ta and a scratch array, in
+  // the default order: ascending, -0 before +0, NaN last (a BigInt 0n is never === 0).
+  let src = view(ta, 0, n), dst = new (taKind(ta))(n), flipped = false;
+  for (let w = TA.CHUNK; w < n; w *= 2, flipped = !flipped) {
+    for (let lo = 0; lo < n; lo += 2 * w) {
+      const mid = lo + w < n ? lo + w : n, hi = lo + 2 * w < n ? lo + 2 * w : n;
+      let i = lo, j = mid, k = lo, a = src[i], b = src[j];
+      while (i < mid && j < hi) {
+        if (a < b || b !== b || (a === b && (a !== 0 || 1 / a < 0 || 1 / b > 0))) { dst[k++] = a; a = src[++i]; }
+        else { dst[k++] = b; b = src[++j]; }
+      }
+      copy(dst, k, src, i, mid);
+      copy(dst, k + mid - i, src, j, hi);
+    }
+    const t = src; src = dst; dst = t;
+  }
+  if (flipped) copy(ta, 0, src, 0, n);
+  return ta;
+};
 return {
+  taSet,
+  taSort,
+  taToSorted(ta) {
+    const n = apply(TA.length, ta, []), c = new (taKind(ta))(n);
+    copy(c, 0, ta, 0, n);
+    return taSort(c);
+  },
+  taCopy(N, src, newTarget) {  // new N(src) for a typed array src past TA.CHUNK elements
+    const t = TA.construct(N, [apply(TA.length, src, [])], newTarget);
+    taSet(t, src, 0);
+    return t;
+  },
+  taJoin(ta, sep) {
+    let out = "";
+    chunks(apply(TA.length, ta, []), (i, j) => {
+      const part = apply(TA.join, view(ta, i, j), [sep]);
+      out = i ? out + sep + part : part;
+    });
+    return out;
+  },
   // The native on a receiver that is neither a genuine array nor a string: its length read once,
   // and a view that reports that value to the native (which reads it again).
   view(native, self, args, name) {
