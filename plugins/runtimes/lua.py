@@ -194,7 +194,7 @@ class _LuaVM:
             self.rt = lupa.LuaRuntime(register_eval=False, register_builtins=False, unpack_returned_tuples=True,
                                       attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
             limits = self.rt.table_from({**GUARD_LIMITS, "memory": spec.memory_bytes, "MEM_MARK": MEMORY_MARK,
-                                         "MODE_NAME": MODE_NAME})
+                                         "MODE_NAME": MODE_NAME, "MAX_REPLY_BYTES": MAX_REPLY_BYTES})
             # The deadline watchdog's view of this VM's states (no reference back to the VM).
             self._irq = irq = Interrupts()
             self._new_env, self._call, self._fresh, self._functions, main = self.rt.execute(
@@ -382,13 +382,19 @@ class _Reply:
                 self._charge(k)
             elif kc is not int and kc is not float and kc is not bool:
                 raise GuestError(f"a table in the reply has a {lupa.lua_type(k)} as a key; use string or number keys")
+            if v.__class__ is str:
+                # Charged now, not when converted below: lupa has already copied it into Python,
+                # and one string in every entry of a table (400 x 4 MB under a 16 MB cap) would be
+                # copied once per entry before the first charge: gigabytes, seconds.
+                self._charge(v)
             keys.append(k)
             values.append(v)
+        convert = self.convert
         if keys and all(k.__class__ is int for k in keys):
             order = sorted(range(len(keys)), key=keys.__getitem__)
             if keys[order[0]] == 1 and keys[order[-1]] == len(keys):  # distinct ints: exactly 1..n
-                return [self.convert(values[i], depth + 1) for i in order]
-        return {str(k): self.convert(v, depth + 1) for k, v in zip(keys, values)}
+                return [v if v.__class__ is str else convert(v, depth + 1) for v in map(values.__getitem__, order)]
+        return {str(k): v if v.__class__ is str else convert(v, depth + 1) for k, v in zip(keys, values)}
 
     def _charge(self, text: str) -> None:
         self.chars -= len(text)

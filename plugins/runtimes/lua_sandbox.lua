@@ -197,6 +197,7 @@ local env_mt = {__index = base, __metatable = false}
 -- An error message as Python gets it: at most MAX_ERROR bytes of valid UTF-8 (lupa raises
 -- UnicodeDecodeError on anything else; a megabyte message would reach the client and the traces).
 local MAX_ERROR, str_sub, str_gsub, utf8_len = 4096, string.sub, string.gsub, utf8.len
+local MAX_REPLY = LIMITS.MAX_REPLY_BYTES
 local function error_text(v)
   local n = #v
   if n > MAX_ERROR then v = str_sub(v, 1, MAX_ERROR) end
@@ -226,7 +227,15 @@ local function outcome(ok, v)
     if why:sub(1, #QUOTA) == QUOTA then return 4, why end
     return 2, why
   end
-  if ok then return 0, v end
+  if ok then
+    -- A text reply crosses into Python whole (lupa copies and decodes it) before plugins.loaded
+    -- measures it: one over MAX_REPLY_BYTES is refused here, before a copy of up to the memory cap.
+    if type(v) == "string" and #v > MAX_REPLY then
+      return 1, "the reply is " .. #v .. " bytes of text, over the limit of " .. MAX_REPLY .. " bytes "
+             .. "(MAX_REPLY_BYTES); reply with less, e.g. a summary or a key kept with kv_set"
+    end
+    return 0, v
+  end
   if v == "not enough memory" then return 3, v end
   -- a guard refused a result larger than the memory cap (its message names the call)
   if MEM_MARK and plain_find(v, MEM_MARK, 1, true) then return 3, v end
