@@ -41,6 +41,9 @@ HTTP_TIMEOUT_SECONDS = 5.0
 #: Body bytes of one response (larger: a failed call the guest sees); the per-call total is a quota.
 HTTP_MAX_BYTES = 64 * 1024
 HTTP_MAX_REDIRECTS = 5
+#: Characters of a URL, the guest's or a redirect's (web servers refuse ~8 KB request lines): a
+#: longer one is refused before any work, as it would be copied into every message and log line.
+MAX_URL_CHARS = 8192
 HTTP_CHUNK = 16 * 1024
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
@@ -199,6 +202,9 @@ class Host:
         started = time.monotonic()
         deadline = min(self.deadline, started + HTTP_TIMEOUT_SECONDS)
         for hop in range(HTTP_MAX_REDIRECTS + 1):
+            if len(url) > MAX_URL_CHARS:
+                raise HostCallError(f"http_get: {'a redirect to ' if hop else ''}a URL of {len(url)} characters, "
+                                    f"over the {MAX_URL_CHARS}-character limit")
             parsed = urllib.parse.urlsplit(url)
             if parsed.scheme not in ("http", "https") or not parsed.hostname:
                 raise HostCallError(f"http_get: {url!r} is not an http(s) URL")
@@ -339,7 +345,8 @@ def _kv(call: str) -> kvstore.KVStore:
 def _key(key: Any) -> str:
     key = str(key) if isinstance(key, (int, float)) else key
     if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
-        raise HostCallError(f"kv key must be a non-empty string of at most {MAX_KEY_CHARS} chars, got {key!r}")
+        got = f"{len(key)} chars" if isinstance(key, str) and key else repr(key)[:100]  # not a long key's text
+        raise HostCallError(f"kv key must be a non-empty string of at most {MAX_KEY_CHARS} chars, got {got}")
     _check_text("kv key", key)
     return key
 

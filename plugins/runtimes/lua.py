@@ -52,7 +52,8 @@ import lupa.lua54 as lupa
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from ..spec import PluginSpec
 from .base import MAX_REPLY_BYTES, to_reply
-from .host import Host, HostCallError
+from .host import MAX_LOG_CHARS, Host, HostCallError
+from .kvstore import MAX_VALUE_CHARS
 from .lua_interrupt import MODE_NAME, Interrupts, disable_weak_tables
 
 #: Instructions between two deadline checks (a check calls time.monotonic through lupa: ~1 us;
@@ -66,6 +67,9 @@ MAX_DEPTH = 32
 #: converted once per reference (30 levels of ``t = {t, t}`` are 2**30 values in 30 tables). A
 #: reply this large is over MAX_REPLY_BYTES as JSON anyway (each value takes 2 bytes or more).
 MAX_REPLY_VALUES = MAX_REPLY_BYTES // 2
+#: Bytes a string argument of a host call may have (lua_sandbox.lua's host_call refuses more before
+#: any work): a KV value's MAX_VALUE_CHARS at 4 bytes a character; a log line is cut instead.
+HOST_ARG_MAX = 4 * MAX_VALUE_CHARS
 #: Tables converted between two checks of the call's deadline (~1-2 ms of conversion).
 TABLES_PER_CHECK = 1024
 
@@ -194,7 +198,8 @@ class _LuaVM:
             self.rt = lupa.LuaRuntime(register_eval=False, register_builtins=False, unpack_returned_tuples=True,
                                       attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
             limits = self.rt.table_from({**GUARD_LIMITS, "memory": spec.memory_bytes, "MEM_MARK": MEMORY_MARK,
-                                         "MODE_NAME": MODE_NAME, "MAX_REPLY_BYTES": MAX_REPLY_BYTES})
+                                         "MODE_NAME": MODE_NAME, "MAX_REPLY_BYTES": MAX_REPLY_BYTES,
+                                         "HOST_ARG_MAX": HOST_ARG_MAX, "LOG_MAX": 4 * MAX_LOG_CHARS})
             # The deadline watchdog's view of this VM's states (no reference back to the VM).
             self._irq = irq = Interrupts()
             self._new_env, self._call, self._fresh, self._functions, main = self.rt.execute(

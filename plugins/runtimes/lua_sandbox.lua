@@ -149,7 +149,13 @@ end
 
 -- The gate's message of a quota that ended the call: "execapp: quota_<resource>: <message>".
 local QUOTA = "execapp: quota_"
-local utf8_ok, ascii_only = utf8.len, string.gsub
+local utf8_ok, ascii_only, arg_sub = utf8.len, string.gsub, string.sub
+-- What a string argument of a host call may be, in bytes: the checks below are native and linear
+-- in it (the gsub ~30 ns a byte: seconds on a string the size of a large memory cap, in one C call
+-- no hook reaches), and it then crosses into Python whole, a copy outside the memory cap. No host
+-- call takes more: a log line is cut to what Host.log keeps (MAX_LOG_CHARS, 4 bytes at most
+-- each), any other argument is refused past HOST_ARG_MAX (a KV value's 65,536 characters).
+local HOST_ARG_MAX, LOG_MAX = LIMITS.HOST_ARG_MAX, LIMITS.LOG_MAX
 local function host_call(name, ...)
   if B.loading then
     error(name .. ": the host API is not available while the plugin's top level runs; call it from a handler", 3)
@@ -159,9 +165,21 @@ local function host_call(name, ...)
   -- log line is diagnostics: its non-ASCII bytes become "?" instead.
   for i = 1, select("#", ...) do
     local a = select(i, ...)
-    if type(a) == "string" and not utf8_ok(a) then
-      if name == "log" then return host_call(name, (ascii_only(a, "[\128-\255]", "?"))) end
-      error(name .. ": argument " .. i .. " is not valid UTF-8 text; send text, or encode binary data (hex, base64)", 3)
+    if type(a) == "string" then
+      if name == "log" and #a > LOG_MAX then
+        a = arg_sub(a, 1, LOG_MAX)
+        local n, bad = utf8_ok(a)
+        if not n and bad > LOG_MAX - 3 then a = arg_sub(a, 1, bad - 1) end -- cut inside a character
+        return host_call(name, a)
+      end
+      if #a > HOST_ARG_MAX then
+        error(name .. ": argument " .. i .. " is " .. #a .. " bytes, more than a host call takes (" .. HOST_ARG_MAX
+              .. " bytes; a KV value is at most 65536 characters)", 3)
+      end
+      if not utf8_ok(a) then
+        if name == "log" then return host_call(name, (ascii_only(a, "[\128-\255]", "?"))) end
+        error(name .. ": argument " .. i .. " is not valid UTF-8 text; send text, or encode binary data (hex, base64)", 3)
+      end
     end
   end
   B.hosted = true
