@@ -9,13 +9,28 @@ local setmetatable, getmetatable, rawget = setmetatable, getmetatable, rawget
 local sethook, co_create, co_resume = debug.sethook, coroutine.create, coroutine.resume
 local load, math_huge = load, math.huge
 
+-- Once the budget is spent, the thread that sees it gets the hook at every instruction (count 1,
+-- B.rearm: back to COUNT when the next call starts): the error unwinds through the guest's
+-- __close handlers, and each would otherwise run up to COUNT instructions first (20,000 nested
+-- frames with a looping __close ran 1.6 s past the deadline); now each stops at its first.
+-- The sandbox's own entry points (OWN, below: they run before and after the guest's pcall, never
+-- guest code once the call is spent, and call only natives and each other) are not interrupted:
+-- the guest is, at its first instruction.
+local OWN, getinfo = {}, debug.getinfo
 local function hook()
   if B.expired or clock() > B.deadline then
-    B.expired = true
+    B.expired, B.rearm = true, true
+    sethook(hook, "", 1)
+    if OWN[getinfo(2, "f").func] then return end
     error(TIMEOUT, 0)
   end
 end
 sethook(hook, "", COUNT)
+local function spent(why, level) -- the budget is spent (or a quota): end the call from this thread
+  B.expired, B.rearm = true, true
+  sethook(hook, "", 1)
+  error(why, level)
+end
 -- The debug library keeps each coroutine's hook in a weak-keyed table (ldblib.c, registry
 -- "_HOOKKEY", its own metatable, mode "k"). With weak mode read under MODE_NAME in this runtime
 -- (lua_interrupt.disable_weak_tables), that table says "k" under MODE_NAME too: otherwise every
@@ -28,7 +43,7 @@ end
 
 -- Once the budget is spent every protected call re-raises: pcall cannot swallow the timeout.
 local function check(...)
-  if B.expired then error(TIMEOUT, 0) end
+  if B.expired then spent(TIMEOUT, 0) end
   return ...
 end
 local function safe_pcall(f, ...) return check(pcall(f, ...)) end
@@ -76,7 +91,7 @@ local function release()
 end
 local function safe_resume(co, ...) track(co); return check(untrack(co_resume(co, ...))) end
 local function wrap_results(ok, ...)
-  if B.expired then error(TIMEOUT, 0) end
+  if B.expired then spent(TIMEOUT, 0) end
   if not ok then error((...), 0) end
   return ...
 end
@@ -187,7 +202,7 @@ local function host_call(name, ...)
   if ok then return v end
   -- A timeout or a quota ends the call: marked like the count hook's timeout, so no pcall,
   -- xpcall or coroutine of the guest can swallow it.
-  if stop then B.expired, B.why = true, v end
+  if stop then B.why = v; spent(v, 4) end -- (one level more: spent's own)
   error(v, 3)
 end
 
@@ -242,7 +257,7 @@ local function outcome(ok, v)
   end
   if B.expired then
     local why = B.why or TIMEOUT
-    if why:sub(1, #QUOTA) == QUOTA then return 4, why end
+    if plain_find(why, QUOTA, 1, true) == 1 then return 4, why end
     return 2, why
   end
   if ok then
@@ -266,6 +281,7 @@ local function new_env(bytecode, name, deadline)
   local chunk, err = load(bytecode, name, "b", env)
   if not chunk then return nil, 1, err end
   if B.ncos > 0 or nactive > 0 then release() end
+  if B.rearm then B.rearm = false; sethook(hook, "", COUNT) end
   B.deadline, B.expired, B.why, B.loading = deadline, false, nil, true
   local status, v = outcome(pcall(chunk))
   B.loading, B.deadline = false, math_huge
@@ -277,6 +293,7 @@ local function call(env, handler, event, deadline, same_call)
   local f = rawget(env, handler)
   if type(f) ~= "function" then return 1, "no handler function '" .. tostring(handler) .. "'" end
   if not same_call and (B.ncos > 0 or nactive > 0) then release() end
+  if B.rearm then B.rearm = false; sethook(hook, "", COUNT) end
   B.deadline, B.expired, B.why = deadline, false, nil
   local status, v = outcome(pcall(f, event))
   B.deadline = math_huge
@@ -295,6 +312,8 @@ local function fresh_call(bytecode, name, handler, event, deadline)
   if not env then return status, err end
   return call(env, handler, event, deadline, true)
 end
+
+for _, f in next, {new_env, call, fresh_call, outcome, error_text, release} do OWN[f] = true end
 
 local function functions(env)
   local names = {}

@@ -6,7 +6,8 @@ Two groups:
   large string (copied into Python once per entry before any charge: gigabytes under a 16 MB cap),
   a text reply over MAX_REPLY_BYTES (copied into Python whole before plugins.loaded refused it),
   host-call arguments the sandbox checked natively and copied whole (a non-UTF-8 log line: one
-  native gsub of seconds), and ``string.format("%q")`` of a large string (~60 ns a byte in one C call);
+  native gsub of seconds), ``string.format("%q")`` of a large string (~60 ns a byte in one C call),
+  and a timeout unwinding through thousands of looping ``__close`` handlers (10,000 instructions each);
 - attacks already contained, kept so they stay so: each ends with the expected code within
   2x its budget + 0.5 s, the process alive and the next call fine.
 
@@ -119,6 +120,13 @@ CONTAINED: dict[str, tuple[str, int, float, tuple[str, ...], str | None]] = {
     "close_in_coroutine_wrap": ("local f = coroutine.wrap(function() local x <close> = setmetatable({}, "
                                 "{__close = function() while true do end end}) coroutine.yield() end) f() "
                                 "while true do end", 16, BUDGET, ("timeout",), None),
+    # a coroutine that fails keeps its to-be-closed variables open (resume, not wrap): only the main
+    # thread's __close runs
+    "close_chain_in_coroutine": ("local mt = {__close = function() while true do end end} local function f(n) "
+                                 "local x <close> = setmetatable({}, mt) if n > 0 then return (f(n - 1)) end "
+                                 "while true do end end local z <close> = setmetatable({}, mt) "
+                                 "coroutine.wrap(function() local y <close> = setmetatable({}, mt) f(60000) end)()",
+                                 64, 0.5, ("timeout",), "ran past its 500 ms timeout"),
 }
 
 # Escapes found here and fixed: without the fix each ran far past its budget (or copied gigabytes).
@@ -127,10 +135,15 @@ FIXED: dict[str, tuple[str, int, float, tuple[str, ...], str | None]] = {
     # ~3 s for 100 MB before the line was cut to what Host.log keeps
     "log_huge_binary_line": ("local s = string.rep('\\255', 100e6) log(s) return 'logged'", 512, 1.0, ("ok",),
                              None),
-    # string.format("%q") of 24 MB of control bytes: one C call of ~1.5 s before it ran in pieces
-    # ... and the format around such an argument: a conversion's flags are matched on a bounded piece
+    # after the deadline the timeout unwinds through every frame's __close: each ran up to the hook's
+    # 10,000 instructions first (60,000 frames: ~3 s past a 0.5 s budget, more with more frames)
+    "close_chain": ("local mt = {__close = function() while true do end end} local function f(n) "
+                    "local x <close> = setmetatable({}, mt) if n > 0 then return (f(n - 1)) end while true do end "
+                    "end f(60000)", 64, 0.5, ("timeout",), "ran past its 500 ms timeout"),
+    # a conversion's flags next to a large %q argument are matched on a bounded piece
     "format_q_long_flags": ("return string.format('%q%' .. string.rep('-', 1e6) .. 'd', string.rep('a', 7e4), 1)",
                             16, BUDGET, ("handler_error",), "invalid"),
+    # string.format("%q") of 24 MB of control bytes: one C call of ~1.5 s before it ran in pieces
     "format_q_large": ("local s = string.rep('\\0', 24e6) local x = string.format('%q', s) return #x", 256, BUDGET,
                        ("timeout",), None),
 }
