@@ -205,7 +205,11 @@ class Host:
             if len(url) > MAX_URL_CHARS:
                 raise HostCallError(f"http_get: {'a redirect to ' if hop else ''}a URL of {len(url)} characters, "
                                     f"over the {MAX_URL_CHARS}-character limit")
-            parsed = urllib.parse.urlsplit(url)
+            try:
+                parsed = urllib.parse.urlsplit(url)
+                parsed.port  # noqa: B018 - raises for a port out of range, like a bad IPv6 bracket above
+            except ValueError as exc:  # a failed call like any other, whatever the runtime catches
+                raise HostCallError(f"http_get: {url!r} is not a valid URL ({exc})") from None
             if parsed.scheme not in ("http", "https") or not parsed.hostname:
                 raise HostCallError(f"http_get: {url!r} is not an http(s) URL")
             if not host_allowed(parsed.hostname, self.spec.http_allowlist):

@@ -161,6 +161,19 @@ def test_an_allowlisted_numeric_name_still_resolves_to_a_refused_address(server:
         host(allow=(entry,)).http_get(f"http://{entry}:{port}/")
 
 
+@pytest.mark.parametrize("path, error", [("/x HTTP/1.1\r\nX-Injected: 1\r\n\r\nGET /y", "InvalidURL"),
+                                         ("/x\r\nX-Injected: 1", "InvalidURL")])
+def test_a_url_cannot_inject_a_request_line_or_header(server: str, path: str, error: str) -> None:
+    with pytest.raises(HostCallError, match=error):
+        host().http_get(server + path)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999/", "http://127.0.0.1:-1/", "http://[::1/"])
+def test_a_malformed_url_is_a_catchable_error(url: str) -> None:
+    with pytest.raises(HostCallError, match="is not a valid URL"):
+        host().http_get(url)
+
+
 # -- HTTP: URL length (fixed) ------------------------------------------------------------------------
 
 def test_a_long_url_is_refused_before_any_request(server: str, caplog) -> None:

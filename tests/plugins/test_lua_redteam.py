@@ -117,6 +117,9 @@ CONTAINED: dict[str, tuple[str, int, float, tuple[str, ...], str | None]] = {
                                  "error(setmetatable({}, mt))", 16, BUDGET, ("handler_error",), "__tostring failed"),
     "error_tostring_huge": ("error(setmetatable({}, {__tostring = function() return string.rep('x', 6e6) end}))",
                             16, BUDGET, ("handler_error",), "(6000000 bytes)"),
+    # print's arguments were read with select(i, ...) each (quadratic): 400,000 could not be printed
+    "print_many_args": ("local t = {} for i = 1, 400000 do t[i] = 'x' end print(table.unpack(t)) return 'printed'",
+                        64, 1.0, ("ok",), None),
     "close_in_coroutine_wrap": ("local f = coroutine.wrap(function() local x <close> = setmetatable({}, "
                                 "{__close = function() while true do end end}) coroutine.yield() end) f() "
                                 "while true do end", 16, BUDGET, ("timeout",), None),
