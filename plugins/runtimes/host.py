@@ -270,7 +270,7 @@ class Host:
         port = parsed.port or (443 if https else 80)
         conn = http.client.HTTPConnection(host, port)
         try:
-            sock = conn.sock = deadline_net.connect(host, port, deadline, self._networks(host))
+            sock = conn.sock = deadline_net.connect(host, port, deadline, self._networks(host), self.spec.name)
             if https:
                 conn.sock = deadline_net.tls(sock, host, deadline)
             # The socket is connected and deadline-bound: http.client only writes and reads it.

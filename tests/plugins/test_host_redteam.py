@@ -104,8 +104,8 @@ def server():
     srv.server_close()
 
 
-def host(timeout: float = 1.0, permissions=("http",), allow=("127.0.0.1",), **quotas: int) -> Host:
-    spec = PluginSpec(name="h", runtime="lua", code="", permissions=frozenset(permissions), http_allowlist=allow,
+def host(timeout: float = 1.0, permissions=("http",), allow=("127.0.0.1",), name: str = "h", **quotas: int) -> Host:
+    spec = PluginSpec(name=name, runtime="lua", code="", permissions=frozenset(permissions), http_allowlist=allow,
                       timeout=timeout, quotas=replace(DEFAULT_QUOTAS, **quotas))
     return Host(spec, time.monotonic() + timeout)
 
@@ -347,3 +347,50 @@ def _check_stored(results: list[dict], rows: list, usage: list) -> None:
     assert sum(r["stored"] for r in results) == 25 == len(rows)  # exactly the quota, over processes and threads
     assert sum(r["refused"] for r in results) == 2 * 3 * 12 - 25
     assert usage == [(25, sum(len(k.encode()) + len(v.encode()) for k, v in rows))]
+
+
+# -- name lookups: one plugin cannot hold the resolver threads every plugin shares ----------------------
+
+def test_a_plugin_whose_lookups_hang_does_not_starve_the_others(monkeypatch) -> None:
+    # getaddrinfo cannot be interrupted: a name whose DNS never answers holds a resolver thread
+    # for the system resolver's whole timeout, after its call's deadline. One plugin's stream of
+    # such lookups held all of them, and every other plugin's http_get timed out waiting.
+    import socket
+
+    from plugins.runtimes import deadline_net
+
+    release = threading.Event()
+    real = socket.getaddrinfo
+
+    def fake(host, port, *args, **kwargs):
+        if kwargs.get("flags", 0) & socket.AI_NUMERICHOST or host in ("127.0.0.1", "::1"):
+            return real(host, port, *args, **kwargs)
+        if host.endswith(".hang.test"):
+            release.wait(10)  # a DNS server that never answers (until the test ends)
+            raise socket.gaierror(socket.EAI_AGAIN, "timed out")
+        return real("127.0.0.1", port, *args, **kwargs)  # fast.test: answers at once (loopback: refused)
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+    try:
+        failures: list[Exception] = []
+
+        def fetch(i: int) -> None:
+            try:
+                host(timeout=0.2, allow=("*.hang.test",), name="hostile").http_get(f"http://n{i}.hang.test/")
+            except (GuestTimeout, HostCallError) as exc:
+                failures.append(exc)
+
+        threads = [threading.Thread(target=fetch, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(failures) == 8  # two timed out in their lookup; the others refused at once
+        assert sum("have not finished" in str(e) for e in failures) == 6
+        started = time.monotonic()
+        with pytest.raises(HostDenied, match="resolves only to 127.0.0.1"):
+            host(timeout=1.0, allow=("fast.test",), name="innocent").http_get("http://fast.test/")
+        assert time.monotonic() - started < 0.5
+        assert deadline_net.MAX_PENDING_LOOKUPS < 4  # the pool's threads: some always left to others
+    finally:
+        release.set()
