@@ -362,10 +362,7 @@ class _Reply:
 
     def convert(self, value: Any, depth: int) -> Any:
         cls = value.__class__
-        if cls is str:
-            self._charge(value)
-            return value
-        if value is None or cls is int or cls is float or cls is bool:
+        if value is None or cls is str or cls is int or cls is float or cls is bool:  # (a str: charged already)
             return value
         if lupa.lua_type(value) != "table":  # a function or coroutine: lupa names it, no guest code runs
             return str(value)
@@ -377,9 +374,10 @@ class _Reply:
             raise GuestTimeout("ran past its timeout while its reply was converted")
         keys: list = []
         values: list = []
+        left = self.values  # (a local in the loop: this is the conversion's hot path)
         for k, v in value.items():  # lua_next: raw, no __pairs/__index
-            self.values -= 1
-            if self.values < 0:
+            left -= 1
+            if left < 0:
                 raise GuestError(f"the reply holds more than {MAX_REPLY_VALUES} values (tables and their entries, a "
                                  "table counted once per reference); return fewer")
             kc = k.__class__
@@ -388,18 +386,18 @@ class _Reply:
             elif kc is not int and kc is not float and kc is not bool:
                 raise GuestError(f"a table in the reply has a {lupa.lua_type(k)} as a key; use string or number keys")
             if v.__class__ is str:
-                # Charged now, not when converted below: lupa has already copied it into Python,
-                # and one string in every entry of a table (400 x 4 MB under a 16 MB cap) would be
-                # copied once per entry before the first charge: gigabytes, seconds.
+                # Charged now, not when converted below (convert() takes it as charged): lupa has
+                # already copied it into Python, and one string in every entry of a table (200 x
+                # 4 MB under a 16 MB cap) would be copied once per entry before the first charge.
                 self._charge(v)
             keys.append(k)
             values.append(v)
-        convert = self.convert
+        self.values = left
         if keys and all(k.__class__ is int for k in keys):
             order = sorted(range(len(keys)), key=keys.__getitem__)
             if keys[order[0]] == 1 and keys[order[-1]] == len(keys):  # distinct ints: exactly 1..n
-                return [v if v.__class__ is str else convert(v, depth + 1) for v in map(values.__getitem__, order)]
-        return {str(k): v if v.__class__ is str else convert(v, depth + 1) for k, v in zip(keys, values)}
+                return [self.convert(values[i], depth + 1) for i in order]
+        return {str(k): self.convert(v, depth + 1) for k, v in zip(keys, values)}
 
     def _charge(self, text: str) -> None:
         self.chars -= len(text)
