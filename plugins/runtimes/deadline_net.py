@@ -104,33 +104,65 @@ class _DeadlineSSLSocket(_DeadlineIO, ssl.SSLSocket):
 
 _resolver: ThreadPoolExecutor | None = None
 _resolver_lock = threading.Lock()
+#: Resolver threads (shared by every plugin of the process).
+RESOLVER_THREADS = 4
+#: Lookups one owner (a plugin) may have queued or running at once. A lookup outlives its call's
+#: deadline until the system resolver gives up (seconds): a plugin whose names never answer
+#: (its own DNS) would otherwise hold every resolver thread, and every other plugin's http_get
+#: would time out waiting behind it.
+MAX_PENDING_LOOKUPS = 2
+_pending: dict[str, int] = {}
 
 
-def _resolve(host: str, port: int, deadline: float) -> list:
+class LookupsPending(OSError):
+    """The owner already has MAX_PENDING_LOOKUPS name lookups queued or running."""
+
+
+def _resolve(host: str, port: int, deadline: float, owner: str = "") -> list:
     """getaddrinfo bounded by the deadline: a literal address at once, a name on a resolver thread
     (getaddrinfo cannot be interrupted; a lookup that outlives the deadline keeps its thread
-    until the system resolver gives up, and at most 4 such threads exist)."""
+    until the system resolver gives up; one that has not started by then is cancelled). An
+    owner has at most MAX_PENDING_LOOKUPS lookups at once, of RESOLVER_THREADS threads."""
     global _resolver
     try:
         return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
     except socket.gaierror:
         pass
-    if _resolver is None:
-        with _resolver_lock:
-            if _resolver is None:
-                _resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="plugins-dns")
     left = deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError("no time left to look up the host")
-    return _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM).result(timeout=left)
+    with _resolver_lock:
+        if _resolver is None:
+            _resolver = ThreadPoolExecutor(max_workers=RESOLVER_THREADS, thread_name_prefix="plugins-dns")
+        if _pending.get(owner, 0) >= MAX_PENDING_LOOKUPS:
+            raise LookupsPending(f"{MAX_PENDING_LOOKUPS} earlier lookups of this plugin's host names have not "
+                                 "finished (their DNS does not answer); try again later")
+        _pending[owner] = _pending.get(owner, 0) + 1
+        future = _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+    future.add_done_callback(lambda _: _lookup_done(owner))  # finished, failed or cancelled
+    try:
+        return future.result(timeout=left)
+    except TimeoutError:
+        future.cancel()  # still queued: it never runs
+        raise
 
 
-def connect(host: str, port: int, deadline: float, allowed: Sequence[Network] = ()) -> socket.socket:
+def _lookup_done(owner: str) -> None:
+    with _resolver_lock:
+        n = _pending.get(owner, 0) - 1
+        if n > 0:
+            _pending[owner] = n
+        else:
+            _pending.pop(owner, None)
+
+
+def connect(host: str, port: int, deadline: float, allowed: Sequence[Network] = (), owner: str = "") -> socket.socket:
     """A TCP connection to ``host``, made and then used within ``deadline``, to one of its addresses
-    that is ``reachable`` (raises AddressRefused when none is)."""
+    that is ``reachable`` (raises AddressRefused when none is); ``owner``'s name lookups are
+    limited to MAX_PENDING_LOOKUPS at once (LookupsPending)."""
     error: OSError | None = None
     refused: list[str] = []
-    for family, kind, proto, _, address in _resolve(host, port, deadline):
+    for family, kind, proto, _, address in _resolve(host, port, deadline, owner):
         if not reachable(ipaddress.ip_address(address[0]), allowed):
             refused.append(address[0])
             continue

@@ -41,6 +41,9 @@ HTTP_TIMEOUT_SECONDS = 5.0
 #: Body bytes of one response (larger: a failed call the guest sees); the per-call total is a quota.
 HTTP_MAX_BYTES = 64 * 1024
 HTTP_MAX_REDIRECTS = 5
+#: Characters of a URL, the guest's or a redirect's (web servers refuse ~8 KB request lines): a
+#: longer one is refused before any work, as it would be copied into every message and log line.
+MAX_URL_CHARS = 8192
 HTTP_CHUNK = 16 * 1024
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
@@ -199,7 +202,14 @@ class Host:
         started = time.monotonic()
         deadline = min(self.deadline, started + HTTP_TIMEOUT_SECONDS)
         for hop in range(HTTP_MAX_REDIRECTS + 1):
-            parsed = urllib.parse.urlsplit(url)
+            if len(url) > MAX_URL_CHARS:
+                raise HostCallError(f"http_get: {'a redirect to ' if hop else ''}a URL of {len(url)} characters, "
+                                    f"over the {MAX_URL_CHARS}-character limit")
+            try:
+                parsed = urllib.parse.urlsplit(url)
+                parsed.port  # noqa: B018 - raises for a port out of range, like a bad IPv6 bracket above
+            except ValueError as exc:  # a failed call like any other, whatever the runtime catches
+                raise HostCallError(f"http_get: {url!r} is not a valid URL ({exc})") from None
             if parsed.scheme not in ("http", "https") or not parsed.hostname:
                 raise HostCallError(f"http_get: {url!r} is not an http(s) URL")
             if not host_allowed(parsed.hostname, self.spec.http_allowlist):
@@ -260,7 +270,7 @@ class Host:
         port = parsed.port or (443 if https else 80)
         conn = http.client.HTTPConnection(host, port)
         try:
-            sock = conn.sock = deadline_net.connect(host, port, deadline, self._networks(host))
+            sock = conn.sock = deadline_net.connect(host, port, deadline, self._networks(host), self.spec.name)
             if https:
                 conn.sock = deadline_net.tls(sock, host, deadline)
             # The socket is connected and deadline-bound: http.client only writes and reads it.
@@ -339,7 +349,8 @@ def _kv(call: str) -> kvstore.KVStore:
 def _key(key: Any) -> str:
     key = str(key) if isinstance(key, (int, float)) else key
     if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
-        raise HostCallError(f"kv key must be a non-empty string of at most {MAX_KEY_CHARS} chars, got {key!r}")
+        got = f"{len(key)} chars" if isinstance(key, str) and key else repr(key)[:100]  # not a long key's text
+        raise HostCallError(f"kv key must be a non-empty string of at most {MAX_KEY_CHARS} chars, got {got}")
     _check_text("kv key", key)
     return key
 

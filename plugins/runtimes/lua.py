@@ -52,7 +52,8 @@ import lupa.lua54 as lupa
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from ..spec import PluginSpec
 from .base import MAX_REPLY_BYTES, to_reply
-from .host import Host, HostCallError
+from .host import MAX_LOG_CHARS, Host, HostCallError
+from .kvstore import MAX_VALUE_CHARS
 from .lua_interrupt import MODE_NAME, Interrupts, disable_weak_tables
 
 #: Instructions between two deadline checks (a check calls time.monotonic through lupa: ~1 us;
@@ -66,6 +67,9 @@ MAX_DEPTH = 32
 #: converted once per reference (30 levels of ``t = {t, t}`` are 2**30 values in 30 tables). A
 #: reply this large is over MAX_REPLY_BYTES as JSON anyway (each value takes 2 bytes or more).
 MAX_REPLY_VALUES = MAX_REPLY_BYTES // 2
+#: Bytes a string argument of a host call may have (lua_sandbox.lua's host_call refuses more before
+#: any work): a KV value's MAX_VALUE_CHARS at 4 bytes a character; a log line is cut instead.
+HOST_ARG_MAX = 4 * MAX_VALUE_CHARS
 #: Tables converted between two checks of the call's deadline (~1-2 ms of conversion).
 TABLES_PER_CHECK = 1024
 
@@ -194,7 +198,8 @@ class _LuaVM:
             self.rt = lupa.LuaRuntime(register_eval=False, register_builtins=False, unpack_returned_tuples=True,
                                       attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
             limits = self.rt.table_from({**GUARD_LIMITS, "memory": spec.memory_bytes, "MEM_MARK": MEMORY_MARK,
-                                         "MODE_NAME": MODE_NAME})
+                                         "MODE_NAME": MODE_NAME, "MAX_REPLY_BYTES": MAX_REPLY_BYTES,
+                                         "HOST_ARG_MAX": HOST_ARG_MAX, "LOG_MAX": 4 * MAX_LOG_CHARS})
             # The deadline watchdog's view of this VM's states (no reference back to the VM).
             self._irq = irq = Interrupts()
             self._new_env, self._call, self._fresh, self._functions, main = self.rt.execute(
@@ -357,10 +362,7 @@ class _Reply:
 
     def convert(self, value: Any, depth: int) -> Any:
         cls = value.__class__
-        if cls is str:
-            self._charge(value)
-            return value
-        if value is None or cls is int or cls is float or cls is bool:
+        if value is None or cls is str or cls is int or cls is float or cls is bool:  # (a str: charged already)
             return value
         if lupa.lua_type(value) != "table":  # a function or coroutine: lupa names it, no guest code runs
             return str(value)
@@ -372,9 +374,10 @@ class _Reply:
             raise GuestTimeout("ran past its timeout while its reply was converted")
         keys: list = []
         values: list = []
+        left = self.values  # (a local in the loop: this is the conversion's hot path)
         for k, v in value.items():  # lua_next: raw, no __pairs/__index
-            self.values -= 1
-            if self.values < 0:
+            left -= 1
+            if left < 0:
                 raise GuestError(f"the reply holds more than {MAX_REPLY_VALUES} values (tables and their entries, a "
                                  "table counted once per reference); return fewer")
             kc = k.__class__
@@ -382,8 +385,14 @@ class _Reply:
                 self._charge(k)
             elif kc is not int and kc is not float and kc is not bool:
                 raise GuestError(f"a table in the reply has a {lupa.lua_type(k)} as a key; use string or number keys")
+            if v.__class__ is str:
+                # Charged now, not when converted below (convert() takes it as charged): lupa has
+                # already copied it into Python, and one string in every entry of a table (200 x
+                # 4 MB under a 16 MB cap) would be copied once per entry before the first charge.
+                self._charge(v)
             keys.append(k)
             values.append(v)
+        self.values = left
         if keys and all(k.__class__ is int for k in keys):
             order = sorted(range(len(keys)), key=keys.__getitem__)
             if keys[order[0]] == 1 and keys[order[-1]] == len(keys):  # distinct ints: exactly 1..n

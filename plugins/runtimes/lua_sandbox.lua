@@ -9,13 +9,28 @@ local setmetatable, getmetatable, rawget = setmetatable, getmetatable, rawget
 local sethook, co_create, co_resume = debug.sethook, coroutine.create, coroutine.resume
 local load, math_huge = load, math.huge
 
+-- Once the budget is spent, the thread that sees it gets the hook at every instruction (count 1,
+-- B.rearm: back to COUNT when the next call starts): the error unwinds through the guest's
+-- __close handlers, and each would otherwise run up to COUNT instructions first (20,000 nested
+-- frames with a looping __close ran 1.6 s past the deadline); now each stops at its first.
+-- The sandbox's own entry points (OWN, below: they run before and after the guest's pcall, never
+-- guest code once the call is spent, and call only natives and each other) are not interrupted:
+-- the guest is, at its first instruction.
+local OWN, getinfo = {}, debug.getinfo
 local function hook()
   if B.expired or clock() > B.deadline then
-    B.expired = true
+    B.expired, B.rearm = true, true
+    sethook(hook, "", 1)
+    if OWN[getinfo(2, "f").func] then return end
     error(TIMEOUT, 0)
   end
 end
 sethook(hook, "", COUNT)
+local function spent(why, level) -- the budget is spent (or a quota): end the call from this thread
+  B.expired, B.rearm = true, true
+  sethook(hook, "", 1)
+  error(why, level)
+end
 -- The debug library keeps each coroutine's hook in a weak-keyed table (ldblib.c, registry
 -- "_HOOKKEY", its own metatable, mode "k"). With weak mode read under MODE_NAME in this runtime
 -- (lua_interrupt.disable_weak_tables), that table says "k" under MODE_NAME too: otherwise every
@@ -28,7 +43,7 @@ end
 
 -- Once the budget is spent every protected call re-raises: pcall cannot swallow the timeout.
 local function check(...)
-  if B.expired then error(TIMEOUT, 0) end
+  if B.expired then spent(TIMEOUT, 0) end
   return ...
 end
 local function safe_pcall(f, ...) return check(pcall(f, ...)) end
@@ -76,7 +91,7 @@ local function release()
 end
 local function safe_resume(co, ...) track(co); return check(untrack(co_resume(co, ...))) end
 local function wrap_results(ok, ...)
-  if B.expired then error(TIMEOUT, 0) end
+  if B.expired then spent(TIMEOUT, 0) end
   if not ok then error((...), 0) end
   return ...
 end
@@ -149,7 +164,13 @@ end
 
 -- The gate's message of a quota that ended the call: "execapp: quota_<resource>: <message>".
 local QUOTA = "execapp: quota_"
-local utf8_ok, ascii_only = utf8.len, string.gsub
+local utf8_ok, ascii_only, arg_sub = utf8.len, string.gsub, string.sub
+-- What a string argument of a host call may be, in bytes: the checks below are native and linear
+-- in it (the gsub ~30 ns a byte: seconds on a string the size of a large memory cap, in one C call
+-- no hook reaches), and it then crosses into Python whole, a copy outside the memory cap. No host
+-- call takes more: a log line is cut to what Host.log keeps (MAX_LOG_CHARS, 4 bytes at most
+-- each), any other argument is refused past HOST_ARG_MAX (a KV value's 65,536 characters).
+local HOST_ARG_MAX, LOG_MAX = LIMITS.HOST_ARG_MAX, LIMITS.LOG_MAX
 local function host_call(name, ...)
   if B.loading then
     error(name .. ": the host API is not available while the plugin's top level runs; call it from a handler", 3)
@@ -159,9 +180,21 @@ local function host_call(name, ...)
   -- log line is diagnostics: its non-ASCII bytes become "?" instead.
   for i = 1, select("#", ...) do
     local a = select(i, ...)
-    if type(a) == "string" and not utf8_ok(a) then
-      if name == "log" then return host_call(name, (ascii_only(a, "[\128-\255]", "?"))) end
-      error(name .. ": argument " .. i .. " is not valid UTF-8 text; send text, or encode binary data (hex, base64)", 3)
+    if type(a) == "string" then
+      if name == "log" and #a > LOG_MAX then
+        a = arg_sub(a, 1, LOG_MAX)
+        local n, bad = utf8_ok(a)
+        if not n and bad > LOG_MAX - 3 then a = arg_sub(a, 1, bad - 1) end -- cut inside a character
+        return host_call(name, a)
+      end
+      if #a > HOST_ARG_MAX then
+        error(name .. ": argument " .. i .. " is " .. #a .. " bytes, more than a host call takes (" .. HOST_ARG_MAX
+              .. " bytes; a KV value is at most 65536 characters)", 3)
+      end
+      if not utf8_ok(a) then
+        if name == "log" then return host_call(name, (ascii_only(a, "[\128-\255]", "?"))) end
+        error(name .. ": argument " .. i .. " is not valid UTF-8 text; send text, or encode binary data (hex, base64)", 3)
+      end
     end
   end
   B.hosted = true
@@ -169,7 +202,7 @@ local function host_call(name, ...)
   if ok then return v end
   -- A timeout or a quota ends the call: marked like the count hook's timeout, so no pcall,
   -- xpcall or coroutine of the guest can swallow it.
-  if stop then B.expired, B.why = true, v end
+  if stop then B.why = v; spent(v, 4) end -- (one level more: spent's own)
   error(v, 3)
 end
 
@@ -183,9 +216,9 @@ local base = {
   -- Not tail calls: error level 3 in host_call must point at the guest's line.
   log = function(msg) host_call("log", tostring(msg)) end,
   print = function(...)
-    local parts = {}
-    for i = 1, select("#", ...) do parts[i] = tostring((select(i, ...))) end
-    host_call("log", table.concat(parts, "\t"))
+    local n, parts = select("#", ...), {...} -- (not select(i, ...) per argument: O(n^2))
+    for i = 1, n do parts[i] = tostring(parts[i]) end
+    host_call("log", table.concat(parts, "\t", 1, n))
   end,
   kv_get = function(k) local v = host_call("kv_get", k); return v end,
   kv_set = function(k, v) host_call("kv_set", k, v) end,
@@ -197,6 +230,7 @@ local env_mt = {__index = base, __metatable = false}
 -- An error message as Python gets it: at most MAX_ERROR bytes of valid UTF-8 (lupa raises
 -- UnicodeDecodeError on anything else; a megabyte message would reach the client and the traces).
 local MAX_ERROR, str_sub, str_gsub, utf8_len = 4096, string.sub, string.gsub, utf8.len
+local MAX_REPLY = LIMITS.MAX_REPLY_BYTES
 local function error_text(v)
   local n = #v
   if n > MAX_ERROR then v = str_sub(v, 1, MAX_ERROR) end
@@ -223,10 +257,18 @@ local function outcome(ok, v)
   end
   if B.expired then
     local why = B.why or TIMEOUT
-    if why:sub(1, #QUOTA) == QUOTA then return 4, why end
+    if plain_find(why, QUOTA, 1, true) == 1 then return 4, why end
     return 2, why
   end
-  if ok then return 0, v end
+  if ok then
+    -- A text reply crosses into Python whole (lupa copies and decodes it) before plugins.loaded
+    -- measures it: one over MAX_REPLY_BYTES is refused here, before a copy of up to the memory cap.
+    if type(v) == "string" and #v > MAX_REPLY then
+      return 1, "the reply is " .. #v .. " bytes of text, over the limit of " .. MAX_REPLY .. " bytes "
+             .. "(MAX_REPLY_BYTES); reply with less, e.g. a summary or a key kept with kv_set"
+    end
+    return 0, v
+  end
   if v == "not enough memory" then return 3, v end
   -- a guard refused a result larger than the memory cap (its message names the call)
   if MEM_MARK and plain_find(v, MEM_MARK, 1, true) then return 3, v end
@@ -239,6 +281,7 @@ local function new_env(bytecode, name, deadline)
   local chunk, err = load(bytecode, name, "b", env)
   if not chunk then return nil, 1, err end
   if B.ncos > 0 or nactive > 0 then release() end
+  if B.rearm then B.rearm = false; sethook(hook, "", COUNT) end
   B.deadline, B.expired, B.why, B.loading = deadline, false, nil, true
   local status, v = outcome(pcall(chunk))
   B.loading, B.deadline = false, math_huge
@@ -250,6 +293,7 @@ local function call(env, handler, event, deadline, same_call)
   local f = rawget(env, handler)
   if type(f) ~= "function" then return 1, "no handler function '" .. tostring(handler) .. "'" end
   if not same_call and (B.ncos > 0 or nactive > 0) then release() end
+  if B.rearm then B.rearm = false; sethook(hook, "", COUNT) end
   B.deadline, B.expired, B.why = deadline, false, nil
   local status, v = outcome(pcall(f, event))
   B.deadline = math_huge
@@ -268,6 +312,8 @@ local function fresh_call(bytecode, name, handler, event, deadline)
   if not env then return status, err end
   return call(env, handler, event, deadline, true)
 end
+
+for _, f in next, {new_env, call, fresh_call, outcome, error_text, release} do OWN[f] = true end
 
 local function functions(env)
   local names = {}

@@ -1,0 +1,356 @@
+"""Red team of the Lua sandbox: what a hostile plugin author tries beyond test_lua_containment.py and
+test_lua_hostile.py, through LoadedPlugin.call.
+
+Two groups:
+- escapes found and fixed (each test fails without its fix): a table reply whose entries share one
+  large string (copied into Python once per entry before any charge: gigabytes under a 16 MB cap),
+  a text reply over MAX_REPLY_BYTES (copied into Python whole before plugins.loaded refused it),
+  host-call arguments the sandbox checked natively and copied whole (a non-UTF-8 log line: one
+  native gsub of seconds), ``string.format("%q")`` of a large string (~60 ns a byte in one C call),
+  and a timeout unwinding through thousands of looping ``__close`` handlers (10,000 instructions each);
+- attacks already contained, kept so they stay so: each ends with the expected code within
+  2x its budget + 0.5 s, the process alive and the next call fine.
+
+The runaways run in child processes with a hard timeout and an address-space limit, so an escape
+fails its test instead of hanging or exhausting the suite's process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from execapp.engine import HandlerError
+from plugins.loaded import LoadedPlugin
+from plugins.runtimes import lua
+from plugins.spec import PluginSpec
+
+BUDGET = 0.3
+BOUND = 2 * BUDGET + 0.5
+HARD = 20.0  # seconds a child may spend on one case before it counts as hung
+ROOT = Path(__file__).resolve().parents[2]
+EVENT = {"id": "e", "type": "message", "text": "x", "args": "x", "data": {}, "session": "s"}
+
+# name -> (handler body, memory_mb, budget s, expected codes, a substring of the message or None).
+# Already contained before this file: kept as regression cases.
+CONTAINED: dict[str, tuple[str, int, float, tuple[str, ...], str | None]] = {
+    # escapes of the environment
+    "string_metatable": ("local mt = getmetatable('') if mt ~= false then return 'open' end "
+                         "return (pcall(function() getmetatable('').__index.upper = nil end)) and 'open' or 'closed'",
+                         16, BUDGET, ("ok",), None),
+    "library_tables_readonly": ("local n = 0 for _, lib in ipairs({string, table, math, utf8, coroutine}) do "
+                                "if pcall(function() lib.x = 1 end) then n = n + 1 end end "
+                                "if rawget(string, 'rep') ~= nil or next(string) ~= nil then n = n + 1 end return n",
+                                16, BUDGET, ("ok",), None),
+    "no_ambient_authority": ("return tostring(rawset) .. tostring(load) .. tostring(string.dump) .. tostring(os) .. "
+                             "tostring(io) .. tostring(debug) .. tostring(package) .. tostring(require) .. "
+                             "tostring(collectgarbage) .. tostring(dofile) .. tostring(python) .. "
+                             "tostring(getmetatable(_ENV)) .. tostring(('').dump)", 16, BUDGET, ("ok",), None),
+    "main_coroutine": ("local m = coroutine.running() return tostring(coroutine.resume(m)) .. "
+                       "tostring(pcall(coroutine.close, m)) .. tostring(pcall(coroutine.yield))", 16, BUDGET,
+                       ("ok",), None),
+    "gc_set_after_setmetatable": ("local mt = {} local t = setmetatable({}, mt) "
+                                  "mt.__gc = function() while true do end end t = nil "
+                                  "local x for i = 1, 1e6 do x = {} end return 'ok'", 16, BUDGET, ("ok",), None),
+    # standard-library C functions with sizes from the guest
+    "format_width": ("return string.format('%99999d', 1)", 16, BUDGET, ("handler_error",), "invalid conversion"),
+    "rep_overflowing_size": ("return string.rep('x', math.maxinteger, 'y')", 16, BUDGET, ("memory_limit",),
+                             "string.rep"),
+    "move_string_bounds": ("return table.move({}, '1', '1e12', '1')", 16, BUDGET, ("timeout",), None),
+    "move_wraps": ("return table.move({}, 1, math.maxinteger, 2)", 16, BUDGET, ("handler_error",), "wrap around"),
+    "unpack_full_range": ("return select('#', table.unpack({}, math.mininteger, math.maxinteger))", 16, BUDGET,
+                          ("handler_error",), "too many results"),
+    "unpack_999k_loop": ("local t = {} while true do local n = select('#', table.unpack(t, 1, 999000)) end",
+                         16, BUDGET, ("timeout",), None),
+    "utf8_char_many_args": ("local t = {} for i = 1, 200000 do t[i] = 0x10FFFF end "
+                            "while true do local s = utf8.char(table.unpack(t)) end", 16, BUDGET, ("timeout",), None),
+    "string_char_many_args": ("local t = {} for i = 1, 200000 do t[i] = 65 end "
+                              "while true do local s = string.char(table.unpack(t)) end", 16, BUDGET,
+                              ("timeout",), None),
+    "pack_many_args": ("local t = {} for i = 1, 200000 do t[i] = 1 end "
+                       "while true do local s = string.pack(string.rep('j', 200000), table.unpack(t)) end",
+                       16, BUDGET, ("memory_limit", "timeout"), None),
+    "unpack_long_format": ("local f, s = string.rep('b', 200000), string.rep('a', 200000) "
+                           "while true do local x = select('#', string.unpack(f, s)) end", 16, BUDGET,
+                           ("timeout",), None),
+    "unpack_huge_count": ("return string.unpack('c1000000000', 'x')", 16, BUDGET, ("handler_error",), "too short"),
+    "concat_huge_separator": ("local t = {} for i = 1, 4000 do t[i] = 'a' end "
+                              "while true do local x = table.concat(t, string.rep('s', 1e6)) end", 16, BUDGET,
+                              ("memory_limit",), None),
+    "sort_inconsistent_order": ("local t = {} for i = 1, 50000 do t[i] = i end "
+                                "table.sort(t, function(a, b) return true end) return 'sorted'", 16, BUDGET,
+                                ("handler_error",), "invalid order function"),
+    "sort_nan": ("local t = {} for i = 1, 100000 do t[i] = (i % 3 == 0) and 0/0 or i end table.sort(t) return 'ok'",
+                 16, BUDGET, ("ok", "handler_error"), None),
+    "tonumber_base_loop": ("local s = string.rep('1', 1e6) while true do local x = tonumber(s, 2) end", 16, BUDGET,
+                           ("timeout",), None),
+    "gsub_whole_match_repeated": ("local s = string.rep('a', 2000) "
+                                  "while true do local x = s:gsub('.+', string.rep('%0', 3000)) end", 16, BUDGET,
+                                  ("timeout",), None),
+    "gsub_capture_repeated": ("local s = string.rep('a', 1000) "
+                              "while true do local x = s:gsub('(.*)', string.rep('%1', 3000)) end", 16, BUDGET,
+                              ("timeout",), None),
+    "balance_unclosed": ("local s = string.rep('(', 20000) while true do local x = s:find('%b()') end", 16, BUDGET,
+                         ("timeout",), None),
+    "backreference_chain": ("local s = string.rep('a', 60000) while true do local x = s:find('(a+)%1%1%1%1c') end",
+                            16, BUDGET, ("timeout",), None),
+    "frontier_runs": ("local s = string.rep('a', 60000) while true do local x = s:find('%f[a]a*%f[b]') end", 16,
+                      BUDGET, ("timeout",), None),
+    "gmatch_iterator_kept": ("local it = string.rep('a', 3000):gmatch('.-.-.-b') while true do it() end", 16,
+                             BUDGET, ("timeout",), None),
+    # control flow, metamethods, error objects
+    "goto_loop": ("::a:: goto a", 16, BUDGET, ("timeout",), None),
+    "recursion_in_pcall": ("local function f() return pcall(f) end while true do f() end", 16, BUDGET,
+                           ("timeout",), None),
+    "index_recursion": ("local t = setmetatable({}, {}) getmetatable(t).__index = function(t, k) return t[k] end "
+                        "return t.x", 16, BUDGET, ("handler_error",), "stack overflow"),
+    "ipairs_endless_index": ("local t = setmetatable({}, {__index = function(t, i) return i end}) "
+                             "for i, v in ipairs(t) do end", 16, BUDGET, ("timeout",), None),
+    "error_tostring_recursive": ("local mt = {} mt.__tostring = function(s) return tostring(setmetatable({}, mt)) end "
+                                 "error(setmetatable({}, mt))", 16, BUDGET, ("handler_error",), "__tostring failed"),
+    "error_tostring_huge": ("error(setmetatable({}, {__tostring = function() return string.rep('x', 6e6) end}))",
+                            16, BUDGET, ("handler_error",), "(6000000 bytes)"),
+    # print's arguments were read with select(i, ...) each (quadratic): 400,000 could not be printed
+    "print_many_args": ("local t = {} for i = 1, 400000 do t[i] = 'x' end print(table.unpack(t)) return 'printed'",
+                        64, 1.0, ("ok",), None),
+    "close_in_coroutine_wrap": ("local f = coroutine.wrap(function() local x <close> = setmetatable({}, "
+                                "{__close = function() while true do end end}) coroutine.yield() end) f() "
+                                "while true do end", 16, BUDGET, ("timeout",), None),
+    # a coroutine that fails keeps its to-be-closed variables open (resume, not wrap): only the main
+    # thread's __close runs
+    "close_chain_in_coroutine": ("local mt = {__close = function() while true do end end} local function f(n) "
+                                 "local x <close> = setmetatable({}, mt) if n > 0 then return (f(n - 1)) end "
+                                 "while true do end end local z <close> = setmetatable({}, mt) "
+                                 "coroutine.wrap(function() local y <close> = setmetatable({}, mt) f(60000) end)()",
+                                 64, 0.5, ("timeout",), "ran past its 500 ms timeout"),
+}
+
+# Escapes found here and fixed: without the fix each ran far past its budget (or copied gigabytes).
+FIXED: dict[str, tuple[str, int, float, tuple[str, ...], str | None]] = {
+    # one native gsub over the whole non-UTF-8 line in the sandbox's host_call (~30 ns a byte):
+    # ~3 s for 100 MB before the line was cut to what Host.log keeps
+    "log_huge_binary_line": ("local s = string.rep('\\255', 100e6) log(s) return 'logged'", 512, 1.0, ("ok",),
+                             None),
+    # after the deadline the timeout unwinds through every frame's __close: each ran up to the hook's
+    # 10,000 instructions first (60,000 frames: ~3 s past a 0.5 s budget, more with more frames)
+    "close_chain": ("local mt = {__close = function() while true do end end} local function f(n) "
+                    "local x <close> = setmetatable({}, mt) if n > 0 then return (f(n - 1)) end while true do end "
+                    "end f(60000)", 64, 0.5, ("timeout",), "ran past its 500 ms timeout"),
+    # a conversion's flags next to a large %q argument are matched on a bounded piece
+    "format_q_long_flags": ("return string.format('%q%' .. string.rep('-', 1e6) .. 'd', string.rep('a', 7e4), 1)",
+                            16, BUDGET, ("handler_error",), "invalid"),
+    # string.format("%q") of 24 MB of control bytes: one C call of ~1.5 s before it ran in pieces
+    "format_q_large": ("local s = string.rep('\\0', 24e6) local x = string.format('%q', s) return #x", 256, BUDGET,
+                       ("timeout",), None),
+}
+
+_CHILD = r"""
+import json, resource, sys, time
+import django
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+django.setup()
+from plugins.loaded import LoadedPlugin
+from plugins.spec import PluginSpec
+job = json.loads(sys.stdin.read())
+event = job["event"]
+for name, (body, memory_mb, budget) in job["cases"]:
+    print(json.dumps({"start": name}), flush=True)
+    plugin = LoadedPlugin(PluginSpec(name="redteam", runtime="lua", strategy=job["strategy"], timeout=budget,
+                                     code="function h(e) " + body + "\nend\nfunction ok(e) return 'fine' end",
+                                     memory_bytes=memory_mb << 20, pool_size=1, shard_count=1, max_concurrency=1,
+                                     permissions=frozenset({"log", "kv", "http", "sleep"})))
+    start = time.monotonic()
+    try:
+        reply, code, message = plugin.call("h", event), "ok", ""
+    except BaseException as exc:
+        reply, code, message = None, getattr(exc, "code", type(exc).__name__), str(exc)
+    elapsed = time.monotonic() - start
+    try:
+        after = plugin.call("ok", event)
+    except BaseException as exc:
+        after = repr(exc)
+    print(json.dumps({"case": name, "code": code, "elapsed": elapsed, "message": message[:6000],
+                      "reply": repr(reply)[:200], "after": after}), flush=True)
+    plugin.close()
+"""
+
+
+def run_cases(strategy: str, cases: dict[str, tuple]) -> dict[str, dict]:
+    """Each case's outcome in child processes; a case still running after HARD seconds is 'hung'."""
+    results: dict[str, dict] = {}
+    pending = list(cases)
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": os.environ.get("DJANGO_SETTINGS_MODULE", "config.settings"),
+           "PYTHONPATH": str(ROOT)}
+    while pending:
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps({"strategy": strategy, "event": EVENT,
+                                     "cases": [(n, cases[n][:3]) for n in pending]}))
+        proc.stdin.close()
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        running, until = None, time.monotonic() + 60  # startup
+        try:
+            while pending:
+                if not sel.select(timeout=max(0.0, until - time.monotonic())):
+                    break
+                line = proc.stdout.readline()
+                if not line:
+                    break  # the child died
+                msg = json.loads(line)
+                if "start" in msg:
+                    running, until = msg["start"], time.monotonic() + HARD
+                else:
+                    results[msg["case"]] = msg
+                    pending.remove(msg["case"])
+                    running, until = None, time.monotonic() + HARD
+        finally:
+            proc.kill()
+            proc.wait()
+            sel.close()
+        if pending:
+            what = "hung" if proc.returncode == -9 else f"crashed ({proc.returncode})"
+            lost = running or pending[0]
+            results[lost] = {"case": lost, "code": what, "elapsed": HARD, "message": "", "reply": "", "after": ""}
+            pending.remove(lost)
+    return results
+
+
+ALL = {**CONTAINED, **FIXED}
+
+
+@pytest.fixture(scope="module", params=["per_request", "pooled"])
+def outcomes(request) -> tuple[str, dict[str, dict]]:
+    return request.param, run_cases(request.param, ALL)
+
+
+@pytest.mark.parametrize("case", sorted(ALL))
+def test_an_attack_ends_within_its_budget_and_the_next_call_is_fine(outcomes, case: str) -> None:
+    strategy, results = outcomes
+    _, _, budget, codes, text = ALL[case]
+    got = results[case]
+    assert got["code"] in codes, f"{case} [{strategy}]: {got['code']} after {got['elapsed']:.2f} s: " \
+                                 f"{got['message'][:300] or got['reply']}"
+    assert got["elapsed"] < 2 * budget + 0.5, f"{case} [{strategy}] ran {got['elapsed']:.2f} s under {budget} s"
+    if text is not None:
+        assert text in got["message"], got["message"][:300]
+    assert got["after"] == "fine", got["after"]
+    assert "'open'" not in got["reply"]
+
+
+def test_contained_escapes_reply_as_expected(outcomes) -> None:
+    _, results = outcomes
+    assert results["string_metatable"]["reply"] == "'closed'"
+    assert results["library_tables_readonly"]["reply"] == "'0'"
+    assert results["no_ambient_authority"]["reply"] == "'nilnilnilnilnilnilnilnilnilnilnilfalsenil'"
+    assert results["main_coroutine"]["reply"] == "'falsefalsefalse'"
+
+
+# ---------------------------------------------------------------------------------------------
+# Replies: what crosses into Python is bounded before it is copied.
+
+def _python_peak(plugin: LoadedPlugin, handler: str) -> tuple[int, BaseException | None]:
+    """Peak bytes Python allocated during one call (lupa's copies of Lua strings are Python objects)."""
+    tracemalloc.start()
+    try:
+        try:
+            plugin.call(handler, EVENT)
+            exc = None
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            exc = e
+        return tracemalloc.get_traced_memory()[1], exc
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_string_shared_by_every_entry_of_a_reply_is_not_copied_once_per_entry() -> None:
+    # 200 entries x one 4 MB string: each entry's string was copied into Python (800 MB, ~1 s after
+    # the deadline) before the first was charged against the reply's budget.
+    plugin = LoadedPlugin(PluginSpec(name="shared", runtime="lua", timeout=2, memory_bytes=16 << 20, code=(
+        "function h(e) local s = string.rep('a', 4e6) local t = {} for i = 1, 200 do t[i] = s end return t end "
+        "function d(e) local s = string.rep('a', 4e6) local t = {} for i = 1, 200 do t['k' .. i] = s end "
+        "return {x = t} end")))
+    for handler in ("h", "d"):
+        peak, exc = _python_peak(plugin, handler)
+        assert isinstance(exc, HandlerError) and "reply's strings are longer than" in str(exc), exc
+        assert peak < 64 << 20, f"{handler}: Python allocated {peak >> 20} MB converting the reply"
+
+
+def test_a_text_reply_over_the_reply_limit_is_refused_before_it_crosses() -> None:
+    plugin = LoadedPlugin(PluginSpec(name="long", runtime="lua", timeout=5, memory_bytes=128 << 20, code=(
+        "function h(e) return string.rep('a', 40e6) end "
+        "function fits(e) return string.rep('a', 262144) end")))
+    peak, exc = _python_peak(plugin, "h")
+    assert isinstance(exc, HandlerError) and "the reply is 40000000 bytes of text" in str(exc), exc
+    assert "MAX_REPLY_BYTES" in str(exc)
+    assert peak < 16 << 20, f"Python allocated {peak >> 20} MB for a refused reply"
+    assert plugin.call("fits", EVENT) == "a" * 262144
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-call arguments: bounded in the sandbox before any native work or copy.
+
+def test_a_huge_host_argument_is_refused_in_the_sandbox_with_what_fits() -> None:
+    plugin = LoadedPlugin(PluginSpec(name="args", runtime="lua", timeout=5, memory_bytes=64 << 20,
+                                     permissions=frozenset({"kv", "http"}), http_allowlist=("127.0.0.1",), code=(
+        "function kv(e) return select(2, pcall(kv_set, 'k', string.rep('\\255', 20e6))) end "
+        "function url(e) return select(2, pcall(http_get, 'http://127.0.0.1/' .. string.rep('a', 20e6))) end")))
+    for handler, argument in (("kv", "argument 2 is 20000000 bytes"), ("url", "argument 1 is 20000017 bytes")):
+        peak, exc = _python_peak(plugin, handler)
+        assert exc is None
+        reply = plugin.call(handler, EVENT)
+        assert argument in reply and "more than a host call takes (262144 bytes" in reply, reply
+        assert peak < 8 << 20
+
+
+def test_a_long_log_line_is_cut_at_a_character_and_keeps_its_text(caplog) -> None:
+    plugin = LoadedPlugin(PluginSpec(name="cut", runtime="lua", timeout=5, memory_bytes=64 << 20,
+                                     permissions=frozenset({"log"}), code=(
+        "function h(e) log(string.rep('\\u{20AC}', 3000)) log('x' .. string.rep('\\u{20AC}', 3000)) "
+        "log(string.rep('\\255', 5e6)) return 'ok' end")))
+    with caplog.at_level("INFO", logger="plugins.guest"):
+        assert plugin.call("h", EVENT) == "ok"
+    lines = [r.getMessage() for r in caplog.records if r.name == "plugins.guest"]
+    assert lines[0] == "[cut] " + "\u20ac" * 2000  # what Host.log keeps (MAX_LOG_CHARS), not '?'s
+    assert lines[1] == "[cut] x" + "\u20ac" * 1999
+    assert lines[2] == "[cut] " + "?" * 2000
+
+
+# ---------------------------------------------------------------------------------------------
+# string.format("%q"): large arguments are escaped in pieces, with the native result.
+
+def test_format_q_in_pieces_gives_the_native_result() -> None:
+    spec = PluginSpec(name="q", runtime="lua", timeout=30, memory_bytes=128 << 20, code=r"""
+        function h(e)
+          math.randomseed(tonumber(e.args))
+          local alphabet = {"\0", "\1", "\n", "\r", "\\", '"', "0", "1", "9", "a", "\127", "\31", "%"}
+          local out = {}
+          for _, n in ipairs({65535, 65536, 65537, 131072, 131073, 200001}) do
+            local t = {} for i = 1, n do t[i] = alphabet[math.random(#alphabet)] end
+            local s = table.concat(t)
+            out[#out + 1] = string.format("x%%q%5.2fy%qz%s%q%d", 1.5, s, "mid", s:sub(1, 70000), 7)
+            out[#out + 1] = string.format("%q", s)
+          end
+          -- a boundary that falls between a control byte and a digit
+          out[#out + 1] = string.format("%q", string.rep("a", 65535) .. "\0" .. "7" .. string.rep("b", 70000))
+          out[#out + 1] = string.format("%q", string.rep("a", 65534) .. "\0" .. "7" .. string.rep("b", 70000))
+          local r, h = table.concat(out, "|"), 0
+          for i = 1, #r, 4096 do  -- a digest: the result is over MAX_REPLY_BYTES
+            local t = {r:byte(i, i + 4095)}
+            for j = 1, #t do h = (h * 31 + t[j]) % 2147483647 end
+          end
+          return #r .. ":" .. h
+        end""")
+    bytecode = lua.compile_bytecode(spec)
+    for seed in ("1", "2"):
+        results = [lua._LuaVM(spec, bytecode, guards=guards).call_fresh("h", {"args": seed}, time.monotonic() + 30)
+                   for guards in (False, True)]
+        assert results[0] == results[1]
