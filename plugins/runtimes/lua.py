@@ -199,6 +199,7 @@ class _LuaVM:
                                       attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
             limits = self.rt.table_from({**GUARD_LIMITS, "memory": spec.memory_bytes, "MEM_MARK": MEMORY_MARK,
                                          "MODE_NAME": MODE_NAME, "MAX_REPLY_BYTES": MAX_REPLY_BYTES,
+                                         "MAX_REPLY_VALUES": MAX_REPLY_VALUES, "MAX_DEPTH": MAX_DEPTH,
                                          "HOST_ARG_MAX": HOST_ARG_MAX, "LOG_MAX": 4 * MAX_LOG_CHARS})
             # The deadline watchdog's view of this VM's states (no reference back to the VM).
             self._irq = irq = Interrupts()

@@ -231,6 +231,9 @@ local env_mt = {__index = base, __metatable = false}
 -- UnicodeDecodeError on anything else; a megabyte message would reach the client and the traces).
 local MAX_ERROR, str_sub, str_gsub, utf8_len = 4096, string.sub, string.gsub, utf8.len
 local MAX_REPLY = LIMITS.MAX_REPLY_BYTES
+local MAX_VALUES, MAX_DEPTH, TABLES_PER_CLOCK = LIMITS.MAX_REPLY_VALUES, LIMITS.MAX_DEPTH, 4096
+local TOO_MANY = "the reply holds more than " .. tostring(MAX_VALUES) .. " values (tables and their entries, a " ..
+                 "table counted once per reference); return fewer"
 local function error_text(v)
   local n = #v
   if n > MAX_ERROR then v = str_sub(v, 1, MAX_ERROR) end
@@ -266,6 +269,27 @@ local function outcome(ok, v)
     if type(v) == "string" and #v > MAX_REPLY then
       return 1, "the reply is " .. #v .. " bytes of text, over the limit of " .. MAX_REPLY .. " bytes "
              .. "(MAX_REPLY_BYTES); reply with less, e.g. a summary or a key kept with kv_set"
+    end
+    if type(v) == "table" then
+      -- Counted here first (raw next: no guest code), as plugins/runtimes/lua.py's converter counts
+      -- (each table once per reference, and each entry): Python reads a reply at ~1.5 us a value
+      -- through lupa, so a reply of shared tables (2^30 references in 30 levels) took 0.2 s of the
+      -- worker's time, and its call's whole budget under load, before it was refused. A table
+      -- deeper than MAX_DEPTH, or the deadline passing, leaves the rest to the converter.
+      local left, stack, depths, n, tables = MAX_VALUES, {v}, {0}, 1, 0
+      while n > 0 do
+        local t, d = stack[n], depths[n]
+        stack[n], depths[n], n = nil, nil, n - 1
+        if d > MAX_DEPTH then break end
+        tables = tables + 1
+        if tables % TABLES_PER_CLOCK == 0 and clock() > B.deadline then break end
+        left = left - 1
+        for _, x in next, t do
+          left = left - 1
+          if left < 0 then return 1, TOO_MANY end
+          if type(x) == "table" then n = n + 1; stack[n], depths[n] = x, d + 1 end
+        end
+      end
     end
     return 0, v
   end
