@@ -23,6 +23,13 @@ DEFAULTS: dict[str, Any] = {
     # stopped (sandboxed plugins) and moved to the pool at once (execapp/engine/engine.py
     # INLINE_TIMEOUT: chosen for "no /ping waits more than 250 ms behind a misbehaving handler").
     "INLINE_TIMEOUT_SECONDS": engine.INLINE_TIMEOUT,
+    # The largest memory cap (MiB) of a plugin whose handlers may run inline (plugins/sync.py):
+    # one native step of a guest (a string built near its cap, a typed-array fill, memory.fill)
+    # cannot be interrupted and grows with the cap, ~1-7 ms per MiB (docs/plugins.md), so a
+    # plugin allowed 1 GiB could hold the loop for seconds past its budget. 16 (the default cap)
+    # keeps the worst such step near 0.1 s, within the inline budget's 250 ms promise; a plugin
+    # with a larger cap runs in the pool only.
+    "INLINE_MAX_MEMORY_MB": 16,
     # Asyncio overflow policy when the pool is full (engine.OVERFLOW_POLICIES): "wait" (per-client
     # backpressure for up to OVERFLOW_WAIT_SECONDS, then refuse with code "overloaded"), "reject"
     # (refuse at once) or "inline".

@@ -210,6 +210,7 @@ def unmatched_hint(event_type: str, text: str) -> str | None:
 def _matchers(engine: EngineLike, plugin: Any, loaded: LoadedPlugin) -> list[Matcher]:
     out: list[Matcher] = []
     seen: set[str] = set()
+    pool_only = _pool_only(loaded.spec)
     for b in sorted(plugin.bindings.all(), key=lambda b: b.pk):
         if not b.enabled:
             continue
@@ -221,11 +222,25 @@ def _matchers(engine: EngineLike, plugin: Any, loaded: LoadedPlugin) -> list[Mat
             name = f"{name}@{b.kind}:{b.pattern}"
         seen.add(name)
         try:
-            out.append(engine.make_matcher(b.kind, b.pattern, loaded.engine_handler(b.handler), priority=b.priority,
-                                           block=b.block, name=name, plugin=plugin.name))
+            matcher = engine.make_matcher(b.kind, b.pattern, loaded.engine_handler(b.handler), priority=b.priority,
+                                          block=b.block, name=name, plugin=plugin.name)
         except Exception as exc:  # a pattern the engine refuses: skip the binding, keep the rest
             log.error("plugin %s: binding %s skipped: %s", plugin.name, b.pk, exc)
+            continue
+        matcher.profile.pin_to_pool(pool_only)
+        out.append(matcher)
     return out
+
+
+def _pool_only(spec: Any) -> str | None:
+    """Why a plugin's handlers may never run inline (None: they may, once proven fast): a memory
+    cap over INLINE_MAX_MEMORY_MB, whose longest native step could hold the loop for seconds."""
+    limit = int(conf.get("INLINE_MAX_MEMORY_MB"))
+    mb = spec.memory_bytes / 1_048_576
+    if mb <= limit:
+        return None
+    return (f"pool only: its memory cap ({mb:g} MiB) is over EXECAPP['INLINE_MAX_MEMORY_MB'] ({limit} MiB); one "
+            "native step of a guest grows with its cap and would hold the event loop")
 
 
 def track(engine: EngineLike) -> None:

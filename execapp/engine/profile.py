@@ -151,6 +151,9 @@ class ExecProfile:
         self.inline_limit = -1
         #: Why this matcher is pinned to the pool (None: not quarantined).
         self.quarantined: str | None = None
+        #: Why this matcher may never run inline, whatever it proves (``pin_to_pool``; None: it may).
+        #: Not persisted: its owner (a plugin's configuration) sets it again at each registration.
+        self.pool_only: str | None = None
 
     # -- the decision -------------------------------------------------------------------------
 
@@ -161,7 +164,7 @@ class ExecProfile:
 
     def _relimit(self) -> None:
         """Recompute ``inline_limit`` after ``_class`` or ``inline_max_size`` changed (under the lock)."""
-        self.inline_limit = self.inline_max_size if self._class is _SYNC else -1
+        self.inline_limit = self.inline_max_size if self._class is _SYNC and self.pool_only is None else -1
 
     # No keyword-only parameters: CPython 3.11 does not specialise a call of a function that has
     # any, and every inline run calls this (an unspecialised call is a C-level eval frame).
@@ -219,7 +222,8 @@ class ExecProfile:
                     self._relimit()
                 # A fast run can only demote (never promote): learning -> demoted, or a promoted
                 # handler recovering on its post-promotion window.
-                if self.state is not _DEMOTED and self._may_demote() and self.quarantined is None:
+                if (self.state is not _DEMOTED and self._may_demote() and self.quarantined is None
+                        and self.pool_only is None):
                     self._demote()
                 return
             self._n_not_fast += 1
@@ -355,22 +359,41 @@ class ExecProfile:
         release it must prove itself fast again on new runs before it runs inline.
         """
         with self._lock:
-            if self._lane:
-                self._fold()
             self.quarantined = str(reason)[:500] or "quarantined"
-            self._version += 1
-            self._updated_at = _now()
-            if self.state is not _PROMOTED:
-                self._class = ExecClass.POOL
-                self.inline_limit = -1  # first: no event goes inline from here on
-                self.promotions += 1
-                self.promoted_at = time.time()
-                self.state = ProfileState.PROMOTED
-                self._ring = [0.0] * self.window
-                self._next = self._count = self._n_slow = self._n_not_fast = self._fast_streak = 0
-                self._fresh = 0
-                self.proven_size = 0
-                self.inline_max_size = SIZE_FLOOR
+            self._pin()
+
+    def pin_to_pool(self, reason: str | None) -> None:
+        """Never run inline while ``reason`` is set (None: the usual rules again, from a fresh
+        window if it was pinned). Used for a matcher whose worst single step is too long for the
+        loop whatever its history shows (a plugin with a large memory cap: plugins.sync)."""
+        with self._lock:
+            if reason is None:
+                if self.pool_only is not None:
+                    self.pool_only = None
+                    self._version += 1
+                    self._relimit()
+                return
+            self.pool_only = str(reason)[:500]
+            self._pin()
+
+    def _pin(self) -> None:
+        """Pinned to the pool (under the lock): a demoted or learning profile is promoted now, with
+        a fresh window, so that once unpinned it must prove itself fast again on new runs."""
+        if self._lane:
+            self._fold()
+        self._version += 1
+        self._updated_at = _now()
+        self.inline_limit = -1  # first: no event goes inline from here on
+        if self.state is not _PROMOTED:
+            self._class = ExecClass.POOL
+            self.promotions += 1
+            self.promoted_at = time.time()
+            self.state = ProfileState.PROMOTED
+            self._ring = [0.0] * self.window
+            self._next = self._count = self._n_slow = self._n_not_fast = self._fast_streak = 0
+            self._fresh = 0
+            self.proven_size = 0
+            self.inline_max_size = SIZE_FLOOR
 
     def release_quarantine(self) -> None:
         """Lift ``quarantine``: the usual recovery rule applies again (a full window of fresh fast runs)."""
@@ -420,6 +443,7 @@ class ExecProfile:
                 "proven_size": self.proven_size,
                 "inline_max_size": self.inline_max_size,
                 "quarantined": self.quarantined,
+                "pool_only": self.pool_only,
             }
 
     def restore(self, state: str, window: list[float], **counters: Any) -> None:
@@ -441,7 +465,7 @@ class ExecProfile:
             self.proven_size = size
             self.inline_max_size = max(SIZE_FLOOR, SIZE_FACTOR * size)
             self.quarantined = counters.get("quarantined") or None
-            if self.quarantined is not None and self.state is not _PROMOTED:
+            if (self.quarantined is not None or self.pool_only is not None) and self.state is not _PROMOTED:
                 # Pinned: a restored quarantine is never inline (the window says how it ran).
                 self.state = ProfileState.PROMOTED
                 self._class = ExecClass.POOL

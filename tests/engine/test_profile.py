@@ -412,3 +412,24 @@ def test_snapshot_reports_percentiles():
 def test_impossible_settings_are_refused(kwargs):
     with pytest.raises(ConfigError):
         ExecProfile(**kwargs)
+
+
+# -- pinned to the pool by its owner (a plugin's large memory cap) ---------------------------------
+
+def test_a_pool_only_profile_never_runs_inline_whatever_it_proves_and_relearns_once_unpinned():
+    p = demoted()
+    p.pin_to_pool("memory cap too large")
+    assert p.should_pool() is ExecClass.POOL and p.inline_limit == -1 and p.state is ProfileState.PROMOTED
+    feed(p, FAST, 200)  # fast forever: still never inline
+    assert p.should_pool() is ExecClass.POOL and p.snapshot()["pool_only"] == "memory cap too large"
+    p.pin_to_pool(None)  # its cap was lowered: the usual rules, from a fresh window
+    assert p.should_pool() is ExecClass.POOL and p.snapshot()["pool_only"] is None
+    feed(p, FAST, 32)
+    assert p.should_pool() is ExecClass.SYNC
+
+
+def test_a_pool_only_profile_restored_as_demoted_stays_in_the_pool():
+    p = ExecProfile()
+    p.pin_to_pool("memory cap too large")
+    p.restore("demoted", [FAST] * 32)
+    assert p.should_pool() is ExecClass.POOL and p.inline_limit == -1

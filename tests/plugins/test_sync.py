@@ -8,7 +8,7 @@ from django.core.management import call_command
 from django.test import override_settings
 
 from execapp import extensions
-from execapp.engine import Engine, Event
+from execapp.engine import Engine, Event, ExecClass
 from execapp.worker import service_factories
 from plugins import kv, sync
 from plugins.models import Binding, KVEntry, Plugin
@@ -198,3 +198,23 @@ def test_the_plugins_app_provides_its_pool_stats_and_kv_store() -> None:
     assert isinstance(kvstore.installed(), kv.ConfiguredKV)  # the host API's kv_get/kv_set use the settings' store
     sync.manager.retain(set())
     assert extensions.stats("plugin_pools") == [] and loaded.spec.name == "p"
+
+
+def test_a_plugin_over_the_inline_memory_cap_runs_in_the_pool_only_until_its_cap_is_lowered(
+        engine: Engine, settings) -> None:
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "INLINE_MAX_MEMORY_MB": 16}
+    Plugin.objects.filter(name="ping").update(memory_mb=64)
+    assert sync.sync_engine(engine, force=True)
+    ping = next(m for m in engine.matchers if m.name == "ping.ping")
+    echo = next(m for m in engine.matchers if m.name == "echo.echo")
+    for _ in range(40):  # both proven fast
+        assert texts(engine, "/ping") == ["pong"] and texts(engine, "/echo x") == ["x"]
+    assert ping.profile.should_pool() is ExecClass.POOL and "INLINE_MAX_MEMORY_MB" in ping.profile.pool_only
+    assert echo.profile.should_pool() is ExecClass.SYNC and echo.profile.pool_only is None
+    Plugin.objects.filter(name="ping").update(memory_mb=16)
+    assert sync.sync_engine(engine, force=True)
+    ping = next(m for m in engine.matchers if m.name == "ping.ping")
+    assert ping.profile.pool_only is None
+    for _ in range(40):
+        texts(engine, "/ping")
+    assert ping.profile.should_pool() is ExecClass.SYNC
