@@ -145,7 +145,7 @@ def bench_connection(quick: bool) -> list[dict[str, Any]]:
 
         # With its owner's outbox budget, as execapp.consumers builds it (execapp.outbox_budget).
         conn = Connection(engine, Admission(), Limits(65536, 1000), send, owner="tenant:bench",
-                          outbox_budget=OutboxBudget(conf.DEFAULTS["OWNER_OUTBOX_BYTES"], "tenant:bench"))
+                          outbox_budget=OutboxBudget(conf.DEFAULTS["OWNER_OUTBOX_BYTES"]))
         if on:
             recorder.start()
         flushed = 0.0

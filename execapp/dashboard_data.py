@@ -72,7 +72,7 @@ def _aggregate_matchers(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                             "states": {}, "p50": None, "p99": None,
                                             **dict.fromkeys(PROFILE_COUNTERS, 0), "promoted_at": None,
                                             "demoted_at": None, "last_error": "", "workers": 0,
-                                            "quarantined": None, "refused": 0, "failures": {},
+                                            "quarantined": None, "pool_only": None, "refused": 0, "failures": {},
                                             "last_failure": None}
             row["workers"] += 1
             row["classes"][m["exec_class"]] = row["classes"].get(m["exec_class"], 0) + 1
@@ -92,6 +92,8 @@ def _aggregate_matchers(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row["last_failure"] = last  # the newest over every worker
             if m.get("quarantined"):  # pinned to the pool on some worker (the watchdog's reason)
                 row["quarantined"] = m["quarantined"]
+            if m.get("pool_only"):  # never inline: its plugin's memory cap (plugins.sync)
+                row["pool_only"] = m["pool_only"]
     for row in rows.values():
         row["exec_class"] = "/".join(sorted(row["classes"]))
         row["state"] = "/".join(sorted(row["states"]))

@@ -427,3 +427,13 @@ def test_the_data_answers_with_what_it_has_while_redis_is_down(staff_client: Any
     assert staff_client.get(DATA).json()["warning"] == ""
     page = staff_client.get(PAGE).content.decode()
     assert "d.warning ?" in page  # the page's status line shows the warning
+
+
+def test_a_matcher_pinned_to_the_pool_on_any_worker_shows_why() -> None:
+    def row(**extra: Any) -> dict[str, Any]:
+        return {"matcher": "big.h", "plugin": "big", "kind": "command", "pattern": "big", "exec_class": "pool",
+                "state": "promoted", **extra}
+
+    merged = dashboard_data._aggregate_matchers([{"matchers": [row(pool_only=None)]},
+                                                 {"matchers": [row(pool_only="memory cap over 16 MiB")]}])
+    assert merged[0]["pool_only"] == "memory cap over 16 MiB" and merged[0]["quarantined"] is None
