@@ -8,13 +8,7 @@ A case passes when it ends with the expected code and message within 2x its budg
 """
 from __future__ import annotations
 
-import json
-import os
-import selectors
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import lupa.lua54 as lupa
 import pytest
@@ -23,11 +17,12 @@ from plugins.loaded import LoadedPlugin
 from plugins.runtimes import lua, lua_interrupt
 from plugins.spec import PluginSpec
 
+from .children import run_in_children
+
 BUDGET = 0.3
 BOUND = 2 * BUDGET + 0.5
 HARD = 15.0  # seconds a child may spend on one case before it counts as hung
 STRATEGIES = ("per_request", "pooled", "sharded")
-ROOT = Path(__file__).resolve().parents[2]
 
 # 40,000 single-entry ephemeron tables whose links zigzag through the collector's list: one link
 # converges per pass, so one GC cycle is quadratic (5 s under a 16 MB cap, in one C call).
@@ -134,43 +129,8 @@ for name, body in job["cases"]:
 
 def _run_cases(strategy: str, names: list[str]) -> dict[str, dict]:
     """Each case's outcome in child processes; a case still running after HARD seconds is 'hung'."""
-    results: dict[str, dict] = {}
-    pending = list(names)
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": os.environ.get("DJANGO_SETTINGS_MODULE", "config.settings")}
-    while pending:
-        proc = subprocess.Popen([sys.executable, "-c", _CHILD], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(json.dumps({"strategy": strategy, "budget": BUDGET,
-                                     "cases": [(n, CASES[n][0]) for n in pending]}))
-        proc.stdin.close()
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        running, until = None, time.monotonic() + 60  # startup
-        try:
-            while pending:
-                if not sel.select(timeout=max(0.0, until - time.monotonic())):
-                    break  # hung (or a startup that never finished)
-                line = proc.stdout.readline()
-                if not line:
-                    break  # the child died (a crash)
-                msg = json.loads(line)
-                if "start" in msg:
-                    running, until = msg["start"], time.monotonic() + HARD
-                else:
-                    results[msg["case"]] = msg
-                    pending.remove(msg["case"])
-                    running, until = None, time.monotonic() + HARD
-        finally:
-            proc.kill()
-            proc.wait()
-            sel.close()
-        if pending:
-            what = "hung" if proc.returncode == -9 else f"crashed ({proc.returncode})"
-            lost = running or pending[0]
-            results[lost] = {"case": lost, "code": what, "elapsed": HARD, "message": "", "reply": ""}
-            pending.remove(lost)
-    return results
+    return run_in_children(_CHILD, lambda pending: {"strategy": strategy, "budget": BUDGET,
+                                                    "cases": [(n, CASES[n][0]) for n in pending]}, names, HARD)
 
 
 @pytest.fixture(scope="module", params=STRATEGIES)

@@ -16,14 +16,8 @@ fails its test instead of hanging or exhausting the suite's process.
 """
 from __future__ import annotations
 
-import json
-import os
-import selectors
-import subprocess
-import sys
 import time
 import tracemalloc
-from pathlib import Path
 
 import pytest
 
@@ -32,10 +26,11 @@ from plugins.loaded import LoadedPlugin
 from plugins.runtimes import lua
 from plugins.spec import PluginSpec
 
+from .children import run_in_children
+
 BUDGET = 0.3
 BOUND = 2 * BUDGET + 0.5
 HARD = 20.0  # seconds a child may spend on one case before it counts as hung
-ROOT = Path(__file__).resolve().parents[2]
 EVENT = {"id": "e", "type": "message", "text": "x", "args": "x", "data": {}, "session": "s"}
 
 # name -> (handler body, memory_mb, budget s, expected codes, a substring of the message or None).
@@ -184,44 +179,8 @@ for name, (body, memory_mb, budget) in job["cases"]:
 
 def run_cases(strategy: str, cases: dict[str, tuple]) -> dict[str, dict]:
     """Each case's outcome in child processes; a case still running after HARD seconds is 'hung'."""
-    results: dict[str, dict] = {}
-    pending = list(cases)
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": os.environ.get("DJANGO_SETTINGS_MODULE", "config.settings"),
-           "PYTHONPATH": str(ROOT)}
-    while pending:
-        proc = subprocess.Popen([sys.executable, "-c", _CHILD], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(json.dumps({"strategy": strategy, "event": EVENT,
-                                     "cases": [(n, cases[n][:3]) for n in pending]}))
-        proc.stdin.close()
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        running, until = None, time.monotonic() + 60  # startup
-        try:
-            while pending:
-                if not sel.select(timeout=max(0.0, until - time.monotonic())):
-                    break
-                line = proc.stdout.readline()
-                if not line:
-                    break  # the child died
-                msg = json.loads(line)
-                if "start" in msg:
-                    running, until = msg["start"], time.monotonic() + HARD
-                else:
-                    results[msg["case"]] = msg
-                    pending.remove(msg["case"])
-                    running, until = None, time.monotonic() + HARD
-        finally:
-            proc.kill()
-            proc.wait()
-            sel.close()
-        if pending:
-            what = "hung" if proc.returncode == -9 else f"crashed ({proc.returncode})"
-            lost = running or pending[0]
-            results[lost] = {"case": lost, "code": what, "elapsed": HARD, "message": "", "reply": "", "after": ""}
-            pending.remove(lost)
-    return results
+    return run_in_children(_CHILD, lambda pending: {"strategy": strategy, "event": EVENT,
+                                                    "cases": [(n, cases[n][:3]) for n in pending]}, list(cases), HARD)
 
 
 ALL = {**CONTAINED, **FIXED}
