@@ -104,8 +104,9 @@ class _DeadlineSSLSocket(_DeadlineIO, ssl.SSLSocket):
 
 _resolver: ThreadPoolExecutor | None = None
 _resolver_lock = threading.Lock()
-#: Resolver threads (shared by every plugin of the process).
-RESOLVER_THREADS = 4
+#: Resolver threads (shared by every plugin of the process; made as lookups need them). With at most
+#: MAX_PENDING_LOOKUPS per plugin, it takes 8 plugins whose names never answer to hold them all.
+RESOLVER_THREADS = 16
 #: Lookups one owner (a plugin) may have queued or running at once. A lookup outlives its call's
 #: deadline until the system resolver gives up (seconds): a plugin whose names never answer
 #: (its own DNS) would otherwise hold every resolver thread, and every other plugin's http_get
