@@ -17,7 +17,7 @@ from django.core.handlers.asgi import ASGIRequest
 from django.db import Error as DatabaseError
 from django.middleware.csrf import CsrfViewMiddleware
 
-from . import auth_throttle, metrics
+from . import auth_throttle, conf, metrics
 from .codes import AUTH_THROTTLED, UNAUTHORIZED
 from .engine.ratelog import RateLimitedLog
 
@@ -30,6 +30,8 @@ CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_INTERNAL_ERROR = 1011
 #: A close frame's reason is at most 123 bytes of UTF-8.
 _MAX_REASON_BYTES = 123
+#: Token lookups this process is running now (event loop only; EXECAPP['MAX_TOKEN_LOOKUPS']).
+_lookups = [0]
 #: Scope key of the marker _SessionGate sets once it runs (see TokenAuthMiddleware).
 _GATE_REACHED = "execapp_gate_reached"
 
@@ -171,11 +173,23 @@ class TokenAuthMiddleware:
                     raise
                 return await refuse_unavailable(receive, send, CLOSE_TRY_AGAIN_LATER,
                                                 database_unavailable(scope.get("path"), exc))
+        # Each lookup queues on the worker's one sync thread: a flood of bad tokens from many
+        # networks (each within its own burst) must not queue them without bound.
+        if _lookups[0] >= int(conf.get("MAX_TOKEN_LOOKUPS")):
+            _rare.log(logging.INFO, ("lookups",), "refused WebSocket %s unjudged: %d token lookups already "
+                      "running (EXECAPP['MAX_TOKEN_LOOKUPS'])", scope.get("path"), _lookups[0])
+            metrics.count_event(AUTH_THROTTLED)
+            return await refuse_unavailable(receive, send, CLOSE_TRY_AGAIN_LATER,
+                                            "the server is checking too many credentials at once; retry in a "
+                                            "few seconds")
+        _lookups[0] += 1
         try:
             token = await _authenticate(raw)
         except DatabaseError as exc:
             return await refuse_unavailable(receive, send, CLOSE_TRY_AGAIN_LATER,
                                             database_unavailable(scope.get("path"), exc))
+        finally:
+            _lookups[0] -= 1
         if token is None:
             return await deny(scope, receive, send, "bad_token",
                               "the API token is unknown or revoked; create one with "

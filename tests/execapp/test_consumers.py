@@ -394,6 +394,38 @@ async def test_a_network_that_failed_its_burst_is_closed_unjudged_until_it_earne
 
 
 @pytest.mark.parametrize("channel_layer", ["memory"], indirect=True)
+async def test_past_max_token_lookups_a_handshake_is_closed_unjudged_until_one_ends(
+        token: str, settings: Any, monkeypatch: Any) -> None:
+    from execapp import auth
+
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "MAX_TOKEN_LOOKUPS": 2}
+    slow_db = asyncio.Event()
+    lookups: list[str] = []
+    real = auth._authenticate
+
+    async def held(raw: str) -> Any:  # a database that answers only when the test says so
+        lookups.append(raw)
+        await slow_db.wait()
+        return await real(raw)
+
+    monkeypatch.setattr(auth, "_authenticate", held)
+    waiting = [WebsocketCommunicator(websocket_application, f"/ws/events/?token={raw}") for raw in ("a", "b")]
+    for comm in waiting:
+        await comm.send_input({"type": "websocket.connect"})
+    await wait_for(lambda: len(lookups) == 2)
+    third = WebsocketCommunicator(websocket_application, f"/ws/events/?token={token}")
+    await third.send_input({"type": "websocket.connect"})
+    assert (await third.receive_output(5))["type"] == "websocket.accept"
+    closed = await third.receive_output(5)
+    assert closed["code"] == 1013 and "too many credentials" in closed["reason"] and lookups == ["a", "b"]
+    slow_db.set()  # the two lookups end (bad tokens: refused); a handshake is judged again
+    for comm in waiting:
+        assert (await comm.receive_output(5)) == {"type": "websocket.close"}
+    assert (await _handshake(f"/ws/events/?token={token}"))[0]
+    assert auth._lookups == [0]
+
+
+@pytest.mark.parametrize("channel_layer", ["memory"], indirect=True)
 async def test_an_owner_over_its_connection_quota_is_closed_with_1008(token: str, settings: Any) -> None:
     settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "MAX_CONNECTIONS_PER_OWNER": 2}
     path = f"/ws/events/?token={token}"
