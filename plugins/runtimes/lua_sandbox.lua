@@ -232,6 +232,7 @@ local env_mt = {__index = base, __metatable = false}
 local MAX_ERROR, str_sub, str_gsub, utf8_len = 4096, string.sub, string.gsub, utf8.len
 local MAX_REPLY = LIMITS.MAX_REPLY_BYTES
 local MAX_VALUES, MAX_DEPTH, TABLES_PER_CLOCK = LIMITS.MAX_REPLY_VALUES, LIMITS.MAX_DEPTH, 4096
+local TOO_DEEP = "reply nested deeper than " .. tostring(MAX_DEPTH) .. " levels"
 local TOO_MANY = "the reply holds more than " .. tostring(MAX_VALUES) .. " values (tables and their entries, a " ..
                  "table counted once per reference); return fewer"
 local function error_text(v)
@@ -275,12 +276,14 @@ local function outcome(ok, v)
       -- (each table once per reference, and each entry): Python reads a reply at ~1.5 us a value
       -- through lupa, so a reply of shared tables (2^30 references in 30 levels) took 0.2 s of the
       -- worker's time, and its call's whole budget under load, before it was refused. A table
-      -- deeper than MAX_DEPTH, or the deadline passing, leaves the rest to the converter.
+      -- deeper than MAX_DEPTH is refused here too (the converter would, on reaching it: stopping
+      -- the count there let a shared-table sibling reach the converter); the deadline passing
+      -- leaves the rest to the converter, which checks it too.
       local left, stack, depths, n, tables = MAX_VALUES, {v}, {0}, 1, 0
       while n > 0 do
         local t, d = stack[n], depths[n]
         stack[n], depths[n], n = nil, nil, n - 1
-        if d > MAX_DEPTH then break end
+        if d > MAX_DEPTH then return 1, TOO_DEEP end
         tables = tables + 1
         if tables % TABLES_PER_CLOCK == 0 and clock() > B.deadline then break end
         left = left - 1

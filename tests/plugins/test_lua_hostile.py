@@ -58,6 +58,10 @@ CASES: dict[str, tuple[str, tuple[str, ...], str | None]] = {
                             ("handler_error",), "more than 131072 values"),
     "reply_shared_dict": ("local t = {a = 1} for i = 1, 30 do t = {a = t, b = t} end return t",
                           ("handler_error",), "more than 131072 values"),
+    # a chain past 32 levels beside shared tables: refused for its depth before any is converted
+    "reply_deep_beside_shared": ("local d = {} local c = d for i = 1, 40 do c.x = {} c = c.x end "
+                                 "local t = {1} for i = 1, 30 do t = {t, t} end return {a = t, b = d, c = t, e = d}",
+                                 ("handler_error",), None),
     "reply_wide": ("local t = {} for i = 1, 200000 do t[i] = i end return t", ("handler_error",),
                    "more than 131072 values"),
     "reply_shared_string": ('local s = string.rep("x", 1e6) local t = {} for i = 1, 64 do t[i] = s end return t',
@@ -228,3 +232,20 @@ def test_converting_a_reply_stops_at_the_calls_deadline() -> None:
     assert len(str(lua._to_python(shared, 1 << 20, time.monotonic() + 60))) > 0
     with pytest.raises(GuestTimeout):
         lua._to_python(shared, 1 << 20, time.monotonic() - 1)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("case", ["reply_shared_tables", "reply_shared_dict", "reply_deep_beside_shared"])
+def test_a_reply_over_its_value_or_depth_limit_is_refused_in_the_sandbox_before_python_reads_it(
+        strategy: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Python reads a reply at ~1.5 us a value: one of 2^30 shared references ran into its call's
+    # deadline there under load. The sandbox counts it first; the converter never sees it.
+    converted: list[object] = []
+    monkeypatch.setattr(lua, "_to_python", lambda value, *args: converted.append(value))
+    plugin = LoadedPlugin(PluginSpec(name="refused", runtime="lua", strategy=strategy, timeout=5,
+                                     code="function h(e) " + CASES[case][0] + "\nend"))
+    with pytest.raises(Exception) as info:
+        plugin.call("h", {"id": "e", "type": "message", "text": "", "args": "", "data": {}, "session": None})
+    assert "more than 131072 values" in str(info.value) or "deeper than 32 levels" in str(info.value)
+    assert converted == []
+    plugin.close()
