@@ -30,9 +30,28 @@ CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_INTERNAL_ERROR = 1011
 #: A close frame's reason is at most 123 bytes of UTF-8.
 _MAX_REASON_BYTES = 123
-#: Token lookups this process is running now (event loop only; EXECAPP['MAX_TOKEN_LOOKUPS']).
+#: Credential lookups (a token's, or a session's up to the gate) this process is running now
+#: (event loop only; EXECAPP['MAX_TOKEN_LOOKUPS']).
 _lookups = [0]
-#: Scope key of the marker _SessionGate sets once it runs (see TokenAuthMiddleware).
+
+
+class _Judging:
+    """One handshake's credentials being looked up: counted in ``_lookups`` until ``done``."""
+
+    __slots__ = ("reached", "_counted")
+
+    def __init__(self) -> None:
+        #: The session gate ran: from there the socket may be read or answered.
+        self.reached = False
+        self._counted = True
+        _lookups[0] += 1
+
+    def done(self) -> None:
+        if self._counted:
+            self._counted = False
+            _lookups[0] -= 1
+
+#: Scope key of the handshake's _Judging, which _SessionGate ends once it runs (see TokenAuthMiddleware).
 _GATE_REACHED = "execapp_gate_reached"
 
 Scope = dict[str, Any]
@@ -115,7 +134,10 @@ class _SessionGate:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         # From here on the socket may be read or answered: TokenAuthMiddleware must not refuse it again.
-        scope.get(_GATE_REACHED, []).append(True)
+        judging = scope.get(_GATE_REACHED)
+        if judging is not None:  # the session and its user are looked up
+            judging.reached = True
+            judging.done()
         user = scope.get("user")
         if user is None or not user.is_authenticated:
             return await deny(scope, receive, send, "auth_required",
@@ -160,36 +182,38 @@ class TokenAuthMiddleware:
             return await refuse_unavailable(receive, send, CLOSE_TRY_AGAIN_LATER,
                                             f"too many failed authentications from your network; retry in "
                                             f"{min(wait, 3600):.0f} s with a valid token")
-        # Token and session lookups need the database: without it no client can be judged, so
-        # the handshake is closed with 1013 "try again later" instead of failing as HTTP 500.
-        # (Only while nothing of the socket was read yet; the consumer covers its own part.)
-        raw = token_from_scope(scope)
-        if raw is None:
-            reached: list[bool] = []  # shared through Channels' scope copies; set by _SessionGate
-            try:
-                return await self.session_app({**scope, _GATE_REACHED: reached}, receive, send)
-            except DatabaseError as exc:  # the session or user lookup, before the gate
-                if reached:
-                    raise
-                return await refuse_unavailable(receive, send, CLOSE_TRY_AGAIN_LATER,
-                                                database_unavailable(scope.get("path"), exc))
-        # Each lookup queues on the worker's one sync thread: a flood of bad tokens from many
-        # networks (each within its own burst) must not queue them without bound.
+        # Each lookup (a token's, a session cookie's and its user's) queues on the worker's one
+        # sync thread: a flood of bad credentials from many networks (each within its own burst)
+        # must not queue them without bound.
         if _lookups[0] >= int(conf.get("MAX_TOKEN_LOOKUPS")):
-            _rare.log(logging.INFO, ("lookups",), "refused WebSocket %s unjudged: %d token lookups already "
+            _rare.log(logging.INFO, ("lookups",), "refused WebSocket %s unjudged: %d credential lookups already "
                       "running (EXECAPP['MAX_TOKEN_LOOKUPS'])", scope.get("path"), _lookups[0])
             metrics.count_event(AUTH_THROTTLED)
             return await refuse_unavailable(receive, send, CLOSE_TRY_AGAIN_LATER,
                                             "the server is checking too many credentials at once; retry in a "
                                             "few seconds")
-        _lookups[0] += 1
+        # Token and session lookups need the database: without it no client can be judged, so
+        # the handshake is closed with 1013 "try again later" instead of failing as HTTP 500.
+        # (Only while nothing of the socket was read yet; the consumer covers its own part.)
+        judging = _Judging()  # shared through Channels' scope copies; ended by _SessionGate
+        raw = token_from_scope(scope)
+        if raw is None:
+            try:
+                return await self.session_app({**scope, _GATE_REACHED: judging}, receive, send)
+            except DatabaseError as exc:  # the session or user lookup, before the gate
+                if judging.reached:
+                    raise
+                return await refuse_unavailable(receive, send, CLOSE_TRY_AGAIN_LATER,
+                                                database_unavailable(scope.get("path"), exc))
+            finally:
+                judging.done()  # refused before the gate (or the connection ended)
         try:
             token = await _authenticate(raw)
         except DatabaseError as exc:
             return await refuse_unavailable(receive, send, CLOSE_TRY_AGAIN_LATER,
                                             database_unavailable(scope.get("path"), exc))
         finally:
-            _lookups[0] -= 1
+            judging.done()
         if token is None:
             return await deny(scope, receive, send, "bad_token",
                               "the API token is unknown or revoked; create one with "

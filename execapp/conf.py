@@ -53,9 +53,10 @@ DEFAULTS: dict[str, Any] = {
     # 30 a minute is a retry every two seconds. AUTH_FAILURES_BURST 0 turns it off.
     "AUTH_FAILURES_BURST": 20,
     "AUTH_FAILURES_PER_MINUTE": 30.0,
-    # Token lookups one worker process runs at once (each a query on its one sync thread, ~1-3 ms):
-    # past it a handshake is closed 1013 unjudged, so a flood of bad tokens from many networks
-    # (which the per-network throttle does not see) waits in no queue longer than ~0.2 s.
+    # Credential lookups (a token's, a session cookie's and its user's) one worker process runs at
+    # once, each a query on its one sync thread (~1-3 ms): past it a handshake is closed 1013
+    # unjudged, so a flood of bad credentials from many networks (which the per-network throttle
+    # does not see) queues nothing there for long.
     "MAX_TOKEN_LOOKUPS": 64,
     # Every HTTP request's body (execapp/http_limits.py): Django reads a whole body into a file that
     # rolls over to disk before it looks at the request, so without these a POST to any path wrote

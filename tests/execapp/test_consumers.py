@@ -418,11 +418,17 @@ async def test_past_max_token_lookups_a_handshake_is_closed_unjudged_until_one_e
     assert (await third.receive_output(5))["type"] == "websocket.accept"
     closed = await third.receive_output(5)
     assert closed["code"] == 1013 and "too many credentials" in closed["reason"] and lookups == ["a", "b"]
+    # A session cookie is a lookup too (the session, then its user): refused the same way.
+    cookie = WebsocketCommunicator(websocket_application, "/ws/events/", headers=[(b"cookie", b"sessionid=x")])
+    await cookie.send_input({"type": "websocket.connect"})
+    assert (await cookie.receive_output(5))["type"] == "websocket.accept"
+    assert (await cookie.receive_output(5))["code"] == 1013
     slow_db.set()  # the two lookups end (bad tokens: refused); a handshake is judged again
     for comm in waiting:
         assert (await comm.receive_output(5)) == {"type": "websocket.close"}
     assert (await _handshake(f"/ws/events/?token={token}"))[0]
-    assert auth._lookups == [0]
+    assert (await _handshake("/ws/events/", [(b"cookie", b"sessionid=x")])) == (False, 1000)  # judged: 403
+    assert auth._lookups == [0]  # every lookup, token or session, counted out
 
 
 @pytest.mark.parametrize("channel_layer", ["memory"], indirect=True)
