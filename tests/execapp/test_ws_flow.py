@@ -210,7 +210,9 @@ async def test_a_client_pinging_faster_than_the_limit_is_closed_and_a_keepalive_
         for _ in range(3):
             await asyncio.wait_for(await steady.ping(), 10)  # answered
         async with connect(server.ws_url) as flood:
-            for _ in range(ws_flow.MAX_CONTROL_FRAMES_PER_SECOND + 5):
+            # Exactly one past the limit: a ping written after the server has closed the socket
+            # draws a reset that can discard the unread close frame (seen in CI).
+            for _ in range(ws_flow.MAX_CONTROL_FRAMES_PER_SECOND + 1):
                 await flood.ping()
             code, reason = await _closed_with(flood)
         assert code == 1008 and "pings" in reason, (code, reason)
