@@ -3,10 +3,12 @@
 Redis when ``settings.REDIS_URL`` is set, so the traces of every worker of a deployment are in
 one place: each trace is a *summary* (the fields the Events page filters on, one line of a list)
 and a *body* (the whole trace as JSON). This process's memory otherwise: the Records themselves
-(nothing is serialized until someone reads one). Both keep the newest
-``EXECAPP['HISTORY_MAX_EVENTS']`` traces (older ones are trimmed as new ones arrive), the local
-one also within ``EXECAPP['HISTORY_LOCAL_MAX_BYTES']``, and find a trace by its uid or by
-(owner, event id) (the newest of that pair). The database keeps the
+(nothing is serialized until someone reads one). Both keep
+``EXECAPP['HISTORY_MAX_EVENTS']`` traces, the local one also within
+``EXECAPP['HISTORY_LOCAL_MAX_BYTES']``, and find a trace by its uid or by (owner, event id) (the
+newest of that pair). Past their size the oldest trace *of the owner holding the most* goes
+(``fair_cuts``): one tenant's flood displaces its own traces, never the share of another, whose
+records a resend is answered from. The database keeps the
 failures longer (execapp.history, ``EventTrace``).
 """
 from __future__ import annotations
@@ -35,7 +37,9 @@ from .history_record import (
 )
 
 #: Redis keys: conf.redis_key(KEY_PREFIX) + "log" (the summaries, newest first), + "r:<uid>" (the
-#: bodies), + "k:<owner digest>:<event id>" (the uid of the newest trace of that pair).
+#: bodies), + "k:<owner digest>:<event id>" (the uid of the newest trace of that pair), + "o:<owner
+#: digest>" (that owner's traces, newest first), + "owners" (a ZSET: traces held per owner digest)
+#: and + "n" (traces held).
 KEY_PREFIX = "execapp:history:"
 #: Lists inside a summary line (matchers, plugins, codes) are joined with this (never in a name).
 LIST_SEP = "\x1f"
@@ -175,8 +179,30 @@ class Store(Protocol):
     def count(self) -> int: ...
 
 
+def fair_cuts(held: dict[str, int], k: int) -> dict[str, int]:
+    """How many of each owner's traces go when ``k`` must: the recent stores' fairness rule.
+
+    The store takes from the owner holding the most, one trace at a time, so the owners above
+    a level come down to it (water-filling): one owner's flood only ever displaces its own traces
+    while anyone else holds fewer, and every owner keeps at least its fair share (the store's
+    size over the owners in it), and with it the records a resend is answered from. Computed
+    once per flush: O(owners log owners), not a step per trace.
+    """
+    ranked = sorted(((n, owner) for owner, n in held.items()), reverse=True)
+    total = 0
+    for j, (n, _) in enumerate(ranked):
+        total += n
+        below = ranked[j + 1][0] if j + 1 < len(ranked) else 0
+        if total - (j + 1) * below >= k:
+            # The top j + 1 keep total - k between them, as evenly as counts allow.
+            each, extra = divmod(max(total - k, 0), j + 1)
+            return {owner: n - each - (i < extra) for i, (n, owner) in enumerate(ranked[:j + 1])}
+    return {owner: n for owner, n in held.items()}
+
+
 class LocalStore:
-    """The newest ``max_events`` traces of this process (the embedded single-process default).
+    """The newest ``max_events`` traces of this process (the embedded single-process default),
+    trimmed by the fairness rule of ``fair_cuts``.
 
     Records hold plain values only (the common event's flat record, one without handlers) or are
     kept marshalled (bytes), beside their uid and key in a flat tuple: the garbage collector
@@ -188,47 +214,65 @@ class LocalStore:
     def __init__(self, max_events: int, max_bytes: int | None = None) -> None:
         self.max_events = max_events
         #: About how many bytes the traces may take (each: RECORD_BYTES and its strings, or its
-        #: marshalled bytes); the oldest go first past it, as past ``max_events``.
+        #: marshalled bytes); past it traces go as past ``max_events``.
         self.max_bytes = int(conf.DEFAULTS["HISTORY_LOCAL_MAX_BYTES"]) if max_bytes is None else max_bytes
         self.bytes = 0
         self._lock = threading.Lock()  # the housekeeper adds, admin requests read
-        # (uid, key, record, its bytes)
-        self._items: collections.deque[tuple[str, str, tuple | bytes, int]] = collections.deque()
-        self._by_uid: dict[str, tuple | bytes] = {}
+        # uid -> (key, record, its bytes): oldest first (a dict keeps insertion order and, unlike
+        # a deque, lets the fairness rule take a trace out of the middle in O(1)).
+        self._items: dict[str, tuple[str, tuple | bytes, int]] = {}
+        self._by_owner: dict[str, collections.deque[str]] = {}  # owner -> its uids, oldest first
         self._by_key: dict[str, tuple | bytes] = {}  # pair key -> its newest trace
 
     def add(self, records: list[tuple]) -> None:
         if self.max_events <= 0:
             return
         with self._lock:
-            items, by_uid, by_key = self._items, self._by_uid, self._by_key
+            items, by_key, by_owner = self._items, self._by_key, self._by_owner
             for r in records:
+                uid, owner = r[UID], r[OWNER]
+                if uid in items:  # (uids are unique; a repeat would break the counts)
+                    continue
                 # A record with nested handler tuples is marshalled; a flat one (the common event)
                 # and one without handlers hold plain values only and are kept as they are.
                 item = r if (len(r) == FLAT_LEN or not r[HANDLERS]) else _pack(r)
-                uid, key = r[UID], pair_key(r[OWNER], r[ID])
+                key = pair_key(owner, r[ID])
                 size = RECORD_BYTES + (len(item) if item.__class__ is bytes else
                                        sum(len(v) for v in item if v.__class__ is str))
-                items.append((uid, key, item, size))
+                items[uid] = (key, item, size)
                 self.bytes += size
-                by_uid[uid] = item
                 by_key[key] = item
-            while items and (len(items) > self.max_events or self.bytes > self.max_bytes):
-                uid, key, item, size = items.popleft()
-                self.bytes -= size
-                del by_uid[uid]
-                if by_key.get(key) is item:
-                    del by_key[key]
+                owned = by_owner.get(owner)
+                if owned is None:
+                    owned = by_owner[owner] = collections.deque()
+                owned.append(uid)
+            over = len(items) - self.max_events
+            while over > 0 or (items and self.bytes > self.max_bytes):
+                if over <= 0:  # past the bytes: about as many as the excess is traces, of the average size
+                    over = max(1, (self.bytes - self.max_bytes) * len(items) // self.bytes)
+                for owner, cut in fair_cuts({o: len(d) for o, d in by_owner.items()}, over).items():
+                    self._cut(owner, cut)
+                over = len(items) - self.max_events
+
+    def _cut(self, owner: str, n: int) -> None:
+        """Forget ``owner``'s ``n`` oldest traces (the lock held)."""
+        owned, items, by_key = self._by_owner[owner], self._items, self._by_key
+        for _ in range(n):
+            key, item, size = items.pop(owned.popleft())
+            self.bytes -= size
+            if by_key.get(key) is item:
+                del by_key[key]
+        if not owned:
+            del self._by_owner[owner]
 
     def scan(self) -> Iterator[Scanned]:
         with self._lock:
-            stored = [item for _, _, item, _ in self._items]
+            stored = [item for _, item, _ in self._items.values()]
         return (view(_unpack(item)) for item in reversed(stored))
 
     def body(self, uid: str) -> str | None:
         """The trace with this uid as JSON (made now: the store keeps records), or None."""
-        with self._lock:
-            item = self._by_uid.get(uid)
+        item = self._item(uid)
         return None if item is None else to_json(_unpack(item))
 
     def get(self, owner: str, event_id: str) -> str | None:
@@ -239,20 +283,29 @@ class LocalStore:
 
     def record(self, uid: str) -> Record | None:
         """The Record with this uid (this process's traces only), or None."""
-        with self._lock:
-            item = self._by_uid.get(uid)
+        item = self._item(uid)
         return None if item is None else view(_unpack(item))
+
+    def _item(self, uid: str) -> tuple | bytes | None:
+        with self._lock:
+            kept = self._items.get(uid)
+        return None if kept is None else kept[1]
 
     def count(self) -> int:
         with self._lock:
             return len(self._items)
+
+    def held(self, owner: str) -> int:
+        """How many traces ``owner`` holds here."""
+        with self._lock:
+            return len(self._by_owner.get(owner, ()))
 
     def clear(self) -> None:
         """Forget every trace (tests)."""
         with self._lock:
             self._items.clear()
             self.bytes = 0
-            self._by_uid.clear()
+            self._by_owner.clear()
             self._by_key.clear()
 
 
@@ -272,29 +325,53 @@ def _pack(r: tuple) -> bytes:
 
 
 # One script per flush: the bodies, the (owner, id) pointers and the summaries go in together,
-# and what falls off the end of the log is deleted with it (its body, and its pointer unless a
-# newer trace of the same pair took it over). Atomic, so workers flushing at once never leak.
+# each trace's uid at the head of its owner's list, and past ``max`` traces the oldest of the
+# owner holding the most (fair_cuts' rule: ZSET "owners", owner digest -> traces held) is deleted:
+# its body, and its pointer unless a newer trace of the same pair took it over. The log of
+# summaries (what the Events page lists) keeps the newest ``max`` lines whoever sent them.
+# Atomic, so workers flushing at once never leak. A store written before the owners' lists
+# existed (no "n") has them made from its log once, oldest first.
 _ADD_SCRIPT = """
 local log, max, p = KEYS[1], tonumber(ARGV[1]), ARGV[2]
+local owners, count = p .. 'owners', p .. 'n'
+local function hold(uid, k)
+  local o = string.sub(k, 1, (string.find(k, ':', 1, true) or 1) - 1)
+  redis.call('LPUSH', p .. 'o:' .. o, uid .. '\t' .. k)
+  redis.call('ZINCRBY', owners, 1, o)
+end
+local n = tonumber(redis.call('GET', count) or '-1')
+if n < 0 then
+  n = 0
+  local old = redis.call('LRANGE', log, 0, -1)
+  for j = #old, 1, -1 do
+    local s = old[j]
+    local t1 = string.find(s, '\t', 1, true)
+    local t2 = t1 and string.find(s, '\t', t1 + 1, true)
+    if t2 and redis.call('EXISTS', p .. 'r:' .. string.sub(s, 1, t1 - 1)) == 1 then
+      hold(string.sub(s, 1, t1 - 1), string.sub(s, t1 + 1, t2 - 1))
+      n = n + 1
+    end
+  end
+end
 for i = 3, #ARGV, 4 do
   redis.call('SET', p .. 'r:' .. ARGV[i], ARGV[i + 3])
   redis.call('SET', p .. 'k:' .. ARGV[i + 1], ARGV[i])
   redis.call('LPUSH', log, ARGV[i + 2])
+  hold(ARGV[i], ARGV[i + 1])
+  n = n + 1
 end
-local n = redis.call('LLEN', log)
-if n > max then
-  local old = redis.call('LRANGE', log, max, -1)
-  redis.call('LTRIM', log, 0, max - 1)
-  for _, s in ipairs(old) do
-    local t1 = string.find(s, '\\t', 1, true)
-    local t2 = t1 and string.find(s, '\\t', t1 + 1, true)
-    if t2 then
-      local uid, k = string.sub(s, 1, t1 - 1), string.sub(s, t1 + 1, t2 - 1)
-      redis.call('DEL', p .. 'r:' .. uid)
-      if redis.call('GET', p .. 'k:' .. k) == uid then redis.call('DEL', p .. 'k:' .. k) end
-    end
-  end
+redis.call('LTRIM', log, 0, max - 1)
+while n > max do
+  local o = redis.call('ZREVRANGE', owners, 0, 0)[1]
+  local e = redis.call('RPOP', p .. 'o:' .. o)
+  if redis.call('ZINCRBY', owners, -1, o) + 0 <= 0 then redis.call('ZREM', owners, o) end
+  n = n - 1
+  local t = string.find(e, '\t', 1, true)
+  local uid, k = string.sub(e, 1, t - 1), string.sub(e, t + 1)
+  redis.call('DEL', p .. 'r:' .. uid)
+  if redis.call('GET', p .. 'k:' .. k) == uid then redis.call('DEL', p .. 'k:' .. k) end
 end
+redis.call('SET', count, n)
 return n
 """
 
@@ -356,7 +433,12 @@ class RedisStore:
         return None if uid is None else self.body(cast(bytes, uid).decode())
 
     def count(self) -> int:
-        return int(self.client.llen(self.log_key))
+        held = self.client.get(self.prefix + "n")
+        return int(self.client.llen(self.log_key) if held is None else cast(bytes, held))
+
+    def held(self, owner: str) -> int:
+        """How many traces ``owner`` holds here."""
+        return int(self.client.zscore(self.prefix + "owners", pair_key(owner, "")[:-1]) or 0)
 
 
 _local: LocalStore | None = None

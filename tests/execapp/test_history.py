@@ -328,9 +328,10 @@ def test_the_redis_store_is_bounded_and_shared(redis_url: str, settings: Any) ->
     assert [s.id for s in store.scan()][:3] == ["e119", "e118", "e117"]
     assert json.loads(store.get("tenant:a", "e119") or "") == json.loads(to_json(_record(119)))
     assert store.get("tenant:a", "e60") is None and store.body("u60") is None
-    # Every body and pointer of a trimmed trace is gone: 50 bodies + 50 pointers + the log.
+    # Every body and pointer of a trimmed trace is gone: 50 bodies + 50 pointers + the log, the
+    # owner's list, the owners' counts and the total.
     keys = store.client.keys(store.prefix + "*")
-    assert len(keys) == 101
+    assert len(keys) == 104 and store.client.llen(store.prefix + "o:" + pair_key("tenant:a", "")[:-1]) == 50
     # Another process (a second worker) sees the same traces.
     other = RedisStore(redis_url, 50)
     assert other.get("tenant:a", "e100") == store.get("tenant:a", "e100")
@@ -629,8 +630,8 @@ def test_the_local_store_adds_nothing_for_the_garbage_collector_to_walk() -> Non
                   "ping", "sync", 0.0, None, 0.001, "pong", None, True)
     store.add([common])  # the common event: a flat tuple of plain values, kept as it is
     gc.collect()
-    assert not any(gc.is_tracked(item) for item in store._items)
-    assert not any(gc.is_tracked(v) for v in [*store._by_uid.values(), *store._by_key.values()])
+    assert not any(gc.is_tracked(kept) or gc.is_tracked(kept[1]) for kept in store._items.values())
+    assert not any(gc.is_tracked(v) for v in store._by_key.values())
     assert json.loads(store.body("u3") or "") == json.loads(to_json(_record(3)))
     assert json.loads(store.body("f1") or "") == json.loads(to_json(_record(1, uid="f1", id="e-f", ts=1000.5)))
 
