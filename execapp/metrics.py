@@ -98,7 +98,7 @@ CONNECTIONS_CLOSED = Counter("execapp_connections_closed_total", "Connections th
                              "limit, by reason: handshake_timeout (request line and headers not in "
                              "EXECAPP['HANDSHAKE_TIMEOUT_SECONDS']), pending_cap (the oldest waiting past "
                              "EXECAPP['MAX_PENDING_CONNECTIONS']), header_too_large (request line and headers "
-                             "over 64 KiB), body_too_large, body_timeout (execapp.http_limits), "
+                             "over 64 KiB), body_too_large, body_timeout, body_pending_cap (execapp.http_limits), "
                              "too_many_control_frames, too_many_fragments (execapp.ws_flow).",
                              ["reason"])
 HISTORY_TRACES = Counter("execapp_history_traces_total", "Event traces recorded (docs/observability.md).")
