@@ -104,6 +104,10 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
+# Django's ModelBackend with at most EXECAPP['MAX_PASSWORD_CHECKS'] password checks at once per
+# worker: each is ~0.5 s of CPU, and anyone may ask for one at the admin's login.
+AUTHENTICATION_BACKENDS = ["execapp.login_limit.LimitedModelBackend"]
+
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

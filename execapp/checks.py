@@ -11,8 +11,8 @@ from .engine.engine import OVERFLOW_POLICIES
 
 _POSITIVE_INTS = ("POOL_MAX_WORKERS", "POOL_QUEUE_SIZE", "PROFILE_WINDOW", "MAX_FRAME_BYTES",
                   "MAX_IN_FLIGHT_PER_CONNECTION", "MAX_FRAME_DEPTH", "MAX_CONNECTIONS_PER_OWNER",
-                  "MAX_REQUEST_BODY_BYTES", "HISTORY_FAILURES_PER_OWNER", "INLINE_MAX_MEMORY_MB",
-                  "MAX_TOKEN_LOOKUPS")
+                  "MAX_REQUEST_BODY_BYTES", "MAX_PENDING_BODY_BYTES", "HISTORY_FAILURES_PER_OWNER",
+                  "INLINE_MAX_MEMORY_MB", "MAX_TOKEN_LOOKUPS", "MAX_PASSWORD_CHECKS")
 _POSITIVE_NUMBERS = ("SLOW_THRESHOLD_SECONDS", "OVERFLOW_WAIT_SECONDS", "PROFILE_FLUSH_SECONDS",
                      "SNAPSHOT_SECONDS", "WORKER_STALE_SECONDS", "WORKER_DROP_SECONDS",
                      "REGISTRY_POLL_SECONDS", "DRAIN_TIMEOUT_SECONDS", "SHUTDOWN_GRACE_SECONDS",
@@ -64,7 +64,37 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     errors += _resilience_checks()
     errors += _handshake_checks()
     errors += _auth_throttle_checks()
+    errors += _pending_body_checks()
+    errors += _password_check_checks()
     return errors
+
+
+#: The backend that caps concurrent password checks, and the one it replaces.
+_LIMITED_BACKEND = "execapp.login_limit.LimitedModelBackend"
+_PLAIN_BACKEND = "django.contrib.auth.backends.ModelBackend"
+
+
+def _password_check_checks() -> list[checks.CheckMessage]:
+    """Sign-ins go through the backend that caps concurrent password checks (execapp/login_limit.py)."""
+    backends = list(getattr(settings, "AUTHENTICATION_BACKENDS", [_PLAIN_BACKEND]))
+    if _PLAIN_BACKEND in backends:
+        return [checks.Warning(
+            f"AUTHENTICATION_BACKENDS uses {_PLAIN_BACKEND}: every sign-in attempt (the admin's login, no "
+            "credentials needed) hashes a password (~0.5 s of CPU) with no limit on how many run at once",
+            hint=f"Use {_LIMITED_BACKEND!r} in its place (at most EXECAPP['MAX_PASSWORD_CHECKS'] at once per "
+                 "worker).", id="execapp.W096")]
+    return []
+
+
+def _pending_body_checks() -> list[checks.CheckMessage]:
+    """The bytes of request bodies arriving at once (execapp/http_limits.py) hold the largest one."""
+    pending, largest = conf.get("MAX_PENDING_BODY_BYTES"), conf.get("MAX_REQUEST_BODY_BYTES")
+    if _number(pending, True) and _number(largest, True) and 0 < pending < largest:
+        return [checks.Warning(
+            f"EXECAPP['MAX_PENDING_BODY_BYTES'] is {pending!r}{_from('MAX_PENDING_BODY_BYTES')}, below "
+            f"MAX_REQUEST_BODY_BYTES ({largest!r}): a body larger than it is refused (503) even when it arrives alone",
+            hint="Keep it at least MAX_REQUEST_BODY_BYTES (default 64 MiB, eight 8 MiB bodies).", id="execapp.W095")]
+    return []
 
 
 def _auth_throttle_checks() -> list[checks.CheckMessage]:

@@ -65,6 +65,16 @@ DEFAULTS: dict[str, Any] = {
     # lets that upload come at ~70 KB/s (a slow mobile link) and bounds how long a body holds a socket.
     "MAX_REQUEST_BODY_BYTES": 8 * 1_048_576,
     "REQUEST_BODY_TIMEOUT_SECONDS": 60.0,
+    # The bytes of request bodies still arriving that one worker process holds at once (Django's
+    # spool: memory up to 2.5 MiB a body, then disk); past it the body arriving the longest is
+    # answered 503 (execapp/http_limits.py), so stalled bodies on many connections cannot take the
+    # worker's memory. 64 MiB is eight of the largest uploads arriving together.
+    "MAX_PENDING_BODY_BYTES": 64 * 1_048_576,
+    # Password checks (a sign-in attempt: the admin's login) one worker process runs at once
+    # (execapp/login_limit.py): each is ~0.5 s of CPU (PBKDF2), for an unknown user too, and needs
+    # no credentials to ask for; past it the attempt is refused before hashing ("try again in a
+    # moment"), so a flood of them holds at most this many threads of CPU.
+    "MAX_PASSWORD_CHECKS": 2,
     # WebSocket protocol.
     "MAX_FRAME_BYTES": 64 * 1024,
     "MAX_IN_FLIGHT_PER_CONNECTION": 100,

@@ -98,9 +98,12 @@ CONNECTIONS_CLOSED = Counter("execapp_connections_closed_total", "Connections th
                              "limit, by reason: handshake_timeout (request line and headers not in "
                              "EXECAPP['HANDSHAKE_TIMEOUT_SECONDS']), pending_cap (the oldest waiting past "
                              "EXECAPP['MAX_PENDING_CONNECTIONS']), header_too_large (request line and headers "
-                             "over 64 KiB), body_too_large, body_timeout (execapp.http_limits), "
+                             "over 64 KiB), body_too_large, body_timeout, body_pending_cap (execapp.http_limits), "
                              "too_many_control_frames, too_many_fragments (execapp.ws_flow).",
                              ["reason"])
+PASSWORD_CHECKS_REFUSED = Counter("execapp_password_checks_refused_total", "Sign-in attempts refused before "
+                                  "any password hashing because the worker already ran "
+                                  "EXECAPP['MAX_PASSWORD_CHECKS'] checks (execapp.login_limit).")
 HISTORY_TRACES = Counter("execapp_history_traces_total", "Event traces recorded (docs/observability.md).")
 HISTORY_DROPPED = Counter("execapp_history_dropped_total", "Trace items dropped because the recorder's buffer was "
                           "full (its housekeeper fell behind).")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 from array import array
 from dataclasses import dataclass
 from itertools import accumulate
@@ -139,7 +140,7 @@ def parse_request(text: str | None, data: bytes | None, limits: Limits) -> tuple
     except RecursionError:  # a limit configured near the interpreter's own: still refused, not raised
         raise _too_deep(limits) from None
     except ValueError as exc:
-        raise ProtocolError("bad_json", f"frame is not valid JSON: {exc}") from None
+        raise ProtocolError("bad_json", f"frame is not valid JSON: {_json_problem(exc)}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("bad_event", f"frame must be a JSON object like {{\"type\": \"message\", \"text\": "
                                          f"\"/ping\"}}, got a JSON {type(obj).__name__}")
@@ -149,6 +150,17 @@ def parse_request(text: str | None, data: bytes | None, limits: Limits) -> tuple
     if "\\u" in text and ("\\ud" in text or "\\uD" in text):
         _check_unicode(obj)
     return _event_from(obj, chars)
+
+
+def _json_problem(exc: ValueError) -> str:
+    """What the decoder's ``exc`` says, in the client's terms. Python's own message for an integer
+    past its conversion limit tells the reader to call sys.set_int_max_str_digits(): a fix on the
+    server, not one a client can make."""
+    text = str(exc)
+    if "integer string conversion" in text:
+        return (f"an integer has more than {sys.get_int_max_str_digits()} digits, more than the server reads; "
+                "send it as a string")
+    return text
 
 
 def _no_constant(name: str) -> Any:

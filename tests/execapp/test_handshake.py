@@ -23,7 +23,7 @@ import uvloop
 from websockets.asyncio.client import connect
 
 from execapp import handshake
-from tests.conftest import ServerProcess, free_port, manage, wait_until
+from tests.conftest import LIVENESS, ServerProcess, free_port, manage, wait_until
 
 TIMEOUT = 1.0
 CAP = 8
@@ -304,6 +304,59 @@ def test_a_burst_over_the_cap_whose_requests_are_in_is_served_whole(loop_name: s
                 answered += data.startswith(b"HTTP/1.1 200")
         assert answered == len(burst)
     finally:
+        server.should_exit = True
+        thread.join(10)
+        loop.close()
+
+
+def test_pipelined_requests_queue_a_bounded_number_and_are_all_answered_in_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn parsed a whole read of pipelined requests at once and queued them all (200 KB of small
+    GETs: ~6,400 queued, +12 MB per connection); now at most MAX_PIPELINED and one slice's worth."""
+    monkeypatch.setattr(handshake, "_pending", handshake.PendingConnections(timeout=30.0, cap=CAP))
+    release = threading.Event()
+    protocols: list[handshake.HandshakeDeadlineProtocol] = []
+    longest = [0]
+    made = handshake.HandshakeDeadlineProtocol.connection_made
+
+    def connection_made(self: handshake.HandshakeDeadlineProtocol, transport: Any) -> None:
+        protocols.append(self)
+        made(self, transport)
+
+    monkeypatch.setattr(handshake.HandshakeDeadlineProtocol, "connection_made", connection_made)
+
+    async def held_app(scope: dict, receive: Any, send: Any) -> None:  # answers once released, its path
+        longest[0] = max(longest[0], len(protocols[0].pipeline))
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"8")]})
+        await send({"type": "http.response.body", "body": scope["path"].encode().ljust(8)})
+
+    server = uvicorn.Server(uvicorn.Config(held_app, port=free_port(), http=handshake.HandshakeDeadlineProtocol,
+                                           lifespan="off", log_level="warning", access_log=False))
+    loop = uvloop.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: server.started, 10)
+        count = 200_000 // len(b"GET /000000 HTTP/1.1\r\nHost: a\r\n\r\n")
+        with socket.create_connection(("127.0.0.1", server.config.port), timeout=LIVENESS) as sock:
+            sock.sendall(b"".join(b"GET /%06d HTTP/1.1\r\nHost: a\r\n\r\n" % i for i in range(count)))
+            assert wait_until(lambda: protocols and protocols[0].pipeline, LIVENESS)  # the read was parsed
+            # What the worker holds for this connection while the first request is held: a few requests.
+            queued = len(protocols[0].pipeline)
+            assert queued <= handshake.MAX_PIPELINED + handshake.PARSE_SLICE // 32, queued
+            release.set()
+            data = b""
+            while data.count(b"HTTP/1.1 200") < count:
+                chunk = sock.recv(1 << 16)
+                assert chunk, f"closed after {data.count(b'HTTP/1.1 200')} of {count} answers"
+                data += chunk
+        paths = [int(part[:6]) for part in data.split(b"\r\n\r\n/")[1:]]
+        assert paths == list(range(count)), "answers missing or out of order"
+        assert longest[0] <= handshake.MAX_PIPELINED + handshake.PARSE_SLICE // 32, longest[0]
+    finally:
+        release.set()
         server.should_exit = True
         thread.join(10)
         loop.close()

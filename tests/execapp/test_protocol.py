@@ -578,3 +578,15 @@ def _eager_schedule(ops: list[tuple[str, int]]) -> None:
                 max_size=40))
 def test_an_eager_outbox_keeps_order_and_runs_each_callback_once_whatever_waits(ops: list[tuple[str, int]]) -> None:
     _eager_schedule(ops)
+
+
+def test_an_integer_past_python_s_digit_limit_is_bad_json_with_a_fix_the_client_can_make() -> None:
+    # Python's own message said "use sys.set_int_max_str_digits() to increase the limit": a call on
+    # the server, not anything the client sending the frame can do.
+    import sys
+
+    with pytest.raises(ProtocolError) as refused:
+        parse_frame('{"id":"a","type":"t","data":{"n":' + "9" * 5000 + "}}", None, Limits())
+    assert refused.value.code == "bad_json"
+    assert f"more than {sys.get_int_max_str_digits()} digits" in refused.value.message
+    assert "send it as a string" in refused.value.message and "set_int_max_str_digits" not in refused.value.message
