@@ -213,10 +213,13 @@
       },
     });
     // The typed array constructors read an array-like first argument by index too: each is
-    // replaced by one that copies such an argument first (a buffer, a view, an iterable or a
-    // genuine array goes to the native as it is), with the same prototype, statics and
-    // subclassing. Made in every Context: ~30 us of a per_request call (accessors that would
-    // make them at first use cost as much).
+    // replaced by a proxy of the native whose one trap, construct, copies such an argument first
+    // (a buffer, a view, an iterable or a genuine array goes to the native as it is). Everything
+    // else (name, length, prototype, statics, subclassing, a call without new) is the native's
+    // own, forwarded, and a proxy never hands out its target: only `constructor` on each
+    // prototype and the global named the native. (A wrapper function per constructor, with its
+    // prototype, statics and chain redefined, cost ~27,000 instructions each in every Context,
+    // a sixth of the prelude; the proxies ~1,500.)
     const byteLengths = [ArrayBuffer, g.SharedArrayBuffer].map((B) =>
       typeof B === "function" ? Reflect.getOwnPropertyDescriptor(B.prototype, "byteLength").get : null);
     const isBuffer = (v) => {  // (no method calls: Array.prototype.some is the guest's by then)
@@ -226,23 +229,25 @@
       }
       return false;
     };
-    for (const N of [Int8Array, Uint8Array, Uint8ClampedArray, Int16Array, Uint16Array, Int32Array, Uint32Array,
-                     g.Float16Array, Float32Array, Float64Array, g.BigInt64Array, g.BigUint64Array]) {
+    // `args` is a genuine array the engine made for this call, index 0 its own when there is
+    // one: written in place, no setter. A newTarget that is the proxy itself gives the native's
+    // prototype (read through the proxy, no trap).
+    const taTraps = {__proto__: null, construct(N, args, nt) {
+      const a = args.length > 0 ? args[0] : undefined;
+      if (isView(a) && taLen(a) > TA_CHUNK) return slow().taCopy(N, a, nt);  // a typed array: set's chunks
+      if (!primitive(a) && !isView(a) && !isBuffer(a)) args[0] = source(a);
+      return nConstruct(N, args, nt);
+    }};
+    const taNames = ["Int8Array", "Uint8Array", "Uint8ClampedArray", "Int16Array", "Uint16Array", "Int32Array",
+                     "Uint32Array", "Float16Array", "Float32Array", "Float64Array", "BigInt64Array", "BigUint64Array"];
+    for (let i = 0; i < taNames.length; i++) {
+      const name = taNames[i], N = g[name];
       if (typeof N !== "function") continue;
-      const name = N.name;
-      const W = {[name]: function (a, b, c) {
-        if (new.target === undefined) throw new TypeError("constructor " + name + " requires 'new'");
-        const nt = new.target === W ? N : new.target;
-        if (isView(a) && taLen(a) > TA_CHUNK) return slow().taCopy(N, a, nt);  // a typed array: set's chunks
-        const args = !primitive(a) && !isView(a) && !isBuffer(a) ? [source(a), b, c] : arguments;
-        return nConstruct(N, args, nt);
-      }}[name];
+      const P = new NativeProxy(N, taTraps);
       kinds[name] = N;
-      defineProp(W, "prototype", {value: N.prototype, writable: false});
-      defineProp(W, "BYTES_PER_ELEMENT", {value: N.BYTES_PER_ELEMENT});
-      defineProp(N.prototype, "constructor", {value: W});
-      Reflect.setPrototypeOf(W, TA);
-      defineProp(g, name, {value: W});
+      // (Plain writes: both are writable, configurable data properties, and keep their attributes.)
+      N.prototype.constructor = P;
+      g[name] = P;
     }
   }
 
