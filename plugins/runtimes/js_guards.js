@@ -50,8 +50,11 @@
   let slowPaths = null;
   const taNatives = {__proto__: null};  // filled in with the typed arrays' natives below
   // Everything the slow paths use was captured above, before any guest code: a guest's own
-  // String.prototype.slice, say, could hand a native search the whole string again.
-  const slow = () => slowPaths ??= NativeFunction("c", __GUARDS_SLOW__)({
+  // String.prototype.slice, say, could hand a native search the whole string again. Their text
+  // is a tagged template's (cooked) string: the bytecode carries that as a plain string, copied
+  // as it is read, where a string literal is an atom, hashed in full in every new Context
+  // (~10,000 characters: ~70,000 instructions, a twentieth of the prelude).
+  const slow = () => slowPaths ??= NativeFunction("c", ((t) => t[0])__GUARDS_SLOW__)({
     apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
     sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
     getOwnDescriptor, ITERATOR: ITER, TA: taNatives});
