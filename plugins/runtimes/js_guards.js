@@ -124,25 +124,24 @@
   // the ones that collect, toArray, Array.from, chunks..., meet the memory cap.)
   const IP = typeof Iterator === "function" ? Iterator.prototype : null, nativeMap = IP && IP.map;
   const pass = (v) => v, stepped = (it) => apply(nativeMap, it, [pass]);
-  // (Computed method names: each wrapper is named as the method it guards and is no constructor;
-  // all of these take one declared argument, as the natives do.)
-  const iterHelper = (name) => {
-    const native = IP[name];
-    return typeof native === "function" ? {[name](x) { return apply(native, stepped(this), arguments); }}[name] : native;
+  // Each of these natives is replaced by a proxy of it whose apply trap (one per kind) steps the
+  // iterator: name and length are the native's own, forwarded (see arrayTraps). `args` is a
+  // genuine array the engine made for the call.
+  const proxied = (o, names, traps) => {
+    for (let i = 0; i < names.length; i++) {
+      const native = o[names[i]];
+      if (typeof native === "function") o[names[i]] = new NativeProxy(native, traps);
+    }
   };
   if (typeof nativeMap === "function") {
-    assign(IP, {drop: iterHelper("drop"), includes: iterHelper("includes"), join: iterHelper("join")});
+    proxied(IP, ["drop", "includes", "join"],
+            {__proto__: null, apply: (native, self, args) => apply(native, stepped(self), args)});
     const nativeSum = Math.sumPrecise;
     if (typeof nativeSum === "function")
       assign(Math, {sumPrecise(items) { return apply(nativeSum, Math, [slow().iterable(items, stepped)]); }});
-    const SetP = Set.prototype, setOp = (name) => {
-      const native = SetP[name];
-      return typeof native === "function" ?
-        {[name](other) { return apply(native, this, [slow().setLike(other, stepped)]); }}[name] : native;
-    };
-    assign(SetP, {union: setOp("union"), intersection: setOp("intersection"), difference: setOp("difference"),
-                  symmetricDifference: setOp("symmetricDifference"), isSupersetOf: setOp("isSupersetOf"),
-                  isDisjointFrom: setOp("isDisjointFrom")});
+    proxied(Set.prototype, ["union", "intersection", "difference", "symmetricDifference", "isSupersetOf",
+                            "isDisjointFrom"], {__proto__: null, apply: (native, self, args) =>
+      apply(native, self, [slow().setLike(args.length > 0 ? args[0] : undefined, stepped)])});
   }
 
   // -- Lists read by index in C: an argument list (apply, Reflect.apply, Reflect.construct), an
