@@ -230,8 +230,9 @@ __NATIVE_GUARDS__
 })();
 """
 
-#: The Array.prototype methods that walk ``length`` in C and that this QuickJS has, each wrapped
-#: by the guards' ``guarded`` (js_guards.js: concat, flat and flatMap have wrappers of their own).
+#: The Array.prototype methods that walk ``length`` in C and that this QuickJS has, each replaced
+#: by a proxy with the guards' ``arrayTraps`` (js_guards.js: concat, flat and flatMap have
+#: wrappers of their own).
 #: Asked once, of a scratch Context, so that no guard adds a method.
 _GUARDED_METHODS = tuple(json.loads(quickjs.Context().eval("JSON.stringify(%s.filter(n => typeof Array.prototype[n] "
                                                            "=== 'function'))" % json.dumps([
@@ -244,18 +245,20 @@ def _code_lines(path: Path) -> str:
     return "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("//"))
 
 
+def _template(text: str) -> str:
+    """``text`` as a JS template literal whose cooked string is ``text`` (the tag sees it as is)."""
+    return "`" + text.replace("\\", "\\\\").replace("`", "\\`").replace("${", "\\${") + "`"
+
+
 # The guards are inlined into the prelude's function, their slow paths as the text of a function
-# body that a Context compiles when it first needs one. Method shorthand: each wrapper is named as
-# the method it guards and, like a built-in method, is no constructor.
+# body (a template literal) that a Context compiles when it first needs one.
 _PRELUDE = (_PRELUDE.replace("__MAX_REPLY__", str(MAX_REPLY_BYTES)).replace("__MAX_ERROR__", str(MAX_ERROR_CHARS))
             .replace("__MAX_LOG__", str(MAX_LOG_CHARS)).replace("__MAX_STEP__", str(MAX_STEP_CHARS))
             .replace("__MAX_KEY__", str(MAX_KEY_CHARS)).replace("__MAX_VALUE__", str(MAX_VALUE_CHARS)))
 _PRELUDE = _PRELUDE.replace("__NATIVE_GUARDS__", (Path(__file__).with_name("js_guards.js").read_text()
-    .replace("__GUARDS_SLOW__", json.dumps(_code_lines(Path(__file__).with_name("js_guards_slow.js"))))
+    .replace("__GUARDS_SLOW__", _template(_code_lines(Path(__file__).with_name("js_guards_slow.js"))))
     .replace("__GUARDED_ORIGINALS__", "[" + ", ".join(f"AP.{name}" for name in _GUARDED_METHODS) + "]")
     .replace("__GUARDED_NAMES__", json.dumps(_GUARDED_METHODS))
-    .replace("__GUARDED_WRAPPERS__", "{" + ", ".join(
-        f"{name}(...args) {{ return guarded(this, {i}, args); }}" for i, name in enumerate(_GUARDED_METHODS)) + "}")
 ))
 
 # Only for validation (list_functions): kept out of _PRELUDE because QuickJS compiles every

@@ -50,8 +50,11 @@
   let slowPaths = null;
   const taNatives = {__proto__: null};  // filled in with the typed arrays' natives below
   // Everything the slow paths use was captured above, before any guest code: a guest's own
-  // String.prototype.slice, say, could hand a native search the whole string again.
-  const slow = () => slowPaths ??= NativeFunction("c", __GUARDS_SLOW__)({
+  // String.prototype.slice, say, could hand a native search the whole string again. Their text
+  // is a tagged template's (cooked) string: the bytecode carries that as a plain string, copied
+  // as it is read, where a string literal is an atom, hashed in full in every new Context
+  // (~10,000 characters: ~70,000 instructions, a twentieth of the prelude).
+  const slow = () => slowPaths ??= NativeFunction("c", ((t) => t[0])__GUARDS_SLOW__)({
     apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
     sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
     getOwnDescriptor, ITERATOR: ITER, TA: taNatives});
@@ -60,18 +63,26 @@
   // fill, sort, forEach over holes... ran for minutes). Each refuses a length past MAX_LENGTH,
   // which no real array within the memory limit has. A genuine array's and a string's length is
   // data; any other receiver's is read once, and the native gets a view that reports that value.
-  // Written out by Python (_GUARDED_METHODS): the originals as one array literal and the
-  // wrappers as one object literal, set with one assign (~0.45 us a method in each new Context).
+  // Each method is replaced by a proxy of the native whose one trap, apply (shared by all of
+  // them), checks the receiver, then calls the native it is handed (the proxy's target, which a
+  // proxy never hands out). Name, length, no prototype and no [[Construct]] are the native's own,
+  // forwarded. A proxy costs a fraction of a wrapper function, each of which was a function
+  // read, a closure made and freed in every Context (~5,000 instructions a method).
+  // The originals are written out by Python (_GUARDED_METHODS) as one array literal.
   const original = __GUARDED_ORIGINALS__, names = __GUARDED_NAMES__;
-  const guarded = (self, i, args) => {
-    if (self == null || typeof self === "string" || genuine(self)) {
-      if (self != null && self.length > MAX_LENGTH) throw tooLong("Array.prototype." + names[i], self.length);
-      return apply(original[i], self, args);
-    }
-    return slow().view(original[i], self, args, names[i]);
+  const nameOf = (native) => {  // (only for a message or the slow path: a scan of 29)
+    for (let i = 0; i < original.length; i++) if (original[i] === native) return names[i];
   };
+  // `args` is a genuine array the engine made for this call.
+  const arrayTraps = {__proto__: null, apply(native, self, args) {
+    if (self == null || typeof self === "string" || genuine(self)) {
+      if (self != null && self.length > MAX_LENGTH) throw tooLong("Array.prototype." + nameOf(native), self.length);
+      return apply(native, self, args);
+    }
+    return slow().view(native, self, args, nameOf(native));
+  }};
   // Set, not defined: each property stays writable, configurable and not enumerable.
-  assign(AP, __GUARDED_WRAPPERS__);
+  for (let i = 0; i < names.length; i++) AP[names[i]] = new NativeProxy(original[i], arrayTraps);
   // concat also walks its arguments, and flat/flatMap the arrays nested in their receiver: their
   // lengths are not the receiver's. concat runs natively on genuine arrays (and primitives) whose
   // lengths add up to at most MAX_LENGTH, in bytecode otherwise; flat and flatMap in bytecode.
@@ -113,25 +124,24 @@
   // the ones that collect, toArray, Array.from, chunks..., meet the memory cap.)
   const IP = typeof Iterator === "function" ? Iterator.prototype : null, nativeMap = IP && IP.map;
   const pass = (v) => v, stepped = (it) => apply(nativeMap, it, [pass]);
-  // (Computed method names: each wrapper is named as the method it guards and is no constructor;
-  // all of these take one declared argument, as the natives do.)
-  const iterHelper = (name) => {
-    const native = IP[name];
-    return typeof native === "function" ? {[name](x) { return apply(native, stepped(this), arguments); }}[name] : native;
+  // Each of these natives is replaced by a proxy of it whose apply trap (one per kind) steps the
+  // iterator: name and length are the native's own, forwarded (see arrayTraps). `args` is a
+  // genuine array the engine made for the call.
+  const proxied = (o, names, traps) => {
+    for (let i = 0; i < names.length; i++) {
+      const native = o[names[i]];
+      if (typeof native === "function") o[names[i]] = new NativeProxy(native, traps);
+    }
   };
   if (typeof nativeMap === "function") {
-    assign(IP, {drop: iterHelper("drop"), includes: iterHelper("includes"), join: iterHelper("join")});
+    proxied(IP, ["drop", "includes", "join"],
+            {__proto__: null, apply: (native, self, args) => apply(native, stepped(self), args)});
     const nativeSum = Math.sumPrecise;
     if (typeof nativeSum === "function")
       assign(Math, {sumPrecise(items) { return apply(nativeSum, Math, [slow().iterable(items, stepped)]); }});
-    const SetP = Set.prototype, setOp = (name) => {
-      const native = SetP[name];
-      return typeof native === "function" ?
-        {[name](other) { return apply(native, this, [slow().setLike(other, stepped)]); }}[name] : native;
-    };
-    assign(SetP, {union: setOp("union"), intersection: setOp("intersection"), difference: setOp("difference"),
-                  symmetricDifference: setOp("symmetricDifference"), isSupersetOf: setOp("isSupersetOf"),
-                  isDisjointFrom: setOp("isDisjointFrom")});
+    proxied(Set.prototype, ["union", "intersection", "difference", "symmetricDifference", "isSupersetOf",
+                            "isDisjointFrom"], {__proto__: null, apply: (native, self, args) =>
+      apply(native, self, [slow().setLike(args.length > 0 ? args[0] : undefined, stepped)])});
   }
 
   // -- Lists read by index in C: an argument list (apply, Reflect.apply, Reflect.construct), an
@@ -213,10 +223,13 @@
       },
     });
     // The typed array constructors read an array-like first argument by index too: each is
-    // replaced by one that copies such an argument first (a buffer, a view, an iterable or a
-    // genuine array goes to the native as it is), with the same prototype, statics and
-    // subclassing. Made in every Context: ~30 us of a per_request call (accessors that would
-    // make them at first use cost as much).
+    // replaced by a proxy of the native whose one trap, construct, copies such an argument first
+    // (a buffer, a view, an iterable or a genuine array goes to the native as it is). Everything
+    // else (name, length, prototype, statics, subclassing, a call without new) is the native's
+    // own, forwarded, and a proxy never hands out its target: only `constructor` on each
+    // prototype and the global named the native. (A wrapper function per constructor, with its
+    // prototype, statics and chain redefined, cost ~27,000 instructions each in every Context,
+    // a sixth of the prelude; the proxies ~1,500.)
     const byteLengths = [ArrayBuffer, g.SharedArrayBuffer].map((B) =>
       typeof B === "function" ? Reflect.getOwnPropertyDescriptor(B.prototype, "byteLength").get : null);
     const isBuffer = (v) => {  // (no method calls: Array.prototype.some is the guest's by then)
@@ -226,23 +239,25 @@
       }
       return false;
     };
-    for (const N of [Int8Array, Uint8Array, Uint8ClampedArray, Int16Array, Uint16Array, Int32Array, Uint32Array,
-                     g.Float16Array, Float32Array, Float64Array, g.BigInt64Array, g.BigUint64Array]) {
+    // `args` is a genuine array the engine made for this call, index 0 its own when there is
+    // one: written in place, no setter. A newTarget that is the proxy itself gives the native's
+    // prototype (read through the proxy, no trap).
+    const taTraps = {__proto__: null, construct(N, args, nt) {
+      const a = args.length > 0 ? args[0] : undefined;
+      if (isView(a) && taLen(a) > TA_CHUNK) return slow().taCopy(N, a, nt);  // a typed array: set's chunks
+      if (!primitive(a) && !isView(a) && !isBuffer(a)) args[0] = source(a);
+      return nConstruct(N, args, nt);
+    }};
+    const taNames = ["Int8Array", "Uint8Array", "Uint8ClampedArray", "Int16Array", "Uint16Array", "Int32Array",
+                     "Uint32Array", "Float16Array", "Float32Array", "Float64Array", "BigInt64Array", "BigUint64Array"];
+    for (let i = 0; i < taNames.length; i++) {
+      const name = taNames[i], N = g[name];
       if (typeof N !== "function") continue;
-      const name = N.name;
-      const W = {[name]: function (a, b, c) {
-        if (new.target === undefined) throw new TypeError("constructor " + name + " requires 'new'");
-        const nt = new.target === W ? N : new.target;
-        if (isView(a) && taLen(a) > TA_CHUNK) return slow().taCopy(N, a, nt);  // a typed array: set's chunks
-        const args = !primitive(a) && !isView(a) && !isBuffer(a) ? [source(a), b, c] : arguments;
-        return nConstruct(N, args, nt);
-      }}[name];
+      const P = new NativeProxy(N, taTraps);
       kinds[name] = N;
-      defineProp(W, "prototype", {value: N.prototype, writable: false});
-      defineProp(W, "BYTES_PER_ELEMENT", {value: N.BYTES_PER_ELEMENT});
-      defineProp(N.prototype, "constructor", {value: W});
-      Reflect.setPrototypeOf(W, TA);
-      defineProp(g, name, {value: W});
+      // (Plain writes: both are writable, configurable data properties, and keep their attributes.)
+      N.prototype.constructor = P;
+      g[name] = P;
     }
   }
 
