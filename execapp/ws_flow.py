@@ -27,6 +27,13 @@ memory per connection of a client that sends them and reads nothing), ~8 GB for 
 1,000 connections. The parser now gets a read ``PARSE_SLICE`` bytes at a time and stops once
 ``MAX_QUEUED_MESSAGES`` wait for the app; the rest of the read is kept as bytes and parsed as the
 app takes the messages, before reading resumes. Same messages, same order.
+
+A connection closed for a protocol error (these limits, or uvicorn's own: bad UTF-8, a frame over
+the size limit) gets its close frame and then a *lingering* close: the server half-closes (FIN
+after the close frame) and reads on, dropping what comes, until the client closes its side too or
+``LINGER_SECONDS`` pass. uvicorn closed the socket at once: the next frame the client had already
+sent drew a reset, its write failed, and its WebSocket library gave up on the close frame it had
+not read yet (the client saw 1006 and no reason: seen in CI with ``websockets``).
 """
 from __future__ import annotations
 
@@ -43,6 +50,8 @@ MAX_FRAGMENTS = 64
 PARSE_SLICE = 4096
 #: Messages waiting for the app past which the parser stops, the rest of the read kept as bytes.
 MAX_QUEUED_MESSAGES = 32
+#: Seconds a connection closed for a protocol error keeps reading (and dropping) what the client sends.
+LINGER_SECONDS = 2.0
 #: The ``reason`` labels of execapp_connections_closed_total for these two closes.
 TOO_MANY_CONTROL_FRAMES, TOO_MANY_FRAGMENTS = "too_many_control_frames", "too_many_fragments"
 
@@ -58,9 +67,13 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
         self._controls_since = 0.0
         #: Bytes read but not yet parsed: the app had MAX_QUEUED_MESSAGES waiting (reading is paused).
         self._unparsed = b""
+        #: Closed for a protocol error and half-closed: what comes is dropped (see the module).
+        self._lingering = False
 
     def data_received(self, data: bytes) -> None:
         """Bytes from the client: parsed a slice at a time while the app keeps up (see the module)."""
+        if self._lingering:
+            return
         if self._unparsed:  # reading is paused; a read already under way still lands here
             self._unparsed += data
         elif len(data) <= PARSE_SLICE:  # the common read: as uvicorn does
@@ -154,4 +167,23 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
         self.frames = []
         self.conn.data_to_send()  # pongs not yet written: the close goes first
         self.conn.send_close(code, reason)
-        self.handle_parser_exception()  # uvicorn's close after a protocol error: frame, disconnect, transport
+        self.handle_parser_exception()
+
+    def handle_parser_exception(self) -> None:
+        """uvicorn's close after a protocol error (the close frame written, the app told the client
+        left), with a lingering close in place of closing the socket at once (see the module)."""
+        assert self.conn.close_sent is not None
+        close = self.conn.close_sent
+        self.queue.put_nowait({"type": "websocket.disconnect", "code": close.code, "reason": close.reason})
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        self.close_sent = True  # uvicorn writes nothing more: the app's sends, pongs and keepalives are dropped
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self._lingering, self._unparsed = True, b""
+        self.transport.write_eof()  # the FIN goes after the close frame
+        # Reading resumes whatever paused it: dropping bytes holds nothing. The client's own close
+        # ends it (eof_received: uvicorn's returns None, so the transport closes itself).
+        self.transport.resume_reading()
+        # As uvicorn's close timer: the app's end then leaves the transport to it (run_asgi).
+        self.close_timer = self.loop.call_later(LINGER_SECONDS, self.transport.close)

@@ -233,3 +233,48 @@ def test_a_client_flooding_pings_it_never_reads_is_closed_at_the_limit(server: S
         sock.close()
     assert wait_until(lambda: server.closed(ws_flow.TOO_MANY_CONTROL_FRAMES) > before, 10), \
         "a client sending pings it never reads was not closed for them"
+
+
+def _frames(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """The (opcode, payload) of each whole unmasked frame a server wrote."""
+    at = 0
+    while at + 2 <= len(data):
+        opcode, size, at = data[at] & 0x0F, data[at + 1] & 0x7F, at + 2
+        if size == 126:
+            size, at = int.from_bytes(data[at:at + 2], "big"), at + 2
+        elif size == 127:
+            size, at = int.from_bytes(data[at:at + 8], "big"), at + 8
+        if at + size > len(data):
+            return
+        yield opcode, data[at:at + size]
+        at += size
+
+
+def test_a_client_closed_for_a_limit_reads_the_close_frame_even_if_it_sends_on(server: Server) -> None:
+    # The server used to close the socket right after its close frame: a frame the client sent
+    # after that drew a reset, and the client's TCP stack dropped the unread close frame with it
+    # (the client saw 1006 and no reason). It now half-closes and reads on for a while.
+    sock = _upgraded(server.port, "/ws/events/?" + server.ws_url.split("?", 1)[1])
+    sock.setblocking(True)
+    try:
+        sock.sendall(PING * (ws_flow.MAX_CONTROL_FRAMES_PER_SECOND + 1))  # one past the limit
+        time.sleep(0.5)  # closed by now
+        for _ in range(3):  # sent on, as a client that has not read yet does: no reset, no broken pipe
+            sock.sendall(PING)
+            time.sleep(0.2)
+        received = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:  # the server's FIN, right after its close frame
+                break
+            received += chunk
+        closes = [payload for opcode, payload in _frames(received) if opcode == 0x8]
+        assert closes and int.from_bytes(closes[0][:2], "big") == 1008 and b"pings" in closes[0][2:], received[-200:]
+        # The lingering is bounded: a client that never closes its side is cut off after LINGER_SECONDS.
+        time.sleep(ws_flow.LINGER_SECONDS)
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            for _ in range(5):
+                sock.sendall(PING)
+                time.sleep(0.2)
+    finally:
+        sock.close()
