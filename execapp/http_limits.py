@@ -19,6 +19,11 @@ bytes of the bodies still arriving on a worker: past ``EXECAPP['MAX_PENDING_BODY
 arriving the longest is refused (``503``, the connection closed), as execapp.handshake closes the
 oldest connection waiting for its headers: a flood of stalled bodies costs its sender its own
 oldest ones, never a request whose body comes at once. A body stops counting once it is all in.
+They are bounded in number too, an announced body counted from its request's start: a request
+whose body never comes (headers, then silence) held its connection for the whole body deadline,
+with no bytes to count. Past ``EXECAPP['MAX_PENDING_CONNECTIONS']`` bodies arriving at once (the
+bound execapp.handshake keeps on connections still sending their headers) the oldest is refused
+the same way.
 """
 from __future__ import annotations
 
@@ -48,12 +53,14 @@ def _answer(status: int, text: str) -> tuple[dict[str, Any], dict[str, Any]]:
 class _Body:
     """One request's body while it arrives: its bytes so far, and how to cut it short."""
 
-    __slots__ = ("received", "refused", "timeout")
+    __slots__ = ("received", "refused", "timeout", "crowded")
 
     def __init__(self) -> None:
         self.received = 0
         #: Why the body was refused (the first reason only), empty while it is not.
         self.refused: list[str] = []
+        #: Refused for the number of bodies arriving (MAX_PENDING_CONNECTIONS), not their bytes.
+        self.crowded = False
         #: The deadline of the receive under way (None between receives): rescheduled to now to end it.
         self.timeout: asyncio.Timeout | None = None
 
@@ -66,10 +73,13 @@ class _Body:
 
 class PendingBodies:
     """A worker's request bodies still arriving, oldest first, and their bytes so far; past ``limit``
-    bytes the oldest are refused (``BODY_PENDING_CAP``). Event loop only: no lock."""
+    bytes, or ``max_count`` bodies, the oldest are refused (``BODY_PENDING_CAP``). Event loop only: no lock."""
 
     def __init__(self) -> None:
         self.limit = int(conf.DEFAULTS["MAX_PENDING_BODY_BYTES"])
+        #: Bodies arriving at once, announced ones counted from the request's start: a body that
+        #: never comes (headers, then silence) holds its connection until the body deadline.
+        self.max_count = int(conf.DEFAULTS["MAX_PENDING_CONNECTIONS"])
         self.bytes = 0
         # A dict keeps insertion order: its first key is the body arriving the longest.
         self._bodies: dict[_Body, None] = {}
@@ -84,26 +94,29 @@ class PendingBodies:
             self.bytes -= body.received
 
     def grew(self, body: _Body, size: int) -> None:
-        """``size`` more bytes of ``body`` came (counted from its first part on): refuse the oldest
-        bodies until the rest fit in the limit."""
+        """``size`` more bytes of ``body`` came (0: it is announced): refuse the oldest bodies until
+        the rest fit in the limits."""
         if body not in self._bodies:
             self._bodies[body] = None
         body.received += size
         self.bytes += size
-        while self.bytes > self.limit and self._bodies:
+        while self._bodies and (self.bytes > self.limit or len(self._bodies) > self.max_count):
             oldest = next(iter(self._bodies))
+            oldest.crowded = self.bytes <= self.limit
             self.remove(oldest)
             oldest.refuse(BODY_PENDING_CAP)
 
 
 def _declared_length(scope: dict[str, Any]) -> int | None:
-    """The request's Content-Length, or None (no body announced, or a chunked one)."""
+    """The request's Content-Length, or None (no body announced, or a chunked one: -1)."""
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
             try:
                 return int(value)
             except ValueError:
                 return None  # the HTTP parser refuses such a request before it gets here
+        if name == b"transfer-encoding":
+            return -1
     return None
 
 
@@ -129,8 +142,11 @@ class RequestBodyLimit:
         deadline = asyncio.get_running_loop().time() + timeout
         pending = self.pending
         pending.limit = int(conf.get("MAX_PENDING_BODY_BYTES"))
+        pending.max_count = int(conf.get("MAX_PENDING_CONNECTIONS"))
         body = _Body()
         refused = body.refused
+        if declared is not None and declared != 0:  # a body is coming: it counts from now
+            pending.grew(body, 0)
         started = False
         received = 0
         body_done = False
@@ -179,9 +195,11 @@ class RequestBodyLimit:
                 await self._refuse(send, BODY_TOO_LARGE, 413, f"request body over the limit of {limit} bytes "
                                                               "(EXECAPP['MAX_REQUEST_BODY_BYTES'])\n")
             elif refused[0] == BODY_PENDING_CAP:
-                await self._refuse(send, BODY_PENDING_CAP, 503, "request body not all in while this server was "
-                                   f"receiving more than {pending.limit} bytes of request bodies at once (EXECAPP["
-                                   "'MAX_PENDING_BODY_BYTES']), and it had been arriving the longest; send it again\n")
+                over = (f"more than {pending.max_count} request bodies at once (EXECAPP['MAX_PENDING_CONNECTIONS'])"
+                        if body.crowded else f"more than {pending.limit} bytes of request bodies at once "
+                                             "(EXECAPP['MAX_PENDING_BODY_BYTES'])")
+                await self._refuse(send, BODY_PENDING_CAP, 503, f"request body not all in while this server was "
+                                   f"receiving {over}, and it had been arriving the longest; send it again\n")
             else:
                 await self._refuse(send, BODY_TIMEOUT, 408, f"request body not all in {timeout:g} s "
                                                             "(EXECAPP['REQUEST_BODY_TIMEOUT_SECONDS'])\n")

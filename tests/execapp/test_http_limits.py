@@ -235,3 +235,22 @@ async def test_past_the_pending_body_bytes_the_body_arriving_longest_is_refused_
     stalled[1].incoming.put_nowait({"type": "http.disconnect"})
     await asyncio.wait_for(stalled[1].task, 10)
     assert limit.pending.bytes == 0 and len(limit.pending) == 0
+
+
+async def test_past_max_pending_connections_bodies_that_never_come_cost_their_sender_its_oldest(settings: Any) -> None:
+    # A request whose body never comes (headers, then silence) held its connection and its task
+    # until the body deadline, counted nowhere: its bytes are none. Announced bodies are counted
+    # from the request's start, and at most MAX_PENDING_CONNECTIONS arrive at once.
+    settings.EXECAPP = {"MAX_PENDING_CONNECTIONS": 2, "REQUEST_BODY_TIMEOUT_SECONDS": 3600.0}
+    limit = http_limits.RequestBodyLimit(_each_request_s_app)
+    silent = [_Request(limit, 5000) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert await wait_until_async(lambda: silent[0].task.done(), 10)
+    assert silent[0].status == 503 and b"MAX_PENDING_CONNECTIONS" in silent[0].sent[1]["body"]
+    assert not silent[1].task.done() and not silent[2].task.done() and len(limit.pending) == 2
+    await silent[1].part(5000, more=False)  # the others are still served when their body comes
+    await asyncio.wait_for(silent[1].task, 10)
+    assert silent[1].status == 200 and len(limit.pending) == 1
+    silent[2].incoming.put_nowait({"type": "http.disconnect"})
+    await asyncio.wait_for(silent[2].task, 10)
+    assert len(limit.pending) == 0
