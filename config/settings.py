@@ -102,7 +102,7 @@ if REDIS_URL:
         }
     }
 else:
-    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    CHANNEL_LAYERS = {"default": {"BACKEND": "execapp.channel_layer.InMemoryChannelLayer"}}
 
 # Django's ModelBackend with at most EXECAPP['MAX_PASSWORD_CHECKS'] password checks at once per
 # worker: each is ~0.5 s of CPU, and anyone may ask for one at the admin's login.

@@ -210,3 +210,29 @@ async def test_an_owner_s_dispatch_is_charged_to_its_share_while_another_owner_i
     await conn.receive(json.dumps({"id": "w2", "text": "work"}))
     assert busy.owed and busy.enforced
     assert calm.level == pytest.approx(0.25) and not calm.owed
+
+
+async def test_an_owner_s_session_deliveries_are_charged_to_its_share(clock: ManualClock,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """One frame in a session of many members is that many frames written on the loop: each
+    member's delivery is its owner's loop time (they are all the publisher's owner's)."""
+    from execapp import connection
+
+    monkeypatch.setattr(connection, "monotonic", clock)
+    group = loop_share.ShareGroup()
+    fanning, calm = LoopShare(0.25, group=group), LoopShare(0.25, group=group)
+
+    async def slow_send(text: str) -> None:  # writing a frame: 3 ms of the loop
+        clock.now += 0.003
+
+    member = Connection(Engine(pool_enabled=False), Admission(), Limits(), slow_send, owner="tenant:fan",
+                        decode_share=fanning)
+    other = Connection(Engine(pool_enabled=False), Admission(), Limits(), slow_send, owner="tenant:calm",
+                       decode_share=calm)
+    await other.receive(json.dumps({"id": "c1", "text": "hello"}))  # the other owner is active
+    for n in range(300):  # 300 members' worth of one frame each
+        member.session_frame(json.dumps({"type": "reply", "id": f"e{n}", "text": "pong"}), "room")
+        await asyncio.sleep(0)
+    # ~0.9 s written, ~0.45 s refilled meanwhile (an even split of two owners: 0.5 s a second).
+    assert fanning.owed and fanning.level < -0.1, fanning.level
+    assert not calm.owed
