@@ -411,9 +411,10 @@ class _Reply:
 class LuaInstance(_LuaVM):
     """A pooled/sharded instance: its own runtime and one environment that persists (warm)."""
 
-    def __init__(self, compiled: "LuaCompiled") -> None:
+    def __init__(self, compiled: "LuaCompiled", deadline: float | None = None) -> None:
         super().__init__(compiled.spec, compiled.bytecode)
-        self.env = self.load_env(time.monotonic() + compiled.spec.timeout)
+        due = time.monotonic() + compiled.spec.timeout
+        self.env = self.load_env(due if deadline is None else min(due, deadline))
 
     def call(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         # _LuaVM.call_env inlined (one frame less on the hot path).
@@ -472,8 +473,8 @@ class LuaCompiled:
         # exits, so a counter bumped at creation would only grow.
         self._live: weakref.WeakSet = weakref.WeakSet()
 
-    def new_instance(self) -> LuaInstance:
-        return LuaInstance(self)
+    def new_instance(self, deadline: float | None = None) -> LuaInstance:
+        return LuaInstance(self, deadline)
 
     def call_isolated(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         # One runtime per thread (a lupa runtime serializes threads on its lock); a fresh
