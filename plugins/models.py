@@ -113,6 +113,7 @@ class Plugin(models.Model):
         runtime = registry.get(self.runtime)
         if runtime is not None and runtime.binary_compiler is not None and self.source.strip():
             try:
+                registry.check_code_size(self.source)  # before the text is compiled, too
                 self.module = runtime.binary_compiler(self.source)
             except CompileError as exc:
                 raise PluginInvalid(f"plugin {self.name!r}: the {self.runtime} runtime refused the code: {exc}",

@@ -119,12 +119,21 @@ def compile_bytecode(spec: PluginSpec) -> bytes:
         raise CompileError("Lua plugins are source text, not bytes")
     if spec.code.startswith("\x1bLua"):
         raise CompileError("Lua bytecode is refused: upload the plugin's source text")
+    # Under the plugin's memory cap: the parser's tables and the bytecode (up to ~3x the source)
+    # were allocated without one, and the bytecode must fit the cap to be loaded anyway.
     rt = lupa.LuaRuntime(encoding=None, register_eval=False, register_builtins=False,
-                         attribute_filter=_refuse_attributes)
-    fn, err = _load_text(rt, spec)
-    if fn is None:
-        raise CompileError((err or b"syntax error").decode("utf-8", "replace"))
-    return rt.execute("local f = ...; return string.dump(f)", fn)
+                         attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
+    try:
+        fn, err = _load_text(rt, spec)
+        if fn is None:
+            message = (err or b"syntax error").decode("utf-8", "replace")
+            if message == "not enough memory":
+                raise lupa.LuaMemoryError(message)
+            raise CompileError(message)
+        return rt.execute("local f = ...; return string.dump(f)", fn)
+    except lupa.LuaMemoryError:
+        raise CompileError(f"compiling the source needs more than the plugin's memory cap of {spec.memory_bytes} "
+                           "bytes; make the code smaller, or raise the plugin's memory_mb", code="memory_limit") from None
 
 
 def _load_text(rt: Any, spec: PluginSpec) -> tuple[Any, bytes | None]:
