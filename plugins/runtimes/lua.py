@@ -133,7 +133,8 @@ def compile_bytecode(spec: PluginSpec) -> bytes:
         return rt.execute("local f = ...; return string.dump(f)", fn)
     except lupa.LuaMemoryError:
         raise CompileError(f"compiling the source needs more than the plugin's memory cap of {spec.memory_bytes} "
-                           "bytes; make the code smaller, or raise the plugin's memory_mb", code="memory_limit") from None
+                           "bytes; make the code smaller, or raise the plugin's memory_mb",
+                           code="memory_limit") from None
 
 
 def _load_text(rt: Any, spec: PluginSpec) -> tuple[Any, bytes | None]:
