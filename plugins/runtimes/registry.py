@@ -179,9 +179,10 @@ def check_code_size(code: str | bytes) -> None:
     if isinstance(code, str) and size * 4 > MAX_CODE_BYTES and not code.isascii():
         size = len(code.encode("utf-8", "surrogatepass"))  # (at most 4 bytes a character: only then counted)
     if size > MAX_CODE_BYTES:
+        how = "strip its debug sections (e.g. wasm-opt --strip-debug)" if isinstance(code, bytes) else "minify it"
         raise CompileError(f"the code is {size} bytes, over the limit of {MAX_CODE_BYTES} bytes for a plugin's code "
-                           "(MAX_CODE_BYTES); make it smaller: minify it, or keep large data out of the code "
-                           "(a handler can fetch it with http_get or keep it with kv_set)")
+                           f"(MAX_CODE_BYTES); make it smaller: {how}, or keep large data out of the code (a handler "
+                           "can fetch it with http_get or keep it with kv_set)")
 
 
 def compile_plugin(spec: PluginSpec) -> Compiled:
