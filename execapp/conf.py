@@ -30,6 +30,12 @@ DEFAULTS: dict[str, Any] = {
     # keeps the worst such step near 0.1 s, within the inline budget's 250 ms promise; a plugin
     # with a larger cap runs in the pool only.
     "INLINE_MAX_MEMORY_MB": 16,
+    # Bindings one plugin may have, and of them regex bindings (plugins/models.py refuses more at
+    # save; plugins/sync.py loads no more). Every message is searched with every regex binding on
+    # the event loop, disabled ones too for the unmatched hint: 5,000 regexes took 0.3 s of the
+    # loop for each 64 KB message (and up to ~50 ms each for a pattern whose DFA explodes).
+    "MAX_BINDINGS_PER_PLUGIN": 100,
+    "MAX_REGEX_BINDINGS_PER_PLUGIN": 10,
     # Asyncio overflow policy when the pool is full (engine.OVERFLOW_POLICIES): "wait" (per-client
     # backpressure for up to OVERFLOW_WAIT_SECONDS, then refuse with code "overloaded"), "reject"
     # (refuse at once) or "inline".

@@ -9,7 +9,7 @@ from django.forms.models import BaseInlineFormSet
 
 from .errors import PluginInvalid
 from .loaded import validate
-from .models import QUOTA_FIELDS, Plugin
+from .models import QUOTA_FIELDS, Plugin, check_binding_counts
 from .runtimes import registry
 from .spec import PERMISSIONS
 
@@ -95,9 +95,10 @@ class BindingFormSet(BaseInlineFormSet):
         if any(self.errors):
             return
         plugin: Plugin = self.instance
-        handlers = [f.cleaned_data["handler"] for f in self.forms
-                    if f.cleaned_data and not f.cleaned_data.get("DELETE") and f.cleaned_data.get("enabled")]
+        kept = [f.cleaned_data for f in self.forms if f.cleaned_data and not f.cleaned_data.get("DELETE")]
+        handlers = [data["handler"] for data in kept if data.get("enabled")]
         try:
+            check_binding_counts(plugin.name, len(kept), sum(data.get("kind") == "regex" for data in kept))
             plugin.prepare_code()
             plugin.check_fields()
             # Names the plugin, the bound handlers and the runtime's own message, whether the

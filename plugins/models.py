@@ -113,6 +113,7 @@ class Plugin(models.Model):
         runtime = registry.get(self.runtime)
         if runtime is not None and runtime.binary_compiler is not None and self.source.strip():
             try:
+                registry.check_code_size(self.source)  # before the text is compiled, too
                 self.module = runtime.binary_compiler(self.source)
             except CompileError as exc:
                 raise PluginInvalid(f"plugin {self.name!r}: the {self.runtime} runtime refused the code: {exc}",
@@ -200,6 +201,25 @@ def _add_quota_fields() -> None:
 _add_quota_fields()
 
 
+def binding_limits() -> tuple[int, int]:
+    """(bindings one plugin may have, regex bindings among them): EXECAPP's MAX_BINDINGS_PER_PLUGIN
+    and MAX_REGEX_BINDINGS_PER_PLUGIN (docs/operations.md)."""
+    return int(conf.get("MAX_BINDINGS_PER_PLUGIN")), int(conf.get("MAX_REGEX_BINDINGS_PER_PLUGIN"))
+
+
+def check_binding_counts(plugin: str, total: int, regexes: int) -> None:
+    """Refuse a plugin with more bindings (or regex bindings) than a worker loads; PluginInvalid."""
+    most, most_regex = binding_limits()
+    if total > most:
+        raise PluginInvalid(f"plugin {plugin!r} would have {total} bindings; a plugin may have at most {most} "
+                            "(EXECAPP['MAX_BINDINGS_PER_PLUGIN']): remove some, or route several commands to one "
+                            "handler that reads the event")
+    if regexes > most_regex:
+        raise PluginInvalid(f"plugin {plugin!r} would have {regexes} regex bindings; a plugin may have at most "
+                            f"{most_regex} (EXECAPP['MAX_REGEX_BINDINGS_PER_PLUGIN']): every message is searched with "
+                            "each of them on the event loop; join patterns with '|' or use command bindings")
+
+
 class Binding(models.Model):
     """One matcher of a plugin: a command, regex or event type routed to a handler function."""
 
@@ -248,7 +268,14 @@ class Binding(models.Model):
         plugin.prepare_code()
         validate(plugin.to_spec(), [self.handler])
 
+    def check_count(self) -> None:
+        """The plugin's bindings with this one stay within binding_limits(); raises PluginInvalid."""
+        others = self.plugin.bindings.exclude(pk=self.pk) if self.pk else self.plugin.bindings.all()
+        check_binding_counts(self.plugin.name, others.count() + 1,
+                             others.filter(kind="regex").count() + (self.kind == "regex"))
+
     def save(self, *args: Any, **kwargs: Any) -> None:
+        self.check_count()
         if self.enabled:
             self.validate_handler()
         super().save(*args, **kwargs)

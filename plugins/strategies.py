@@ -222,8 +222,11 @@ class Strategy(abc.ABC):
                             f"text, or of the data's JSON), over the limit of {MAX_REPLY_BYTES} bytes "
                             "(MAX_REPLY_BYTES); reply with less, e.g. a summary or a key kept with kv_set")
 
-    def _new(self) -> Instance:
-        inst = self.compiled.new_instance()
+    def _new(self, deadline: float | None) -> Instance:
+        # The new instance's top level stops by the caller's deadline too: inline on the event
+        # loop that is the worker's inline budget, which a pooled Lua or JS top level of up to
+        # timeout_ms (60 s at most) otherwise held the loop past (tests/plugins/test_strategies.py).
+        inst = self.compiled.new_instance(deadline)
         with self._lock:
             self.created_total += 1
         return inst
@@ -321,7 +324,7 @@ class Pooled(Strategy):
             try:
                 inst = self._pop()
             except IndexError:
-                inst = self._new()
+                inst = self._new(deadline)
             due = _now() + self._timeout
             if deadline is not None and deadline < due:
                 due = deadline
@@ -368,8 +371,8 @@ class PooledPerThread(Pooled):
         # Pooled.call takes and returns instances through these two: per thread here.
         self._pop, self._push = self._pop_local, self._push_local
 
-    def _new(self) -> Instance:
-        inst = super()._new()
+    def _new(self, deadline: float | None) -> Instance:
+        inst = super()._new(deadline)
         self._alive.add(inst)
         return inst
 
@@ -468,7 +471,7 @@ class Sharded(Strategy):
         try:
             inst = shard.instance
             if inst is None:
-                inst = shard.instance = self._new()
+                inst = shard.instance = self._new(deadline)
             due = _now() + self._timeout
             if deadline is not None and deadline < due:
                 due = deadline
@@ -505,7 +508,7 @@ class Sharded(Strategy):
         ShardedGeneral's (Sharded.call inlines the same steps)."""
         inst = shard.instance
         if inst is None:
-            inst = shard.instance = self._new()
+            inst = shard.instance = self._new(deadline)
         due = _now() + self._timeout
         if deadline is not None and deadline < due:
             due = deadline

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
 import logging
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Iterable
 
 from django.db import close_old_connections
 
@@ -37,7 +38,7 @@ from execapp.seams import EngineLike, WorkerLike
 
 from .errors import PluginInvalid
 from .loaded import LoadedPlugin, validate
-from .models import Binding, Plugin, RegistryState
+from .models import Binding, Plugin, RegistryState, binding_limits
 
 log = logging.getLogger("plugins.sync")
 
@@ -161,16 +162,18 @@ def _set_hints(enabled: list[Any], not_loaded: dict[str, str]) -> None:
     global _hints
     hints: dict[tuple[str, str], str] = {}
     for plugin in enabled:
-        for b in plugin.bindings.all():
+        for b in _loadable(plugin.name, plugin.bindings.all()):
             if plugin.name in not_loaded:
                 hints.setdefault((b.kind, b.pattern), f"plugin {plugin.name!r} is enabled but did not load "
                                  f"({not_loaded[plugin.name]}); the server log says why")
             elif not b.enabled:
                 hints.setdefault((b.kind, b.pattern), f"its binding in plugin {plugin.name!r} is disabled (enable it "
                                  "in the admin's Plugins page)")
-    for b in Binding.objects.filter(plugin__enabled=False).select_related("plugin"):
-        hints.setdefault((b.kind, b.pattern), f"plugin {b.plugin.name!r} is disabled (enable it in the admin's "
-                         "Plugins page)")
+    disabled = Binding.objects.filter(plugin__enabled=False).select_related("plugin").order_by("plugin_id", "pk")
+    for _, bindings in itertools.groupby(disabled, key=lambda b: b.plugin_id):
+        for b in _loadable("", bindings):
+            hints.setdefault((b.kind, b.pattern), f"plugin {b.plugin.name!r} is disabled (enable it in the admin's "
+                             "Plugins page)")
     _hints = hints
 
 
@@ -211,7 +214,7 @@ def _matchers(engine: EngineLike, plugin: Any, loaded: LoadedPlugin) -> list[Mat
     out: list[Matcher] = []
     seen: set[str] = set()
     pool_only = _pool_only(loaded.spec)
-    for b in sorted(plugin.bindings.all(), key=lambda b: b.pk):
+    for b in _loadable(plugin.name, plugin.bindings.all(), say=True):
         if not b.enabled:
             continue
         if b.handler not in loaded.compiled.handlers:
@@ -229,6 +232,29 @@ def _matchers(engine: EngineLike, plugin: Any, loaded: LoadedPlugin) -> list[Mat
             continue
         matcher.profile.pin_to_pool(pool_only)
         out.append(matcher)
+    return out
+
+
+def _loadable(plugin: str, bindings: Iterable[Any], say: bool = False) -> list[Any]:
+    """The bindings of one plugin a worker loads, by id: at most MAX_BINDINGS_PER_PLUGIN, of them at
+    most MAX_REGEX_BINDINGS_PER_PLUGIN regex ones (plugins.models refuses more at save; rows written
+    otherwise, or kept from before a lower limit, are skipped here, with one error log if ``say``).
+    Every regex binding, and every disabled one in the unmatched hint, costs every message a
+    search on the event loop."""
+    most, most_regex = binding_limits()
+    out: list[Any] = []
+    regexes = skipped = 0
+    for b in sorted(bindings, key=lambda b: b.pk):
+        regex = b.kind == "regex"
+        if len(out) >= most or (regex and regexes >= most_regex):
+            skipped += 1
+            continue
+        regexes += regex
+        out.append(b)
+    if skipped and say:
+        log.error("plugin %s: %d bindings skipped: a plugin may have at most %d bindings, %d of them regex "
+                  "(EXECAPP['MAX_BINDINGS_PER_PLUGIN'], ['MAX_REGEX_BINDINGS_PER_PLUGIN']); the first by id load. "
+                  "Remove the others in the admin", plugin, skipped, most, most_regex)
     return out
 
 

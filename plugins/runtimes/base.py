@@ -42,7 +42,11 @@ class Compiled(Protocol):
     #: tests/plugins use a toy one).
     thread_bound: bool
 
-    def new_instance(self) -> Instance: ...
+    def new_instance(self, deadline: float | None = None) -> Instance:
+        """A new instance. Its top level (the plugin's code run to define the handlers, a WASM
+        start function) stops by ``deadline`` if it is earlier than the plugin's own timeout: the
+        caller's call budget, e.g. the worker's inline budget on the event loop."""
+        ...
 
     def call_isolated(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         """One call with full isolation (the per_request strategy), until ``deadline``."""
@@ -59,13 +63,13 @@ class FreshInstanceIsolation:
     """``Compiled`` defaults for a runtime whose per-request isolation is simply a new instance
     (the class it is mixed into supplies ``new_instance``)."""
 
-    def new_instance(self) -> Instance:
+    def new_instance(self, deadline: float | None = None) -> Instance:
         """A new instance: the runtime's class defines it."""
         raise NotImplementedError
 
     def call_isolated(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
-        """One call on a brand-new instance, closed right after."""
-        inst = self.new_instance()
+        """One call on a brand-new instance (made within the call's ``deadline``), closed right after."""
+        inst = self.new_instance(deadline)
         try:
             return inst.call(handler, event, deadline)
         finally:

@@ -682,12 +682,12 @@ class JsCompiled(FreshInstanceIsolation):
         self.handlers = probe.functions
         probe.close()
 
-    def new_instance(self) -> JsInstance:
-        return JsInstance(self)
+    def new_instance(self, deadline: float | None = None) -> JsInstance:
+        return JsInstance(self, deadline=deadline)
 
     def call_isolated(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         """One call on a brand-new Context whose top level also runs within the call's ``deadline``."""
-        inst = JsInstance(self, deadline=deadline)
+        inst = self.new_instance(deadline)
         try:
             return inst.call(handler, event, deadline)
         finally:

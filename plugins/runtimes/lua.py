@@ -119,12 +119,22 @@ def compile_bytecode(spec: PluginSpec) -> bytes:
         raise CompileError("Lua plugins are source text, not bytes")
     if spec.code.startswith("\x1bLua"):
         raise CompileError("Lua bytecode is refused: upload the plugin's source text")
+    # Under the plugin's memory cap: the parser's tables and the bytecode (up to ~3x the source)
+    # were allocated without one, and the bytecode must fit the cap to be loaded anyway.
     rt = lupa.LuaRuntime(encoding=None, register_eval=False, register_builtins=False,
-                         attribute_filter=_refuse_attributes)
-    fn, err = _load_text(rt, spec)
-    if fn is None:
-        raise CompileError((err or b"syntax error").decode("utf-8", "replace"))
-    return rt.execute("local f = ...; return string.dump(f)", fn)
+                         attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
+    try:
+        fn, err = _load_text(rt, spec)
+        if fn is None:
+            message = (err or b"syntax error").decode("utf-8", "replace")
+            if message == "not enough memory":
+                raise lupa.LuaMemoryError(message)
+            raise CompileError(message)
+        return rt.execute("local f = ...; return string.dump(f)", fn)
+    except lupa.LuaMemoryError:
+        raise CompileError(f"compiling the source needs more than the plugin's memory cap of {spec.memory_bytes} "
+                           "bytes; make the code smaller, or raise the plugin's memory_mb",
+                           code="memory_limit") from None
 
 
 def _load_text(rt: Any, spec: PluginSpec) -> tuple[Any, bytes | None]:
@@ -411,9 +421,10 @@ class _Reply:
 class LuaInstance(_LuaVM):
     """A pooled/sharded instance: its own runtime and one environment that persists (warm)."""
 
-    def __init__(self, compiled: "LuaCompiled") -> None:
+    def __init__(self, compiled: "LuaCompiled", deadline: float | None = None) -> None:
         super().__init__(compiled.spec, compiled.bytecode)
-        self.env = self.load_env(time.monotonic() + compiled.spec.timeout)
+        due = time.monotonic() + compiled.spec.timeout
+        self.env = self.load_env(due if deadline is None else min(due, deadline))
 
     def call(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         # _LuaVM.call_env inlined (one frame less on the hot path).
@@ -472,8 +483,8 @@ class LuaCompiled:
         # exits, so a counter bumped at creation would only grow.
         self._live: weakref.WeakSet = weakref.WeakSet()
 
-    def new_instance(self) -> LuaInstance:
-        return LuaInstance(self)
+    def new_instance(self, deadline: float | None = None) -> LuaInstance:
+        return LuaInstance(self, deadline)
 
     def call_isolated(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         # One runtime per thread (a lupa runtime serializes threads on its lock); a fresh

@@ -37,6 +37,13 @@ if TYPE_CHECKING:  # types only: the spec imports this module
 #: (plugins/strategies.py implements them; docs/plugins.md). The one list of their names.
 STRATEGIES: dict[str, str] = {"per_request": "per request (fresh instance)", "pooled": "pooled",
                               "sharded": "sharded by session"}
+#: Bytes of a plugin's code in any runtime: its source text (UTF-8), a binary, or a binary's text form.
+#: Compiling is linear in it but cannot be interrupted, runs on whichever thread loads the plugin
+#: (each worker's registry sync, the admin's save) and allocates outside the plugin's memory cap:
+#: a 64 MB Lua source took 2.5 s and 1.1 GB to compile, and every per_request call then loaded
+#: its 219 MB of bytecode. The admin's upload limit (plugins.forms) and WASM's module limit are
+#: the same 4 MiB; this one holds for code that reaches the database otherwise (loadplugins, SQL).
+MAX_CODE_BYTES = 4 << 20
 #: The longest runtime name (the length of ``Plugin.runtime``; a longer one needs a migration).
 MAX_NAME_LENGTH = 32
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -166,11 +173,24 @@ def binary_upload(filename: str, data: bytes) -> Runtime | None:
     return next((r for r in _runtimes.values() if r.matches_binary(filename, data)), None)
 
 
+def check_code_size(code: str | bytes) -> None:
+    """Refuse code over MAX_CODE_BYTES before anything parses it (CompileError)."""
+    size = len(code)
+    if isinstance(code, str) and size * 4 > MAX_CODE_BYTES and not code.isascii():
+        size = len(code.encode("utf-8", "surrogatepass"))  # (at most 4 bytes a character: only then counted)
+    if size > MAX_CODE_BYTES:
+        how = "strip its debug sections (e.g. wasm-opt --strip-debug)" if isinstance(code, bytes) else "minify it"
+        raise CompileError(f"the code is {size} bytes, over the limit of {MAX_CODE_BYTES} bytes for a plugin's code "
+                           f"(MAX_CODE_BYTES); make it smaller: {how}, or keep large data out of the code (a handler "
+                           "can fetch it with http_get or keep it with kv_set)")
+
+
 def compile_plugin(spec: PluginSpec) -> Compiled:
     """Compile and validate ``spec`` in its runtime's sandbox; raises plugins.errors.CompileError."""
     runtime = _runtimes.get(spec.runtime)
     if runtime is None:
         raise CompileError(f"unknown runtime {spec.runtime!r}; use {listing()}")
+    check_code_size(spec.code)
     return runtime.compiler(spec)
 
 

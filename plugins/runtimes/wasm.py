@@ -622,5 +622,6 @@ class WasmCompiled(FreshInstanceIsolation):
         finally:
             probe.close()
 
-    def new_instance(self) -> WasmInstance:
+    def new_instance(self, deadline: float | None = None) -> WasmInstance:
+        # Instantiated by its first call, within that call's deadline (WasmInstance.start).
         return WasmInstance(self)

@@ -69,3 +69,16 @@ def test_loadplugins_refuses_a_broken_plugin_with_the_runtime_message(tmp_path: 
         run("loadplugins", "--dir", str(tmp_path))
     assert "[plugin_invalid] plugin 'bad'" in str(info.value) and "SyntaxError" in str(info.value)
     assert not Plugin.objects.filter(name="bad").exists()
+
+
+def test_loadplugins_refuses_code_over_the_size_limit(tmp_path: Path) -> None:
+    # A manifest's files have no upload limit in front of them: the code's own limit holds.
+    from plugins.runtimes.registry import MAX_CODE_BYTES
+
+    (tmp_path / "big.lua").write_text("function hello(ev) return 'x' end\n" + "-- padding\n" * (MAX_CODE_BYTES // 11))
+    (tmp_path / "manifest.json").write_text(json.dumps({"plugins": [
+        {"name": "big", "runtime": "lua", "file": "big.lua",
+         "bindings": [{"kind": "command", "pattern": "hello", "handler": "hello"}]}]}))
+    with pytest.raises(CommandError, match=r"\[plugin_invalid\] plugin 'big'.* over the limit of 4194304 bytes"):
+        run("loadplugins", "--dir", str(tmp_path))
+    assert not Plugin.objects.filter(name="big").exists()

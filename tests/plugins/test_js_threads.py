@@ -114,8 +114,8 @@ class ThreadBoundToy(ToyCompiled):
 
     thread_bound = True
 
-    def new_instance(self) -> Any:
-        inst = super().new_instance()
+    def new_instance(self, deadline: float | None = None) -> Any:
+        inst = super().new_instance(deadline)
         made_on = threading.get_ident()
         call = inst.call
 

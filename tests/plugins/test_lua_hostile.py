@@ -13,6 +13,7 @@ import time
 import lupa.lua54 as lupa
 import pytest
 
+from plugins.errors import CompileError
 from plugins.loaded import LoadedPlugin
 from plugins.runtimes import lua, lua_interrupt
 from plugins.spec import PluginSpec
@@ -110,6 +111,7 @@ _CHILD = r"""
 import json, os, sys, time
 import django
 django.setup()
+from plugins.errors import CompileError
 from plugins.loaded import LoadedPlugin
 from plugins.spec import PluginSpec
 job = json.loads(sys.stdin.read())
@@ -190,6 +192,18 @@ def test_weak_modes_are_inert_in_a_sandbox_runtime() -> None:
         return next(t) ~= nil and v[1] ~= nil""")
     assert kept is True
     assert lua_interrupt._tmname_at is not None and not lua_interrupt._weak_warned
+
+
+def test_compiling_the_source_stays_within_the_memory_cap() -> None:
+    # The parser's tables and the bytecode (~3x the source here) were allocated with no cap, on the
+    # thread that loads the plugin; the bytecode must fit the cap to be loaded anyway.
+    code = "local t = {" + "{}," * (1 << 18) + "}\nfunction h(e) return 'ok' end"
+    spec = PluginSpec(name="big", runtime="lua", code=code, memory_bytes=1 << 20)
+    with pytest.raises(CompileError, match="compiling the source needs more than the plugin's memory cap of "
+                                           "1048576 bytes") as info:
+        lua.compile_bytecode(spec)
+    assert info.value.code == "memory_limit"
+    assert lua.compile_bytecode(PluginSpec(name="big", runtime="lua", code=code, memory_bytes=16 << 20))
 
 
 def test_weak_tables_still_work_in_a_plain_runtime() -> None:

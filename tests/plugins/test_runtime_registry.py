@@ -159,3 +159,26 @@ def test_the_admin_list_shows_and_filters_runtimes_by_their_registry_labels(toy:
     assert f"/admin/plugins/plugin/{lua.pk}/change/" not in only_toy
     registry.unregister("toy")
     assert "toy (not registered)" in admin_client.get("/admin/plugins/plugin/").content.decode()
+
+
+@pytest.mark.parametrize("runtime, filler", [("lua", "-- {}\n"), ("js", "// {}\n"), ("lua", "-- é\n")])
+def test_code_over_the_size_limit_is_refused_before_it_is_parsed(runtime: str, filler: str) -> None:
+    # Compiling is linear in the code but cannot be interrupted, on the thread that loads it and
+    # outside the memory cap (a 64 MB Lua source: 2.5 s and 1.1 GB): code that reached the
+    # database past the admin's upload limit (loadplugins, SQL) is refused before any parsing.
+    code = filler.format("x" * 60) * (registry.MAX_CODE_BYTES // len(filler.encode()) + 1)
+    assert len(code) <= registry.MAX_CODE_BYTES or filler.isascii()  # ("é": under the limit in characters)
+    with pytest.raises(PluginInvalid, match=rf"the code is \d+ bytes, over the limit of {registry.MAX_CODE_BYTES} "
+                                            r"bytes for a plugin's code \(MAX_CODE_BYTES\); make it smaller"):
+        validate(PluginSpec(name="big", runtime=runtime, code=code))
+
+
+@pytest.mark.django_db
+def test_a_binary_runtimes_text_over_the_size_limit_is_refused_before_it_is_compiled(toy: None,
+                                                                                       monkeypatch: Any) -> None:
+    compiled: list[str] = []
+    monkeypatch.setattr(toy_runtime, "to_binary", lambda text: compiled.append(text) or b"")
+    text = "greet = hi\n" + "\n" * registry.MAX_CODE_BYTES
+    with pytest.raises(PluginInvalid, match="MAX_CODE_BYTES"):
+        Plugin(name="bigt", runtime="toyb", source=text).save()
+    assert compiled == []

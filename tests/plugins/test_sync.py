@@ -218,3 +218,23 @@ def test_a_plugin_over_the_inline_memory_cap_runs_in_the_pool_only_until_its_cap
     for _ in range(40):
         texts(engine, "/ping")
     assert ping.profile.should_pool() is ExecClass.SYNC
+
+
+def test_a_worker_loads_no_more_bindings_of_a_plugin_than_it_may_have(engine: Engine, settings, caplog) -> None:
+    # Rows written past the models' check (bulk_create, SQL, a limit lowered since): every regex
+    # binding is a search of every message on the event loop, so the worker loads the first ones
+    # only, for its matchers and for the unmatched hint alike.
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "MAX_BINDINGS_PER_PLUGIN": 5,
+                        "MAX_REGEX_BINDINGS_PER_PLUGIN": 2}
+    plugin = Plugin.objects.get(name="echo")
+    Binding.objects.bulk_create([Binding(plugin=plugin, kind="regex", pattern=f"x{i}y", handler="echo")
+                                 for i in range(3000)])
+    assert sync.sync_engine(engine, force=True)
+    echo = [m for m in engine.matchers if m.plugin == "echo"]
+    assert [m.kind.value for m in echo] == ["command", "regex", "regex"]  # the first by id
+    assert "plugin echo: 2998 bindings skipped: a plugin may have at most 5 bindings, 2 of them regex" in caplog.text
+    assert texts(engine, "x0y") == ["x0y"] and texts(engine, "x2y") == []
+    Plugin.objects.filter(name="echo").update(enabled=False)
+    assert sync.sync_engine(engine, force=True)
+    assert sync.unmatched_hint("message", "x1y") is not None and sync.unmatched_hint("message", "x2y") is None
+    assert len([key for key in sync._hints if key[0] == "regex"]) == 2

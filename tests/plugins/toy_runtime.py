@@ -80,5 +80,5 @@ class ToyCompiled(FreshInstanceIsolation):
         self.table = _parse(code)
         self.handlers = frozenset(self.table)
 
-    def new_instance(self) -> ToyInstance:
+    def new_instance(self, deadline: float | None = None) -> ToyInstance:
         return ToyInstance(self)
