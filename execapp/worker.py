@@ -105,6 +105,7 @@ class Worker:
         self.ready = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []  # the own_thread services'
 
     def start(self) -> None:
         """Build the services and start the housekeeping thread (idempotent)."""
@@ -112,24 +113,48 @@ class Worker:
             return
         for _, factory in service_factories():
             self.services.append(factory(self))
-        self._thread = threading.Thread(target=self._housekeep, name="execapp-housekeeper", daemon=True)
+        shared = [s for s in self.services if not getattr(s, "own_thread", False)]
+        # A service that runs code it does not control (the registry sync compiles plugins and
+        # runs their top levels: up to a minute each) ticks on a thread of its own: on the shared
+        # one it held the metrics, the snapshots, the history and the watchdog's quarantine list
+        # for as long as it took.
+        own = [(s, threading.Event()) for s in self.services if getattr(s, "own_thread", False)]
+        self._threads = [threading.Thread(target=self._tick_alone, args=(s, first), daemon=True,
+                                          name=f"execapp-{type(s).__name__}") for s, first in own]
+        for thread in self._threads:
+            thread.start()
+        self._thread = threading.Thread(target=self._housekeep, args=(shared, [first for _, first in own]),
+                                        name="execapp-housekeeper", daemon=True)
         self._thread.start()
 
-    def _housekeep(self) -> None:
-        # Runs every service's tick on its own interval, on this one thread: database and Redis
-        # I/O of the background jobs never touches the event loop or the pool.
-        due = {id(s): 0.0 for s in self.services}
+    def _housekeep(self, services: list[Service], firsts: list[threading.Event]) -> None:
+        # Runs every shared service's tick on its own interval, on this one thread: database and
+        # Redis I/O of the background jobs never touches the event loop or the pool.
+        due = {id(s): 0.0 for s in services}
         while not self._stop.is_set():
             now = time.monotonic()
-            for service in self.services:
+            for service in services:
                 if now >= due[id(service)]:
                     due[id(service)] = now + service.interval
-                    try:
-                        service.tick()
-                    except Exception:
-                        log.exception("service %s failed", type(service).__name__)
-            self.ready.set()  # every service ticked once (plugins synced): execapp.serve listens now
+                    self._tick(service)
+            if not self.ready.is_set() and all(first.is_set() for first in firsts):
+                self.ready.set()  # every service ticked once (plugins synced): execapp.serve listens now
             self._stop.wait(0.1)
+
+    def _tick_alone(self, service: Service, first: threading.Event) -> None:
+        """An ``own_thread`` service's ticks, every ``interval`` seconds, on this thread."""
+        while True:
+            self._tick(service)
+            first.set()
+            if self._stop.wait(service.interval):
+                return
+
+    @staticmethod
+    def _tick(service: Service) -> None:
+        try:
+            service.tick()
+        except Exception:
+            log.exception("service %s failed", type(service).__name__)
 
     def stop(self, timeout: float | None = None) -> bool:
         """Drain the pool (bounded), stop the housekeeper and close every service (final flushes)."""
@@ -137,6 +162,8 @@ class Worker:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
+        for thread in self._threads:
+            thread.join(5)
         for service in self.services:
             try:
                 service.close()

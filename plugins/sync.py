@@ -293,6 +293,11 @@ def instance_pool_stats() -> list[dict[str, Any]]:
 class RegistrySync:
     """Worker service: polls the registry version and re-syncs the worker's engine on change."""
 
+    #: Compiling a plugin and running its top level can take its whole timeout (a minute at
+    #: most), a WASM compile up to ten seconds: on a thread of its own (execapp.worker), not the
+    #: one every other service of the worker ticks on.
+    own_thread = True
+
     def __init__(self, worker: WorkerLike) -> None:
         self.engine = worker.engine
         self.interval = float(conf.get("REGISTRY_POLL_SECONDS"))

@@ -1,0 +1,79 @@
+"""The worker's background services (execapp/worker.py): one that runs long cannot hold the others."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from execapp import worker as worker_module
+from plugins import sync
+from tests.conftest import wait_until
+
+_release = threading.Event()
+_steady_ticks: list[float] = []
+
+
+class _Stuck:
+    """A service whose tick runs until released, as a plugin's top level can for a minute."""
+
+    own_thread = True
+    interval = 0.05
+
+    def __init__(self, worker: Any) -> None:
+        self.ticks = 0
+
+    def tick(self) -> None:
+        self.ticks += 1
+        _release.wait(30)
+
+    def close(self) -> None:
+        pass
+
+
+class _Steady:
+    """A service that counts its ticks (the metrics, the snapshots, the history)."""
+
+    interval = 0.05
+
+    def __init__(self, worker: Any) -> None:
+        pass
+
+    def tick(self) -> None:
+        _steady_ticks.append(1.0)
+
+    def close(self) -> None:
+        pass
+
+
+def stuck_service(worker: Any) -> _Stuck:
+    return _Stuck(worker)
+
+
+def steady_service(worker: Any) -> _Steady:
+    return _Steady(worker)
+
+
+def test_a_service_on_its_own_thread_does_not_hold_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The registry sync compiled plugins and ran their top levels on the thread every service
+    # ticks on: a slow one held the metrics, snapshots, history and quarantine list meanwhile.
+    monkeypatch.setattr(worker_module, "SERVICE_FACTORIES", [f"{__name__}.stuck_service",
+                                                              f"{__name__}.steady_service"])
+    _release.clear()
+    _steady_ticks.clear()
+    worker = worker_module.Worker("services")
+    worker.start()
+    try:
+        stuck = worker.services[0]
+        assert wait_until(lambda: getattr(stuck, "ticks", 0) == 1, 5)
+        assert wait_until(lambda: len(_steady_ticks) >= 10, 10), "the steady service stopped ticking"
+        assert not worker.ready.is_set()  # ready once every service ticked once: the stuck one has not
+        _release.set()
+        assert wait_until(worker.ready.is_set, 5)
+    finally:
+        _release.set()
+        worker.stop(timeout=5)
+
+
+def test_the_registry_sync_runs_on_its_own_thread() -> None:
+    assert sync.RegistrySync.own_thread is True
