@@ -21,7 +21,6 @@ retried after ``REFUSAL_RETRY_SECONDS`` in case the machine was only busy.
 from __future__ import annotations
 
 import atexit
-import functools
 import itertools
 import logging
 import threading
@@ -155,11 +154,15 @@ def sync_engine(engine: EngineLike, force: bool = False) -> bool:
 #: Why an unmatched event matched nothing, by (kind, pattern): bindings of disabled plugins,
 #: disabled bindings, plugins that did not load. Replaced whole at each sync (read lock-free).
 _hints: dict[tuple[str, str], str] = {}
+#: The regex hints, compiled when the hints are made (on the sync's thread), not on the loop.
+_regex_hints: list[tuple[LinearRegex, str, str]] = []
+#: Regex patterns the unmatched hint tries at most: each is a search of every message that
+#: matched nothing, on the event loop (the bindings per plugin are bounded, not the plugins).
+MAX_HINT_REGEXES = 32
 
 
 def _set_hints(enabled: list[Any], not_loaded: dict[str, str]) -> None:
     """Rebuild ``_hints`` from this sync's registry read (one more query, on a registry change only)."""
-    global _hints
     hints: dict[tuple[str, str], str] = {}
     for plugin in enabled:
         for b in _loadable(plugin.name, plugin.bindings.all()):
@@ -174,17 +177,23 @@ def _set_hints(enabled: list[Any], not_loaded: dict[str, str]) -> None:
         for b in _loadable("", bindings):
             hints.setdefault((b.kind, b.pattern), f"plugin {b.plugin.name!r} is disabled (enable it in the admin's "
                              "Plugins page)")
-    _hints = hints
+    _use_hints(hints)
 
 
-@functools.lru_cache(maxsize=256)
-def _hint_regex(pattern: str) -> LinearRegex | None:
-    """A disabled binding's pattern, compiled once; None if it does not compile. RE2 like the
-    matchers themselves: this runs on the loop for every message that matched nothing."""
-    try:
-        return LinearRegex(pattern)
-    except RegexRefused:
-        return None
+def _use_hints(hints: dict[tuple[str, str], str]) -> None:
+    """Serve ``hints`` from now on, their first MAX_HINT_REGEXES regex patterns compiled here (RE2,
+    like the matchers: a backtracking engine would hold the loop on a crafted message; and
+    compiled once a registry change, where a cache of 256 recompiled every pattern for every
+    unmatched message once there were more)."""
+    global _hints, _regex_hints
+    regexes: list[tuple[LinearRegex, str, str]] = []
+    for (kind, pattern), why in hints.items():
+        if kind == "regex" and len(regexes) < MAX_HINT_REGEXES:
+            try:
+                regexes.append((LinearRegex(pattern), pattern, why))
+            except RegexRefused:
+                pass
+    _hints, _regex_hints = hints, regexes
 
 
 def unmatched_hint(event_type: str, text: str) -> str | None:
@@ -202,11 +211,9 @@ def unmatched_hint(event_type: str, text: str) -> str | None:
     if why:
         return f"no enabled handler for events of type {event_type!r}: {why}"
     if event_type == "message":
-        for (kind, pattern), why in hints.items():
-            if kind == "regex":
-                regex = _hint_regex(pattern)
-                if regex is not None and regex.search(text):
-                    return f"no enabled handler matched; regex {pattern!r} would have: {why}"
+        for regex, pattern, why in _regex_hints:
+            if regex.search(text):
+                return f"no enabled handler matched; regex {pattern!r} would have: {why}"
     return None
 
 

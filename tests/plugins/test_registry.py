@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import html
+from typing import Any
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
@@ -44,16 +45,16 @@ def test_a_disabled_bindings_regex_hint_is_matched_in_linear_time() -> None:
     """The hint for a message nobody matched tries the disabled bindings' patterns on the loop."""
     from plugins import sync
 
-    sync._hints = {("regex", r"(a+)+$"): "plugin 'p' is disabled"}
+    sync._use_hints({("regex", r"(a+)+$"): "plugin 'p' is disabled"})
     try:
         # With backtracking, this holds the GIL for hours (a child process would be needed to
         # see it fail; the engine's own test does that): RE2 answers at once.
         assert sync.unmatched_hint("message", "a" * 40 + "b") is None
         assert sync.unmatched_hint("message", "aaa") == ("no enabled handler matched; regex '(a+)+$' would have: "
                                                          "plugin 'p' is disabled")
-        assert isinstance(sync._hint_regex(r"(a+)+$"), LinearRegex)
+        assert isinstance(sync._regex_hints[0][0], LinearRegex)
     finally:
-        sync._hints = {}
+        sync._use_hints({})
 
 
 @pytest.mark.parametrize("field, value, limit", [("memory_mb", 1025, 1024), ("pool_size", 257, 256),
@@ -195,3 +196,28 @@ def test_admin_refuses_more_regex_bindings_than_a_plugin_may_have(admin_client) 
     assert response.status_code == 200
     assert "would have 2 regex bindings; a plugin may have at most 1" in html.unescape(response.content.decode())
     assert not Plugin.objects.filter(name="up").exists()
+
+
+def test_the_unmatched_hint_tries_a_bounded_number_of_patterns_compiled_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each regex hint is a search of every unmatched message on the event loop, and past a cache
+    of 256 every pattern was compiled again for every such message: the hints are compiled when
+    made (on the registry sync's thread), at most MAX_HINT_REGEXES of them."""
+    from plugins import sync
+
+    compiled = []
+    real = sync.LinearRegex
+
+    def counting(pattern: str) -> Any:
+        compiled.append(pattern)
+        return real(pattern)
+
+    monkeypatch.setattr(sync, "LinearRegex", counting)
+    sync._use_hints({("regex", f"x{i}y"): f"plugin 'p{i}' is disabled" for i in range(1000)})
+    try:
+        assert len(compiled) == sync.MAX_HINT_REGEXES
+        for _ in range(3):
+            assert sync.unmatched_hint("message", "x1y") is not None
+            assert sync.unmatched_hint("message", f"x{sync.MAX_HINT_REGEXES}y") is None  # past the bound
+        assert len(compiled) == sync.MAX_HINT_REGEXES  # nothing compiled per message
+    finally:
+        sync._use_hints({})
