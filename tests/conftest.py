@@ -190,6 +190,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class InProcessServer:
+    """uvicorn serving ``app`` on an event loop (uvloop, or asyncio's) in a thread of this process,
+    as a context manager; ``config``: more of uvicorn.Config's arguments (its ``http=``, ``ws=``)."""
+
+    def __init__(self, app: Any, loop: str = "uvloop", **config: Any) -> None:
+        import threading
+
+        import uvicorn
+        import uvloop
+
+        self.server = uvicorn.Server(uvicorn.Config(app, port=free_port(), lifespan="off", log_level="warning",
+                                                    access_log=False, **config))
+        self.loop = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self.server.serve(),), daemon=True)
+
+    def __enter__(self) -> Any:
+        self.thread.start()
+        assert wait_until(lambda: self.server.started, 10), "the in-process server did not start"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.loop.close()
+
+    @property
+    def port(self) -> int:
+        return int(self.server.config.port)
+
+
 class ServerProcess:
     """A server subprocess (``python -m <args> --port <free port>``) with its own log file."""
 

@@ -18,12 +18,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-import uvicorn
-import uvloop
 from websockets.asyncio.client import connect
 
 from execapp import handshake
-from tests.conftest import LIVENESS, ServerProcess, free_port, manage, wait_until
+from tests.conftest import LIVENESS, InProcessServer, ServerProcess, manage, wait_until
 
 TIMEOUT = 1.0
 CAP = 8
@@ -272,13 +270,8 @@ def test_a_burst_over_the_cap_whose_requests_are_in_is_served_whole(loop_name: s
     """Connections accepted in one burst (here: while the loop was blocked) are read once before the
     cap trims, so only those still without their headers then count as the oldest."""
     monkeypatch.setattr(handshake, "_pending", handshake.PendingConnections(timeout=5.0, cap=CAP))
-    server = uvicorn.Server(uvicorn.Config(ok_app, port=free_port(), http=handshake.HandshakeDeadlineProtocol,
-                                           lifespan="off", log_level="warning", access_log=False))
-    loop = asyncio.new_event_loop() if loop_name == "asyncio" else uvloop.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
-    thread.start()
-    try:
-        assert wait_until(lambda: server.started, 10)
+    with InProcessServer(ok_app, loop=loop_name, http=handshake.HandshakeDeadlineProtocol) as server:
+        loop = server.loop
         blocked = threading.Event()
 
         def block() -> None:
@@ -289,7 +282,7 @@ def test_a_burst_over_the_cap_whose_requests_are_in_is_served_whole(loop_name: s
         assert blocked.wait(5)
         burst = []
         for _ in range(100):
-            sock = socket.create_connection(("127.0.0.1", server.config.port), timeout=5)
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
             sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
             burst.append(sock)
         answered = 0
@@ -303,10 +296,6 @@ def test_a_burst_over_the_cap_whose_requests_are_in_is_served_whole(loop_name: s
                     pass
                 answered += data.startswith(b"HTTP/1.1 200")
         assert answered == len(burst)
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        loop.close()
 
 
 def test_pipelined_requests_queue_a_bounded_number_and_are_all_answered_in_order(
@@ -332,34 +321,26 @@ def test_pipelined_requests_queue_a_bounded_number_and_are_all_answered_in_order
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"8")]})
         await send({"type": "http.response.body", "body": scope["path"].encode().ljust(8)})
 
-    server = uvicorn.Server(uvicorn.Config(held_app, port=free_port(), http=handshake.HandshakeDeadlineProtocol,
-                                           lifespan="off", log_level="warning", access_log=False))
-    loop = uvloop.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
-    thread.start()
-    try:
-        assert wait_until(lambda: server.started, 10)
-        count = 200_000 // len(b"GET /000000 HTTP/1.1\r\nHost: a\r\n\r\n")
-        with socket.create_connection(("127.0.0.1", server.config.port), timeout=LIVENESS) as sock:
-            sock.sendall(b"".join(b"GET /%06d HTTP/1.1\r\nHost: a\r\n\r\n" % i for i in range(count)))
-            assert wait_until(lambda: protocols and protocols[0].pipeline, LIVENESS)  # the read was parsed
-            # What the worker holds for this connection while the first request is held: a few requests.
-            queued = len(protocols[0].pipeline)
-            assert queued <= handshake.MAX_PIPELINED + handshake.PARSE_SLICE // 32, queued
-            release.set()
-            data = b""
-            while data.count(b"HTTP/1.1 200") < count:
-                chunk = sock.recv(1 << 16)
-                assert chunk, f"closed after {data.count(b'HTTP/1.1 200')} of {count} answers"
-                data += chunk
-        paths = [int(part[:6]) for part in data.split(b"\r\n\r\n/")[1:]]
-        assert paths == list(range(count)), "answers missing or out of order"
-        assert longest[0] <= handshake.MAX_PIPELINED + handshake.PARSE_SLICE // 32, longest[0]
-    finally:
-        release.set()
-        server.should_exit = True
-        thread.join(10)
-        loop.close()
+    with InProcessServer(held_app, http=handshake.HandshakeDeadlineProtocol) as server:
+        try:
+            count = 200_000 // len(b"GET /000000 HTTP/1.1\r\nHost: a\r\n\r\n")
+            with socket.create_connection(("127.0.0.1", server.port), timeout=LIVENESS) as sock:
+                sock.sendall(b"".join(b"GET /%06d HTTP/1.1\r\nHost: a\r\n\r\n" % i for i in range(count)))
+                assert wait_until(lambda: protocols and protocols[0].pipeline, LIVENESS)  # the read was parsed
+                # What the worker holds for this connection while the first request is held: a few requests.
+                queued = len(protocols[0].pipeline)
+                assert queued <= handshake.MAX_PIPELINED + handshake.PARSE_SLICE // 32, queued
+                release.set()
+                data = b""
+                while data.count(b"HTTP/1.1 200") < count:
+                    chunk = sock.recv(1 << 16)
+                    assert chunk, f"closed after {data.count(b'HTTP/1.1 200')} of {count} answers"
+                    data += chunk
+        finally:
+            release.set()  # (before the server stops: the held request would hold its shutdown)
+    paths = [int(part[:6]) for part in data.split(b"\r\n\r\n/")[1:]]
+    assert paths == list(range(count)), "answers missing or out of order"
+    assert longest[0] <= handshake.MAX_PIPELINED + handshake.PARSE_SLICE // 32, longest[0]
 
 
 @pytest.mark.parametrize("key, value, check_id", [

@@ -13,18 +13,15 @@ import base64
 import json
 import os
 import socket
-import threading
 import time
 from typing import Any, Iterator
 
 import pytest
-import uvicorn
-import uvloop
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from execapp import ws_flow
-from tests.conftest import free_port, wait_until
+from tests.conftest import InProcessServer, wait_until
 
 from .test_handshake import Server, started
 
@@ -74,14 +71,8 @@ def test_a_client_that_never_reads_what_the_protocol_writes_stops_being_read(mon
     # The protocol writes a pong for every ping by itself; with the ping limit lifted, a client
     # that pings and never reads had the server read on (and hold every pong) without bound.
     monkeypatch.setattr(ws_flow, "MAX_CONTROL_FRAMES_PER_SECOND", 10 ** 9)
-    server = uvicorn.Server(uvicorn.Config(silent_app, port=free_port(), ws=ws_flow.BackpressuredWebSocketProtocol,
-                                           lifespan="off", log_level="warning", access_log=False))
-    loop = uvloop.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
-    thread.start()
-    try:
-        assert wait_until(lambda: server.started, 10)
-        sock = _upgraded(server.config.port, "/")
+    with InProcess(silent_app) as server:
+        sock = _upgraded(server.port, "/")
         try:
             _flood(sock, 1.5)  # the socket buffers fill, and (without the rule) the server reads on
             more = _flood(sock, 1.5)
@@ -90,35 +81,13 @@ def test_a_client_that_never_reads_what_the_protocol_writes_stops_being_read(mon
             assert more < 1 << 20, f"the server read {more} more bytes of pings from a client that reads nothing"
         finally:
             sock.close()
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        loop.close()
 
 
-class InProcess:
+class InProcess(InProcessServer):
     """uvicorn with execapp's WebSocket protocol serving ``app`` on a uvloop in a thread of this process."""
 
     def __init__(self, app: Any) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, port=free_port(), ws=ws_flow.BackpressuredWebSocketProtocol,
-                                                    lifespan="off", log_level="warning", access_log=False,
-                                                    timeout_graceful_shutdown=1))
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self.server.serve(),), daemon=True)
-
-    def __enter__(self) -> "InProcess":
-        self.thread.start()
-        assert wait_until(lambda: self.server.started, 10)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.loop.close()
-
-    @property
-    def port(self) -> int:
-        return self.server.config.port
+        super().__init__(app, ws=ws_flow.BackpressuredWebSocketProtocol, timeout_graceful_shutdown=1)
 
     def protocols(self) -> list[ws_flow.BackpressuredWebSocketProtocol]:
         return [p for p in list(self.server.server_state.connections)
