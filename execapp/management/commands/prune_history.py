@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from execapp import conf, history
+from execapp.db_command import DatabaseCommand
 from execapp.models import EventTrace
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = ("Delete the database's event traces (failed events) older than EXECAPP['HISTORY_FAILURE_DAYS'] "
             "(default 7) or --days, and each owner's past its newest EXECAPP['HISTORY_FAILURES_PER_OWNER'] "
             "(default 100000). Workers also prune hourly; the recent store trims itself.")
