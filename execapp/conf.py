@@ -177,6 +177,10 @@ DEFAULTS: dict[str, Any] = {
     "HISTORY_TEXT_CHARS": 200,
     "HISTORY_REPLY_BYTES": 4096,
     "HISTORY_FLUSH_SECONDS": 0.5,
+    # Searches of the Events page one worker process runs at once: each reads up to every trace of
+    # the recent store (100,000: ~0.5 s of CPU on a request thread, which shares the GIL with the
+    # event loop); past it the page answers 503 "busy" at once (execapp/history_admin.py).
+    "HISTORY_MAX_SEARCHES": 2,
     # The longest timeout a handler may have (a plugin's timeout_ms is refused above it), and the
     # fixed buckets of execapp_handler_duration_seconds: they reach past it (a run stopped at its
     # timeout plus the engine's grace still lands in a bucket) and no bucket from 1 s on is more

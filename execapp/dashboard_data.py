@@ -40,9 +40,13 @@ def _total_series(workers: list[dict[str, Any]], period: float) -> list[HistoryP
     latest: dict[str, HistoryPoint] = {}
     out: list[HistoryPoint] = []
     i = 0
-    start = int(events[0][0] // period)
-    end = int(events[-1][0] // period)
-    for slot in range(start, end + 1):
+    # Only the slots a point is live in (its own and the next two: 2.5 periods), not every slot
+    # from the first point to the last: a worker whose clock was stepped (booted at 1970, then
+    # NTP) spread its points over decades, and the grid between them was billions of empty slots
+    # walked on every poll of the dashboard.
+    end = int(events[-1][0] // period)  # the grid ends at the newest point
+    slots = sorted({s for t, _, _ in events for k in (0, 1, 2) if (s := int(t // period) + k) <= end})
+    for slot in slots:
         t_end = (slot + 1) * period
         while i < len(events) and events[i][0] < t_end:
             latest[events[i][1]] = events[i][2]

@@ -38,7 +38,7 @@ from .engine.event import Completion, Event, Failure, Reply
 from .engine.pool import count_value
 from .engine.profile import ExecClass
 from .engine.ratelog import RateLimitedLog
-from .history_query import detail, get, prune, prune_owners, search
+from .history_query import cutoff, detail, get, prune, prune_owners, search
 from .history_record import (
     H_CODE,
     H_MATCHER,
@@ -617,4 +617,4 @@ def current() -> Recorder | None:
 
 
 __all__ = ["BUFFER_LIMIT", "INCOMPLETE", "Filters", "Recorder", "Summary", "accepted", "current", "delivered",
-           "detail", "get", "prune", "prune_owners", "recorder", "refused", "search"]
+           "cutoff", "detail", "get", "prune", "prune_owners", "recorder", "refused", "search"]

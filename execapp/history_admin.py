@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import threading
 from typing import Any
 from urllib.parse import urlencode
 
@@ -17,7 +18,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import reverse
 
-from . import codes, history
+from . import codes, conf, history
 from .history_store import Filters
 
 #: Rows per page of the Events list.
@@ -84,6 +85,30 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.2f}"
 
 
+class _Running:
+    """A count of the searches running in this process, capped (Django runs each request's view on a
+    thread of its own: without a cap, every concurrent load of the page was another thread reading
+    the whole recent store while holding the GIL the event loop needs)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.now = 0
+
+    def acquire(self, limit: int) -> bool:
+        with self._lock:
+            if self.now >= limit:
+                return False
+            self.now += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.now -= 1
+
+
+_searches = _Running()
+
+
 class EventTraceAdmin(admin.ModelAdmin):
     """Events: the newest traces first, with filters and search by id; a detail page per trace."""
 
@@ -100,6 +125,16 @@ class EventTraceAdmin(admin.ModelAdmin):
         """The Events list (GET filters: id or q, plugin, matcher, outcome, session, owner, since, until)."""
         if not self.has_view_permission(request):
             return HttpResponse("you need the 'Can view event' permission", status=403)
+        if not _searches.acquire(int(conf.get("HISTORY_MAX_SEARCHES"))):
+            return HttpResponse(f"this worker runs {conf.get('HISTORY_MAX_SEARCHES')} searches of the events already "
+                                "(EXECAPP['HISTORY_MAX_SEARCHES']); try again in a moment", status=503,
+                                content_type="text/plain; charset=utf-8", headers={"Retry-After": "1"})
+        try:
+            return self._changelist(request, extra_context)
+        finally:
+            _searches.release()
+
+    def _changelist(self, request: HttpRequest, extra_context: dict[str, Any] | None) -> HttpResponse:
         filters, raw, problems = filters_from(request)
         store = history.store()
         try:  # Redis down (a restart): the page still answers with the database's failures, and says so

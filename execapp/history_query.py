@@ -118,9 +118,18 @@ def prune(days: float | None = None) -> int:
     from .models import EventTrace
 
     days = float(conf.get("HISTORY_FAILURE_DAYS")) if days is None else days
-    cutoff = timezone.now() - dt.timedelta(days=days)
-    deleted, _ = EventTrace.objects.filter(created_at__lt=cutoff).delete()
+    deleted, _ = EventTrace.objects.filter(created_at__lt=cutoff(days)).delete()
     return deleted
+
+
+def cutoff(days: float) -> dt.datetime:
+    """The time ``days`` ago: older traces are pruned. A retention longer than the calendar
+    (``--days 1e6`` or ``inf``, "keep everything") is its first day, not an OverflowError."""
+    now = timezone.now()
+    oldest = dt.datetime.min.replace(tzinfo=dt.timezone.utc)
+    if not days < (now - oldest).days:  # (also inf; a NaN is refused by the callers)
+        return oldest
+    return now - dt.timedelta(days=days)
 
 
 def prune_owners(keep: int | None = None) -> int:

@@ -320,3 +320,16 @@ def test_healthz_answers_503_while_starting_or_draining(worker: Worker, client: 
     assert draining.status_code == 503 and draining.json()["status"] == "draining"
     undrain_worker(worker)
     assert client.get("/healthz").status_code == 200
+
+
+def test_drain_refuses_a_timeout_that_is_not_a_finite_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--timeout nan`` passed the ``< 0`` check and reached the workers (a drain of 0 s that said
+    "within nan s"); ``inf`` left the command waiting forever on a straggler."""
+    from execapp.management.commands import _control
+
+    asked: list[Any] = []
+    monkeypatch.setattr(_control, "request_sync", lambda *a, **k: asked.append(a))
+    for value in ("nan", "inf", "-inf", "-1"):
+        with pytest.raises(CommandError, match=rf"--timeout {float(value)}: use a finite number of seconds >= 0"):
+            call_command("drain", f"--timeout={value}")
+    assert asked == []

@@ -437,3 +437,24 @@ def test_a_matcher_pinned_to_the_pool_on_any_worker_shows_why() -> None:
     merged = dashboard_data._aggregate_matchers([{"matchers": [row(pool_only=None)]},
                                                  {"matchers": [row(pool_only="memory cap over 16 MiB")]}])
     assert merged[0]["pool_only"] == "memory cap over 16 MiB" and merged[0]["quarantined"] is None
+
+
+def test_a_worker_whose_clock_was_stepped_costs_the_total_series_its_points_only() -> None:
+    """A worker booted with its clock at 1970 then set by NTP holds points decades apart: the total
+    series walks the slots its points are live in, not every second between them (before: about
+    1.7 billion empty slots, a request thread spinning for hours on every poll)."""
+    now = time.time()
+    row = [4, 1, 0, 4, 10.0, 0.001, 0.002, 1, 0, 0, 0, 0]
+    stepped = [[5.0, *row], [6.0, *row], [now - 1, *row], [now, *row]]
+    steady = [[now - 0.5, *row]]
+    done: list[Any] = []
+    thread = threading.Thread(target=lambda: done.append(dashboard_data._total_series(
+        [{"worker": "stepped", "series": stepped}, {"worker": "steady", "series": steady}], 1.0)), daemon=True)
+    thread.start()
+    thread.join(30)  # generous: the points alone take microseconds
+    assert done, "the total series walked the empty grid between 1970 and now"
+    f = {name: i for i, name in enumerate(snapshots.SERIES_FIELDS)}
+    out = done[0]
+    assert len(out) <= 3 * 5  # at most three slots per point
+    assert [p[f["in_flight"]] for p in out if p[f["t"]] < 100] == [1, 1, 1]  # 1970: alone, live 2.5 periods
+    assert out[-1][f["in_flight"]] == 2  # now: both workers

@@ -425,6 +425,29 @@ def test_prune_deletes_failures_past_the_retention(settings: Any) -> None:
 
 
 @pytest.mark.django_db
+def test_a_retention_longer_than_the_calendar_keeps_everything(settings: Any) -> None:
+    """``--days 1e6`` or ``inf`` ("keep everything"), or such a HISTORY_FAILURE_DAYS (the workers'
+    hourly prune): before, an OverflowError traceback (timedelta, or a date before year 1)."""
+    from io import StringIO
+
+    from asgiref.sync import async_to_sync
+    from django.core.management.base import CommandError
+
+    async_to_sync(_old_failure)("old", days_ago=8)
+    for days in ("1e6", "inf", "1e10"):
+        out = StringIO()
+        call_command("prune_history", "--dry-run", "--days", days, stdout=out)
+        assert "would delete 0 event traces" in out.getvalue(), days
+        out = StringIO()
+        call_command("prune_history", "--days", days, stdout=out)
+        assert "deleted 0 event traces" in out.getvalue() and "1 kept" in out.getvalue(), days
+    settings.EXECAPP = {"HISTORY_FAILURE_DAYS": 1e6}
+    assert history.prune() == 0 and EventTrace.objects.count() == 1
+    with pytest.raises(CommandError, match="--days nan: use a number of days >= 0"):
+        call_command("prune_history", "--days", "nan")
+
+
+@pytest.mark.django_db
 def test_prune_keeps_each_owner_s_newest_failures_up_to_its_cap(settings: Any) -> None:
     """A quota on the database: a tenant whose events all fail keeps its newest N, the others theirs."""
     now = timezone.now()

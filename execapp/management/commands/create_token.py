@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
+from execapp.db_command import DatabaseCommand
 from execapp.models import ApiToken
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = "Create an API token for WebSocket clients and print it (only its hash is stored)."
 
     def add_arguments(self, parser: CommandParser) -> None:

@@ -1,6 +1,7 @@
 """manage.py drain: every worker stops taking events, finishes what it accepted and reports."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
@@ -23,8 +24,10 @@ class Command(ControlCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         timeout = options["timeout"] if options["timeout"] is not None else float(conf.get("DRAIN_TIMEOUT_SECONDS"))
-        if timeout < 0:
-            raise CommandError(f"--timeout {timeout}: use a number of seconds >= 0")
+        # nan passed `< 0` and reached the workers (a drain of 0 s reported as "within nan s");
+        # inf left this command waiting forever on a worker that cannot finish.
+        if not 0 <= timeout < math.inf:
+            raise CommandError(f"--timeout {timeout}: use a finite number of seconds >= 0 (e.g. 60)")
         result = self.ask(options["worker"], timeout)
         if options["json"]:
             self.print_json(result)

@@ -1,17 +1,16 @@
 """`manage.py prune_history`: delete failed events' traces older than the retention (HISTORY_FAILURE_DAYS)."""
 from __future__ import annotations
 
-import datetime as dt
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.utils import timezone
+from django.core.management.base import CommandError, CommandParser
 
 from execapp import conf, history
+from execapp.db_command import DatabaseCommand
 from execapp.models import EventTrace
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = ("Delete the database's event traces (failed events) older than EXECAPP['HISTORY_FAILURE_DAYS'] "
             "(default 7) or --days, and each owner's past its newest EXECAPP['HISTORY_FAILURES_PER_OWNER'] "
             "(default 100000). Workers also prune hourly; the recent store trims itself.")
@@ -24,8 +23,8 @@ class Command(BaseCommand):
     def handle(self, *args: Any, days: float | None = None, dry_run: bool = False, **options: Any) -> None:
         days = float(conf.get("HISTORY_FAILURE_DAYS")) if days is None else days
         if not days >= 0:
-            raise CommandError(f"--days {days}: use a number of days >= 0")
-        cutoff = timezone.now() - dt.timedelta(days=days)
+            raise CommandError(f"--days {days}: use a number of days >= 0 (inf keeps every trace)")
+        cutoff = history.cutoff(days)
         if dry_run:
             count = EventTrace.objects.filter(created_at__lt=cutoff).count()
             self.stdout.write(f"would delete {count} event traces older than {days:g} days (before "

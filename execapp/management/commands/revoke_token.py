@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
+from execapp.db_command import DatabaseCommand
 from execapp.models import ApiToken
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = "Revoke an API token: new connections with it are refused (HTTP 403)."
 
     def add_arguments(self, parser: CommandParser) -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from execapp.db_command import DatabaseCommand
 from plugins.bundled import EXAMPLES_DIR, load_directory
 from plugins.errors import PluginInvalid
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = ("Create or update the plugins of a directory with a manifest.json (default: the bundled examples); "
             "a plugin edited since it was loaded is kept unless --force.")
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from execapp.db_command import DatabaseCommand
 from execapp.engine import ExecAppError, parse_command
 from plugins.loaded import LoadedPlugin
 from plugins.models import Plugin
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = ("Call one plugin handler with a JSON event and print the reply (text as is, data as JSON). "
             "Example: manage.py runplugin echo echo '{\"text\": \"/echo hi\"}'")
 
