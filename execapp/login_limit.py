@@ -17,7 +17,6 @@ Refusals are counted in ``execapp_password_checks_refused_total``.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 from django.contrib.auth.backends import ModelBackend
@@ -25,6 +24,7 @@ from django.core.exceptions import ValidationError
 
 from . import conf, metrics
 from .engine.ratelog import RateLimitedLog
+from .running_cap import RunningCap
 
 log = logging.getLogger("execapp.login_limit")
 _rare = RateLimitedLog(log, 60.0)
@@ -33,18 +33,15 @@ _rare = RateLimitedLog(log, 60.0)
 LOGIN_BUSY = "login_busy"
 
 # Django runs each request's view in a thread of its own (and aauthenticate on the loop): one
-# count for both, under a lock.
-_lock = threading.Lock()
-_running = [0]
+# count for both.
+_checks = RunningCap()
 
 
 def _begin() -> None:
     """Count one password check in, or raise the ``login_busy`` ValidationError when the worker is at the cap."""
     limit = int(conf.get("MAX_PASSWORD_CHECKS"))
-    with _lock:
-        if _running[0] < limit:
-            _running[0] += 1
-            return
+    if _checks.acquire(limit):
+        return
     metrics.PASSWORD_CHECKS_REFUSED.inc()
     _rare.warning(LOGIN_BUSY, "refused a sign-in attempt: %d password checks already run on this worker "
                   "(EXECAPP['MAX_PASSWORD_CHECKS']); a flood of login attempts?", limit)
@@ -53,13 +50,12 @@ def _begin() -> None:
 
 
 def _end() -> None:
-    with _lock:
-        _running[0] -= 1
+    _checks.release()
 
 
 def running() -> int:
     """Password checks running now in this process."""
-    return _running[0]
+    return _checks.now
 
 
 class LimitedModelBackend(ModelBackend):
