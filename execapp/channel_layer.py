@@ -13,9 +13,10 @@ What the deliveries cost is charged to their owner's share of the loop (execapp.
 Measured with a scratch script (one worker; one owner's 300 connections in one session, a
 publisher sending /ping events into it 10 at a time; another owner's /ping from a separate
 process, one every 10 ms), the other owner's /ping p50 / p99: 1.2 / 3 ms alone; 55 / 113 ms with
-Channels' layer (the sweeps 41% of the worker's loop, the members got 3,500 frames/s); 8-9 /
-27-37 ms with this one (the members got 5,300-6,900 frames/s). The two clients share the
-machine's two cores with the server.
+Channels' layer (the sweeps 41% of the worker's loop, the members got 3,500 frames/s); with
+this one, 2.4-2.6 / 25-29 ms at 8 members per turn (5.9 / 35-81 ms at 32, 3.3-4.2 / 20-28 ms at
+16), the members getting 7,000-11,000 frames/s at each. The two clients share the machine's two
+cores with the server.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from channels.layers import InMemoryChannelLayer as ChannelsInMemoryChannelLayer
 #: Seconds between two sweeps of expired messages and memberships.
 SWEEP_SECONDS = 1.0
 #: Members a group send hands its message to per loop turn.
-DELIVERIES_PER_TURN = 32
+DELIVERIES_PER_TURN = 8
 
 
 class InMemoryChannelLayer(ChannelsInMemoryChannelLayer):
@@ -58,7 +59,8 @@ class InMemoryChannelLayer(ChannelsInMemoryChannelLayer):
             if n and n % DELIVERIES_PER_TURN == 0:
                 # A loop turn between slices: each member's reader runs its delivery in the turn
                 # after its put, so one frame to 300 members was 300 deliveries in one turn, and
-                # every other client's frame waited behind them (~20-40 ms a publish).
+                # every other client's frame waited behind them (~20-40 ms a publish). A turn
+                # costs a few microseconds; a slice of 8 deliveries a few hundred.
                 await asyncio.sleep(0)
             queue = channels.get(channel)
             if queue is None:
