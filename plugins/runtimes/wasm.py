@@ -337,6 +337,14 @@ sys.stdout.buffer.write(data)
 """
 
 
+def _out_of_memory(message: str) -> bool:
+    """Whether a compile error of the child is its address-space limit (an mmap or allocation that
+    failed: ENOMEM), which wasmtime reports as an error as often as it aborts on it."""
+    text = message.lower()
+    return any(sign in text for sign in ("cannot allocate memory", "os error 12", "out of memory",
+                                         "memory allocation", "failed to allocate"))
+
+
 def _compile_bounded(wasm: bytes) -> wasmtime.Module:
     """``wasm`` compiled in a child process bounded by COMPILE_TIMEOUT_SECONDS and
     COMPILE_MEMORY_BYTES (wasmtime cannot interrupt a compile), loaded into ENGINE."""
@@ -363,7 +371,11 @@ def _compile_bounded(wasm: bytes) -> wasmtime.Module:
         raise CompileError(f"compiling the module failed within its {COMPILE_MEMORY_BYTES >> 20} MiB of memory "
                            f"(exit status {done.returncode}: {why}); make it smaller", code="memory_limit")
     if out[:1] == b"E":
-        raise CompileError(f"the module does not compile: {out[1:].decode('utf-8', 'replace')}")
+        message = out[1:].decode("utf-8", "replace")
+        if _out_of_memory(message):  # wasmtime reported the allocation failure instead of aborting
+            raise CompileError(f"compiling the module failed within its {COMPILE_MEMORY_BYTES >> 20} MiB of memory "
+                               f"({message[:200]}); make it smaller", code="memory_limit")
+        raise CompileError(f"the module does not compile: {message}")
     # Trusted: these bytes are what this process's own child serialized with this wasmtime.
     return wasmtime.Module.deserialize(ENGINE, out[1:])
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import pytest
 
 from execapp.engine import HandlerError, HandlerTimeout
-from plugins.errors import PluginInvalid
+from plugins.errors import CompileError, PluginInvalid
 from plugins.loaded import LoadedPlugin, validate
 from plugins.runtimes import wasm
 from plugins.spec import PluginSpec
@@ -140,11 +140,12 @@ def test_compiling_is_stopped_at_its_time_limit(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_compiling_is_stopped_at_its_memory_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    # 15,000 functions need ~250 MiB of address space to compile.
-    _tight_compile(monkeypatch, 60.0, 150 << 20)
+    # 15,000 functions need ~155 MiB of address space to compile (measured: refused at 150 MiB,
+    # compiled at 160; a limit of 150 failed CI once, at the edge): well below it, 100.
+    _tight_compile(monkeypatch, 60.0, 100 << 20)
     with pytest.raises(PluginInvalid) as info:
         bounded(lambda: validate(spec(_funcs(15_000))))
-    assert info.value.code == "memory_limit" and "within its 150 MiB of memory" in str(info.value)
+    assert info.value.code == "memory_limit" and "within its 100 MiB of memory" in str(info.value), str(info.value)
 
 
 def test_the_limits_let_an_ordinary_module_through() -> None:
@@ -330,3 +331,23 @@ def test_the_epoch_ticks_while_a_guest_runs_and_not_while_none_does(monkeypatch:
     with pytest.raises(HandlerTimeout):
         call(module(handler("(loop $l (br $l)) (i64.const 0)")), timeout=0.2)
     assert len(ticks) > idle_from
+
+
+@pytest.mark.parametrize("stdout, code", [
+    (b"Efailed to mmap code memory: Cannot allocate memory (os error 12)", "memory_limit"),
+    (b"Einsufficient resources: out of memory", "memory_limit"),
+    (b"Efunc 0 failed to validate: type mismatch", "plugin_invalid"),
+])
+def test_a_compile_that_ran_out_of_its_memory_is_memory_limit_however_wasmtime_reports_it(
+        monkeypatch: pytest.MonkeyPatch, stdout: bytes, code: str) -> None:
+    # Out of its address space the compiling child either aborts or gets an error from wasmtime
+    # (an mmap that failed): the second was reported as "does not compile" (seen once in CI).
+    import subprocess
+
+    def child(*args: Any, **kwargs: Any) -> subprocess.CompletedProcess:
+        return subprocess.CompletedProcess(args, 0, stdout, b"")
+
+    monkeypatch.setattr(wasm.subprocess, "run", child)
+    with pytest.raises(CompileError) as info:
+        wasm._compile_bounded(_funcs(3))
+    assert info.value.code == code, str(info.value)
