@@ -323,15 +323,10 @@ class Connection:
         event in a session of a thousand members is a thousand frames written."""
         if self.closed:
             return
-        share = self._decode_share
-        if share is None:
-            self.outbox.offer(frame, session, text_size(frame))
-            return
         started = monotonic()
-        try:
-            self.outbox.offer(frame, session, text_size(frame))
-        finally:
-            share.spend_since(started)
+        self.outbox.offer(frame, session, text_size(frame))  # (never raises: past its limits it drops)
+        if self._decode_share is not None:
+            self._decode_share.spend_since(started)
 
     def groups(self) -> list[str]:
         """The channel-layer groups this connection joined (one per session)."""

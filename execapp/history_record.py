@@ -122,14 +122,19 @@ def key_of(stored: tuple) -> str:
 _digests: dict[str, str] = {}
 
 
-def pair_key(owner: str, event_id: str) -> str:
-    """The key of (owner, event id): an owner's ids never meet another owner's."""
+def owner_key(owner: str) -> str:
+    """The owner's part of its pair keys (a digest: no ':' in it)."""
     digest = _digests.get(owner)
     if digest is None:
         digest = hashlib.blake2b(owner.encode(), digest_size=8).hexdigest()
         if len(_digests) < 10_000:  # owners are few (tenants, staff users): a bounded cache
             _digests[owner] = digest
-    return digest + ":" + event_id
+    return digest
+
+
+def pair_key(owner: str, event_id: str) -> str:
+    """The key of (owner, event id): an owner's ids never meet another owner's."""
+    return owner_key(owner) + ":" + event_id
 
 
 def _s(value: str | None) -> str:

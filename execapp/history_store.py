@@ -30,6 +30,7 @@ from .history_record import (
     Record,
     expand,
     key_of,
+    owner_key,
     pair_key,
     to_json,
     to_json_data,
@@ -438,7 +439,7 @@ class RedisStore:
 
     def held(self, owner: str) -> int:
         """How many traces ``owner`` holds here."""
-        return int(self.client.zscore(self.prefix + "owners", pair_key(owner, "")[:-1]) or 0)
+        return int(self.client.zscore(self.prefix + "owners", owner_key(owner)) or 0)
 
 
 _local: LocalStore | None = None

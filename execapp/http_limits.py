@@ -108,7 +108,7 @@ class PendingBodies:
 
 
 def _declared_length(scope: dict[str, Any]) -> int | None:
-    """The request's Content-Length, or None (no body announced, or a chunked one: -1)."""
+    """The request's Content-Length; -1 for a chunked body (Transfer-Encoding); None when no body is announced."""
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
             try:

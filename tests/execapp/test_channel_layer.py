@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 from channels.layers import InMemoryChannelLayer as ChannelsInMemoryChannelLayer
-from django.conf import settings
 
 from execapp import channel_layer
 from execapp.channel_layer import InMemoryChannelLayer
@@ -20,8 +22,12 @@ async def _members(layer: InMemoryChannelLayer, n: int, group: str = "room") -> 
 
 
 def test_the_embedded_default_uses_it() -> None:
-    if not getattr(settings, "REDIS_URL", ""):
-        assert settings.CHANNEL_LAYERS["default"]["BACKEND"] == "execapp.channel_layer.InMemoryChannelLayer"
+    # The project's settings without REDIS_URL (this run may have one): read in a process of their own.
+    env = {**os.environ, "REDIS_URL": "", "DJANGO_SETTINGS_MODULE": "config.settings"}
+    out = subprocess.run([sys.executable, "-c", "from django.conf import settings; "
+                          "print(settings.CHANNEL_LAYERS['default']['BACKEND'])"],
+                         env=env, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    assert out == "execapp.channel_layer.InMemoryChannelLayer"
 
 
 async def test_a_group_send_reaches_every_member_once_each_with_its_own_copy() -> None:

@@ -17,7 +17,7 @@ from django.utils import timezone
 from execapp import history, history_store
 from execapp import worker as worker_module
 from execapp.engine import Engine, Event
-from execapp.history_record import Handler, Record, pair_key, to_json
+from execapp.history_record import Handler, Record, owner_key, pair_key, to_json
 from execapp.history_store import Filters, LocalStore, RedisStore, Summary
 from execapp.models import EventTrace
 
@@ -331,7 +331,7 @@ def test_the_redis_store_is_bounded_and_shared(redis_url: str, settings: Any) ->
     # Every body and pointer of a trimmed trace is gone: 50 bodies + 50 pointers + the log, the
     # owner's list, the owners' counts and the total.
     keys = store.client.keys(store.prefix + "*")
-    assert len(keys) == 104 and store.client.llen(store.prefix + "o:" + pair_key("tenant:a", "")[:-1]) == 50
+    assert len(keys) == 104 and store.client.llen(store.prefix + "o:" + owner_key("tenant:a")) == 50
     # Another process (a second worker) sees the same traces.
     other = RedisStore(redis_url, 50)
     assert other.get("tenant:a", "e100") == store.get("tenant:a", "e100")
