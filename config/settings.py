@@ -70,8 +70,11 @@ DATABASES = {
     )
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    # The embedded default: several threads (pool workers, flusher) write to one file.
-    DATABASES["default"].setdefault("OPTIONS", {}).update({"timeout": 20})
+    # The embedded default: several threads (pool workers, flusher) and commands (loadplugins
+    # while the server runs) write to one file. IMMEDIATE: a transaction takes the write lock when
+    # it begins, and waits up to `timeout` for it; a deferred one that reads and then writes failed
+    # at once with "database is locked" when another had written meanwhile (seen in CI).
+    DATABASES["default"].setdefault("OPTIONS", {}).update({"timeout": 20, "transaction_mode": "IMMEDIATE"})
     DATABASES["default"]["CONN_MAX_AGE"] = 0
 
 REDIS_URL = os.environ.get("REDIS_URL", "")
