@@ -23,6 +23,7 @@ from .running_cap import RunningCap
 
 #: Rows per page of the Events list.
 PAGE_SIZE = 50
+MAX_UID_CHARS = 64  # EventTrace.uid's max_length: a longer paging cursor is cut, not looked up
 #: The outcome filter's choices: every outcome an event or a handler can have.
 OUTCOMES = ("ok", "failed", "error", history.INCOMPLETE, *sorted(codes.ERROR_CODES))
 _FILTER_FIELDS = ("id", "plugin", "matcher", "outcome", "session", "owner", "since", "until")
@@ -71,7 +72,8 @@ def filters_from(request: HttpRequest) -> tuple[Filters, dict[str, str], list[st
     before = parse_time(request.GET.get("before", ""))
     event_id = raw["id"] or raw["q"]
     return (Filters(plugin=raw["plugin"], matcher=raw["matcher"], outcome=raw["outcome"], session=raw["session"],
-                    owner=raw["owner"], id=event_id, since=times["since"], until=times["until"], before=before),
+                    owner=raw["owner"], id=event_id, since=times["since"], until=times["until"], before=before,
+                    before_uid=request.GET.get("before_uid", "")[:MAX_UID_CHARS] if before is not None else ""),
             raw, problems)
 
 
@@ -134,7 +136,8 @@ class EventTraceAdmin(admin.ModelAdmin):
                           "codes_text": ", ".join(s.codes)})
         older = None
         if more and rows:
-            older = "?" + urlencode({**{k: v for k, v in raw.items() if v}, "before": repr(rows[-1].ts)})
+            older = "?" + urlencode({**{k: v for k, v in raw.items() if v}, "before": repr(rows[-1].ts),
+                                     "before_uid": rows[-1].uid})
         recorder = history.current()
         context = {
             **self.admin_site.each_context(request),

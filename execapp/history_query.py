@@ -77,7 +77,7 @@ def search(filters: Filters, limit: int = 50, scan_limit: int | None = None) -> 
     if filters.outcome != "ok":
         for summary in _db_search(filters, limit):
             found.setdefault(summary.uid, summary)
-    return sorted(found.values(), key=lambda s: s.ts, reverse=True)[:limit]
+    return sorted(found.values(), key=lambda s: (s.ts, s.uid), reverse=True)[:limit]
 
 
 def _db_search(filters: Filters, limit: int) -> list[Summary]:
@@ -96,11 +96,17 @@ def _db_search(filters: Filters, limit: int) -> list[Summary]:
     if filters.outcome and filters.outcome != "failed":
         outcome = clean_text(filters.outcome)
         qs = qs.filter(Q(outcome=outcome) | Q(codes__regex=rf"(^|,){_re_escape(outcome)}(,|$)"))
-    for op, when in (("gte", filters.since), ("lt", filters.until), ("lt", filters.before)):
+    for op, when in (("gte", filters.since), ("lt", filters.until)):
         if when is not None:
             qs = qs.filter(**{f"created_at__{op}": dt.datetime.fromtimestamp(when, dt.timezone.utc)})
+    if filters.before is not None:  # the paging cursor: after the last row shown in (ts, uid) order
+        before = dt.datetime.fromtimestamp(filters.before, dt.timezone.utc)
+        older = Q(created_at__lt=before)
+        if filters.before_uid:
+            older |= Q(created_at=before, uid__lt=clean_text(filters.before_uid))
+        qs = qs.filter(older)
     out = []
-    for row in qs.order_by("-created_at")[:limit]:
+    for row in qs.order_by("-created_at", "-uid")[:limit]:
         out.append(Summary(
             uid=row.uid, key=pair_key(row.owner, row.event_id), ts=row.created_at.timestamp(), id=row.event_id,
             owner=row.owner, session=row.session, type=row.event_type, outcome=row.outcome,

@@ -117,7 +117,9 @@ class Filters:
 
     ``outcome``: ``ok``, ``failed`` (anything else), or one code (a refusal, or a handler's
     failure code such as ``timeout``). ``since``/``until``: wall-clock seconds (inclusive,
-    exclusive). ``before``: the paging cursor, a ts: only traces strictly older.
+    exclusive). ``before`` and ``before_uid``: the paging cursor, the last row shown: only traces
+    after it in (ts, uid) order, newest first, so traces sharing the cursor's ts are not skipped
+    (``before`` alone: strictly older).
     """
 
     plugin: str = ""
@@ -129,10 +131,13 @@ class Filters:
     since: float | None = None
     until: float | None = None
     before: float | None = None
+    before_uid: str = ""
 
     def match(self, s: "Summary | Record") -> bool:
         """True when the summary (or the record) passes every filter."""
-        if self.before is not None and s.ts >= self.before:
+        before = self.before
+        if before is not None and (s.ts > before or s.ts == before and (not self.before_uid
+                                                                         or s.uid >= self.before_uid)):
             return False
         if self.until is not None and s.ts >= self.until:
             return False

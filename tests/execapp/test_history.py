@@ -314,6 +314,9 @@ def test_summary_lines_round_trip_and_filters_match() -> None:
     assert not Filters(outcome="ok").match(s) and not Filters(plugin="b").match(s)
     assert Filters(since=1001.0, until=1002.0).match(s) and not Filters(since=1001.5).match(s)
     assert not Filters(before=1001.0).match(s)
+    # the paging cursor (ts, uid): the same ts is on the next page when its uid sorts lower
+    assert Filters(before=1001.0, before_uid="u2").match(s) and not Filters(before=1001.0, before_uid="u1").match(s)
+    assert not Filters(before=1000.5, before_uid="u2").match(s) and Filters(before=1001.5, before_uid="u0").match(s)
 
 
 @pytest.mark.redis

@@ -105,6 +105,34 @@ def test_paging_goes_back_through_older_events(recorded: Any, monkeypatch: pytes
     assert seen == ["e4", "e3", "e2", "e1", "e0"]
 
 
+def test_paging_does_not_skip_traces_that_share_a_timestamp(recorded: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages end where PAGE_SIZE says, not where a timestamp changes: traces sharing the last shown
+    row's ts (one worker's flush, or the database's microseconds) are on the next page. Before, the
+    cursor was the ts alone and "strictly older" skipped them."""
+    import datetime as dt
+
+    from execapp import history_admin
+    from execapp.models import EventTrace
+
+    from .test_history import _record
+
+    monkeypatch.setattr(history_admin, "PAGE_SIZE", 2)
+    now = time.time()
+    history_store.store().add([_record(n, ts=now, id=f"same{n}") for n in range(5)]
+                              + [_record(9, ts=now - 1, id="older")])
+    when = dt.datetime.fromtimestamp(round(now - 2, 3), dt.timezone.utc)
+    for n in range(3):  # failures the database keeps, sharing one created_at
+        EventTrace.objects.create(uid=f"db-{n}", event_id=f"failed{n}", owner="tenant:a", outcome="timeout",
+                                  codes="timeout", created_at=when, trace={})
+    client = staff("viewer", ["execapp.view_eventtrace"])
+    seen, url = [], EVENTS
+    while url:
+        page = client.get(url)
+        seen += [r["id"] for r in page.context["rows"]]
+        url = EVENTS + page.context["older_url"] if page.context["older_url"] else None
+    assert seen == ["same4", "same3", "same2", "same1", "same0", "older", "failed2", "failed1", "failed0"]
+
+
 def test_a_matchers_and_a_plugins_admin_pages_link_to_their_failures(recorded: Any) -> None:
     from plugins.models import Binding, Plugin
 
