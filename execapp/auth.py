@@ -218,7 +218,8 @@ class TokenAuthMiddleware:
             return await deny(scope, receive, send, "bad_token",
                               "the API token is unknown or revoked; create one with "
                               "`.venv/bin/python manage.py create_token <name>`")
-        scope = {**scope, "execapp_auth": {"kind": "token", "name": token.name, "owner": token.owner}}
+        scope = {**scope, "execapp_auth": {"kind": "token", "name": token.name, "owner": token.owner,
+                                            "token_id": token.pk}}  # re-checked while open (token_watch)
         return await self.inner(scope, receive, send)
 
 

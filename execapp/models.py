@@ -74,7 +74,8 @@ class ApiToken(models.Model):
         return token
 
     def revoke(self) -> None:
-        """Refuse this token from now on (existing connections keep running until they close)."""
+        """Refuse this token from now on (its open connections are closed within
+        EXECAPP['TOKEN_RECHECK_SECONDS']: execapp/token_watch.py)."""
         self.revoked_at = timezone.now()
         self.save(update_fields=["revoked_at"])
 

@@ -1,0 +1,125 @@
+"""A revoked or deleted API token's open connections are closed (execapp/token_watch.py): through a
+real uvicorn and real `websockets` clients, as a token holder and an operator would see it."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Iterator
+
+import pytest
+from django.core import checks
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import ClientConnection, connect
+
+from execapp import token_watch
+from execapp.models import ApiToken
+from execapp.routing import websocket_application
+from tests.conftest import InProcessServer
+
+from .ws_fixtures import ws_worker  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("ws_worker")
+
+RECHECK = 0.2
+
+
+@pytest.fixture
+def server(transactional_db: Any, settings: Any) -> Iterator[str]:
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "TOKEN_RECHECK_SECONDS": RECHECK}
+    with InProcessServer(websocket_application) as srv:
+        yield f"ws://127.0.0.1:{srv.port}/ws/events/"
+
+
+def _open(url: str, raw: str) -> ClientConnection:
+    return connect(url, additional_headers={"Authorization": f"Bearer {raw}"}, open_timeout=5)
+
+
+def _pings(ws: ClientConnection, eid: str) -> bool:
+    """Whether ``ws`` still answers a /ping (False: the server closed it)."""
+    try:
+        ws.send(json.dumps({"id": eid, "type": "message", "text": "/ping"}))
+        while True:
+            frame = json.loads(ws.recv(5))
+            if frame["type"] == "done" and frame["id"] == eid:
+                return True
+    except ConnectionClosed:
+        return False
+
+
+def _closed(ws: ClientConnection, within: float) -> tuple[int, str] | None:
+    """The close code and reason once the server closed ``ws`` (None: still open after ``within`` s)."""
+    try:
+        ws.recv(within)
+    except TimeoutError:
+        return None
+    except ConnectionClosed as exc:
+        assert exc.rcvd is not None
+        return exc.rcvd.code, exc.rcvd.reason
+    raise AssertionError("a frame nobody asked for")
+
+
+def test_a_revoked_tokens_open_connections_are_closed_and_its_tenants_other_tokens_are_not(server: str) -> None:
+    victim, raw = ApiToken.issue("leaked", tenant="acme")
+    raw_other = ApiToken.issue("laptop", tenant="acme")[1]
+    with _open(server, raw) as a, _open(server, raw) as b, _open(server, raw_other) as other:
+        assert _pings(a, "a1") and _pings(b, "b1") and _pings(other, "o1")
+        victim.revoke()
+        started = time.monotonic()
+        for ws in (a, b):  # both of its connections, within about one interval
+            assert _closed(ws, 5) == (1008, token_watch.REVOKED_REASON)
+        assert time.monotonic() - started < RECHECK + 2
+        # The tenant's other token is untouched (revoking one token is not revoking its tenant).
+        time.sleep(2 * RECHECK)
+        assert _pings(other, "o2")
+    with pytest.raises(Exception, match="HTTP 403"):  # and the token gets no new connection
+        _open(server, raw)
+
+
+def test_a_deleted_tokens_connection_is_closed_too(server: str) -> None:
+    token, raw = ApiToken.issue("deleted")
+    with _open(server, raw) as ws:
+        assert _pings(ws, "d1")
+        token.delete()
+        assert _closed(ws, 5) == (1008, token_watch.REVOKED_REASON)
+
+
+def test_with_the_recheck_off_a_revoked_tokens_connection_runs_on(server: str, settings: Any) -> None:
+    settings.EXECAPP = {**settings.EXECAPP, "TOKEN_RECHECK_SECONDS": 0}
+    token, raw = ApiToken.issue("kept")
+    with _open(server, raw) as ws:
+        token.revoke()
+        assert _closed(ws, 3 * RECHECK) is None and _pings(ws, "k1")
+
+
+def test_a_database_outage_closes_nothing_and_is_logged(monkeypatch: Any, caplog: Any, settings: Any) -> None:
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "TOKEN_RECHECK_SECONDS": 0}  # no task: checked by hand
+    closed: list[int] = []
+
+    async def down(ids: list[int]) -> set[int]:
+        raise ConnectionError("database is down")
+
+    async def scenario() -> tuple[int, int]:
+        watch = token_watch.TokenWatch()
+
+        async def closer() -> None:
+            closed.append(1)
+
+        watch.add(7, "t", closer)
+        with caplog.at_level(logging.WARNING, logger="execapp.auth"):
+            n = await watch.check()
+        return n, watch.watched()
+
+    monkeypatch.setattr(token_watch, "_live", down)
+    token_watch._rare._seen.clear()
+    assert asyncio.run(scenario()) == (0, 1) and closed == []
+    assert any("could not re-check the API tokens" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("value", [-1, "10", None])
+def test_the_checks_refuse_a_bad_recheck_interval(settings: Any, value: Any) -> None:
+    settings.EXECAPP = {"TOKEN_RECHECK_SECONDS": value}
+    found = [m for m in checks.run_checks() if m.id == "execapp.E098"]
+    assert found and "TOKEN_RECHECK_SECONDS" in found[0].msg and "0 turns that off" in (found[0].hint or "")
