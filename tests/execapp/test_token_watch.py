@@ -1,5 +1,6 @@
-"""A revoked or deleted API token's open connections are closed (execapp/token_watch.py): through a
-real uvicorn and real `websockets` clients, as a token holder and an operator would see it."""
+"""A revoked or deleted API token's open connections are closed (execapp/token_watch.py), and a
+token in a URL never reaches the log (execapp/logtext.py): through a real uvicorn and real
+`websockets` clients, as a token holder and an operator would see them."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +15,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from execapp import token_watch
+from execapp.logtext import redact_token
 from execapp.models import ApiToken
 from execapp.routing import websocket_application
 from tests.conftest import InProcessServer
@@ -123,3 +125,43 @@ def test_the_checks_refuse_a_bad_recheck_interval(settings: Any, value: Any) -> 
     settings.EXECAPP = {"TOKEN_RECHECK_SECONDS": value}
     found = [m for m in checks.run_checks() if m.id == "execapp.E098"]
     assert found and "TOKEN_RECHECK_SECONDS" in found[0].msg and "0 turns that off" in (found[0].hint or "")
+
+
+# -- tokens in logged URLs ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("url, logged", [
+    ("/ws/events/?token=s3cret", "/ws/events/?token=[redacted]"),
+    ("/ws/events/?session=a&token=s3cret&x=1", "/ws/events/?session=a&token=[redacted]&x=1"),
+    ("/ws/events/?tok%65n=s3cret", "/ws/events/?tok%65n=[redacted]"),  # the name as the server decodes it
+    ("/ws/events/?token=s3cret&token=2 HTTP/1.1", "/ws/events/?token=[redacted]&token=[redacted] HTTP/1.1"),
+    ("/ws/events/?tokens=1&Token=2", "/ws/events/?tokens=1&Token=2"),  # not the parameter the server reads
+    ("/metrics", "/metrics"),
+])
+def test_a_token_in_a_query_string_is_redacted(url: str, logged: str) -> None:
+    assert redact_token(url) == logged
+
+
+def test_the_servers_websocket_log_line_carries_no_token(server: str) -> None:
+    raw = ApiToken.issue("in-the-url")[1]
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    handler, level = Collect(), uvicorn_log.level
+    uvicorn_log.addHandler(handler)
+    uvicorn_log.setLevel(logging.INFO)  # uvicorn logs each handshake's URL at INFO
+    try:
+        for url in (f"{server}?token={raw}", f"{server}?session=x&tok%65n={raw}"):
+            with connect(url, open_timeout=5) as ws:
+                assert _pings(ws, "u1")  # let in: the server read the token
+        with pytest.raises(Exception, match="HTTP 403"):
+            connect(f"{server}?token=not-{raw}", open_timeout=5)
+    finally:
+        uvicorn_log.removeHandler(handler)
+        uvicorn_log.setLevel(level)
+    ws_lines = [line for line in lines if "WebSocket /ws/events/" in line]
+    assert len(ws_lines) == 3 and all("[redacted]" in line for line in ws_lines), lines
+    assert not any(raw in line for line in lines), lines
