@@ -199,12 +199,13 @@ class EventConsumer(AsyncWebsocketConsumer):
             token_watch.current().discard(self._watched_token, self._token_revoked)
             self._watched_token = None
 
-    async def _token_revoked(self) -> None:
-        """Its token was revoked: no more events are taken, and the socket is closed with 1008."""
+    async def _token_revoked(self, reason: str) -> None:
+        """Its token was revoked or moved to another tenant: no more events are taken, and the
+        socket is closed with 1008 and ``reason``."""
         self._watched_token = None
         if self.conn is not None:
             self.conn.close()
-        await self.close(token_watch.CLOSE_REVOKED, token_watch.REVOKED_REASON)
+        await self.close(token_watch.CLOSE_REVOKED, close_reason(reason))
 
     async def _send_text(self, text: str) -> None:
         await self.base_send({"type": "websocket.send", "text": text})

@@ -48,7 +48,12 @@ class ApiToken(models.Model):
     @property
     def owner(self) -> str:
         """The owner key of this token's sessions (see execapp.protocol.group_name)."""
-        return f"tenant:{self.tenant or self.name}"
+        return self.owner_of(self.tenant, self.name)
+
+    @staticmethod
+    def owner_of(tenant: str, name: str) -> str:
+        """The owner key of a token with this ``tenant`` and ``name`` (see ``owner``)."""
+        return f"tenant:{tenant or name}"
 
     @classmethod
     def issue(cls, name: str, tenant: str = "") -> tuple["ApiToken", str]:

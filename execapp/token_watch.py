@@ -1,11 +1,14 @@
-"""Connections of a revoked (or deleted) API token are closed, not left running until they end.
+"""Connections of a revoked (or deleted) API token are closed, not left running until they end;
+so are those of a token moved to another tenant.
 
 A token is judged at the handshake only, and a WebSocket may stay open for days: an operator who
-revokes a leaked token expects its holder to be cut off, not only refused its next connection.
-Every ``EXECAPP['TOKEN_RECHECK_SECONDS']`` (10 s) each event loop with token connections looks
-up, in one query, which of the tokens they were let in with are still live, and closes the
-connections of the others with 1008 and a reason naming the fix (docs/protocol.md,
-"Authentication"). 0 turns the re-check off (revocation then refuses new connections only).
+revokes a leaked token expects its holder to be cut off, not only refused its next connection;
+one who moves a token out of a tenant (a device handed on) expects it to stop reading that
+tenant's sessions. Every ``EXECAPP['TOKEN_RECHECK_SECONDS']`` (10 s) each event loop with token
+connections looks up, in one query, the tokens they were let in with, and closes with 1008 and a
+reason naming the fix the connections whose token is gone or revoked, or whose owner (its
+tenant) is no longer the one they connected as (docs/protocol.md, "Authentication").
+0 turns the re-check off (revocation then refuses new connections only).
 
 A failed lookup (the database is down) closes nothing: it is logged once a minute and tried
 again at the next interval, so an outage does not cut every client off.
@@ -15,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from typing import Any, Callable, Coroutine, Iterable
+from typing import Any, Callable, Coroutine
 
 from channels.db import database_sync_to_async
 
@@ -28,11 +31,13 @@ _rare = RateLimitedLog(log, 60.0)
 #: The close code (RFC 6455: policy violation) and reason of a connection whose token was revoked.
 CLOSE_REVOKED = 1008
 REVOKED_REASON = "token revoked: this connection's API token was revoked or deleted; reconnect with a live token"
+MOVED_REASON = ("token moved: this connection's API token now belongs to another tenant; reconnect to use its "
+                "new tenant's sessions")
 #: Token ids per query (SQLite's older builds allow 999 variables in one statement).
 _CHUNK = 500
 
 #: What the watch closes: the consumer's coroutine that closes one connection.
-Closer = Callable[[], Coroutine[Any, Any, None]]
+Closer = Callable[[str], Coroutine[Any, Any, None]]
 
 
 def revoked_connections_note() -> str:
@@ -50,14 +55,15 @@ def interval() -> float:
 
 
 @database_sync_to_async
-def _live(ids: list[int]) -> set[int]:
-    """Which of ``ids`` are tokens that exist and are not revoked."""
+def _live(ids: list[int]) -> dict[int, str]:
+    """The owner of each of ``ids`` that is a token that exists and is not revoked."""
     from .models import ApiToken
 
-    live: set[int] = set()
+    live: dict[int, str] = {}
     for start in range(0, len(ids), _CHUNK):
-        live.update(ApiToken.objects.filter(pk__in=ids[start:start + _CHUNK], revoked_at__isnull=True)
-                    .values_list("pk", flat=True))
+        rows = ApiToken.objects.filter(pk__in=ids[start:start + _CHUNK], revoked_at__isnull=True)
+        live.update((pk, ApiToken.owner_of(tenant, name)) for pk, tenant, name in rows.values_list("pk", "tenant",
+                                                                                                  "name"))
     return live
 
 
@@ -65,13 +71,14 @@ class TokenWatch:
     """One event loop's token connections, by token id, and the task that re-checks them."""
 
     def __init__(self) -> None:
-        self._conns: dict[int, dict[Closer, str]] = {}  # token id -> {closer: token name}
+        self._conns: dict[int, dict[Closer, tuple[str, str]]] = {}  # token id -> {closer: (token name, owner)}
         self._task: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()
 
-    def add(self, token_id: int, name: str, closer: Closer) -> None:
-        """Watch a connection let in with token ``token_id`` (event loop); starts the re-check task."""
-        self._conns.setdefault(token_id, {})[closer] = name
+    def add(self, token_id: int, name: str, owner: str, closer: Closer) -> None:
+        """Watch a connection let in with token ``token_id`` as ``owner`` (event loop); starts the
+        re-check task."""
+        self._conns.setdefault(token_id, {})[closer] = (name, owner)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="execapp-token-watch")
 
@@ -92,7 +99,7 @@ class TokenWatch:
             await self.check()
 
     async def check(self) -> int:
-        """Close the connections of tokens no longer live; returns how many were closed."""
+        """Close the connections of tokens no longer live or of another owner now; returns how many."""
         ids = list(self._conns)
         if not ids:
             return 0
@@ -102,21 +109,26 @@ class TokenWatch:
             _rare.warning(("recheck", type(exc).__name__), "could not re-check the API tokens of open connections "
                           "(EXECAPP['TOKEN_RECHECK_SECONDS']); they keep running until the next check: %r", exc)
             return 0
-        return self._close(i for i in ids if i not in live)
-
-    def _close(self, revoked: Iterable[int]) -> int:
         closed = 0
-        loop = asyncio.get_running_loop()
-        for token_id in revoked:
-            closers = self._conns.pop(token_id, {})
-            if closers:
-                log.info("closing %d connection(s) of revoked API token %r", len(closers), next(iter(closers.values())))
-            for closer in closers:
-                task = loop.create_task(closer())  # each on its own: one slow socket holds no other
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+        for token_id in ids:
+            owner = live.get(token_id)
+            closers = self._conns.get(token_id, {})
+            gone = [c for c, (_, was) in closers.items() if owner != was]
+            if not gone:
+                continue
+            name = closers[gone[0]][0]
+            log.info("closing %d connection(s) of API token %r: %s", len(gone), name,
+                     "revoked or deleted" if owner is None else f"moved to {owner}")
+            for closer in gone:
+                self.discard(token_id, closer)
+                self._close(closer, REVOKED_REASON if owner is None else MOVED_REASON)
                 closed += 1
         return closed
+
+    def _close(self, closer: Closer, reason: str) -> None:
+        task = asyncio.get_running_loop().create_task(closer(reason))  # each on its own: one slow socket holds no other
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def watched(self) -> int:
         """Connections watched now."""
@@ -141,5 +153,5 @@ def watch(scope_auth: dict[str, Any], closer: Closer) -> int | None:
     token_id = scope_auth.get("token_id")
     if scope_auth.get("kind") != "token" or not isinstance(token_id, int) or interval() <= 0:
         return None
-    current().add(token_id, str(scope_auth.get("name", "")), closer)
+    current().add(token_id, str(scope_auth.get("name", "")), str(scope_auth.get("owner", "")), closer)
     return token_id

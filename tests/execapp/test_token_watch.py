@@ -88,6 +88,21 @@ def test_a_deleted_tokens_connection_is_closed_too(server: str) -> None:
         assert _closed(ws, 5) == (1008, token_watch.REVOKED_REASON)
 
 
+def test_a_token_moved_to_another_tenant_stops_reading_the_old_tenants_sessions(server: str) -> None:
+    moved, raw = ApiToken.issue("handed-on", tenant="acme")
+    raw_acme = ApiToken.issue("acme-laptop", tenant="acme")[1]
+    with _open(server + "?session=room-1", raw) as ws, _open(server, raw_acme) as acme:
+        acme.send(json.dumps({"id": "a1", "type": "message", "text": "/ping", "session": "room-1"}))
+        assert _pings(acme, "a2")
+        assert [json.loads(ws.recv(5))["type"] for _ in range(2)] == ["reply", "done"]  # a member of acme's room-1
+        moved.tenant = "elsewhere"
+        moved.save()
+        assert _closed(ws, 5) == (1008, token_watch.MOVED_REASON)
+        assert _pings(acme, "a3")  # the tenant's other token is untouched
+    with _open(server, raw) as ws:  # a new connection is the new tenant's
+        assert _pings(ws, "n1") and _closed(ws, 3 * RECHECK) is None
+
+
 def test_with_the_recheck_off_a_revoked_tokens_connection_runs_on(server: str, settings: Any) -> None:
     settings.EXECAPP = {**settings.EXECAPP, "TOKEN_RECHECK_SECONDS": 0}
     token, raw = ApiToken.issue("kept")
@@ -106,10 +121,10 @@ def test_a_database_outage_closes_nothing_and_is_logged(monkeypatch: Any, caplog
     async def scenario() -> tuple[int, int]:
         watch = token_watch.TokenWatch()
 
-        async def closer() -> None:
+        async def closer(reason: str) -> None:
             closed.append(1)
 
-        watch.add(7, "t", closer)
+        watch.add(7, "t", "tenant:t", closer)
         with caplog.at_level(logging.WARNING, logger="execapp.auth"):
             n = await watch.check()
         return n, watch.watched()
