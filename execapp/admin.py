@@ -10,8 +10,8 @@ from django.http import HttpRequest
 from django.utils import timezone
 from django.utils.html import format_html
 
+from .auth_watch import revoked_connections_note
 from .models import ApiToken, hash_token
-from .token_watch import revoked_connections_note
 
 
 @admin.register(ApiToken)

@@ -12,7 +12,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from channels.layers import get_channel_layer
 from django.db import Error as DatabaseError
 
-from . import conf, metrics, token_watch
+from . import auth_watch, conf, metrics
 from . import worker as worker_module
 from .auth import CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, close_reason, database_unavailable
 from .codes import TOO_MANY_CONNECTIONS
@@ -73,8 +73,8 @@ class EventConsumer(AsyncWebsocketConsumer):
     owner_tag = ""
     #: The worker this connection is counted on (its owner's quota), once it is.
     _counted_on: worker_module.Worker | None = None
-    #: The id of the token this connection is watched for (closed once it is revoked), once it is.
-    _watched_token: int | None = None
+    #: The credential this connection is watched for (closed once it is withdrawn), once it is.
+    _watched: auth_watch.Key | None = None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         self.scope = scope
@@ -170,8 +170,9 @@ class EventConsumer(AsyncWebsocketConsumer):
                 except ProtocolError as exc:
                     problems.append(exc)
         await self.accept()
-        # Closed once its token is revoked or deleted (execapp/token_watch.py).
-        self._watched_token = token_watch.watch(auth, self._token_revoked)
+        # Closed once its token is revoked, deleted or moved, or its user is no longer active staff
+        # (execapp/auth_watch.py).
+        self._watched = auth_watch.watch(auth, self._withdrawn)
         # Reported up to a few, then summed up: a URL naming thousands of sessions must not turn
         # into thousands of error frames queued past the outbox's limits (no backpressure here).
         for problem in problems[:_URL_PROBLEMS_SHOWN]:
@@ -195,17 +196,17 @@ class EventConsumer(AsyncWebsocketConsumer):
                 await self._watch.discard(group, self.channel_name)  # never raises: a down layer expires it
 
     def _unwatch(self) -> None:
-        if self._watched_token is not None:
-            token_watch.current().discard(self._watched_token, self._token_revoked)
-            self._watched_token = None
+        if self._watched is not None:
+            auth_watch.current().discard(self._watched, self._withdrawn)
+            self._watched = None
 
-    async def _token_revoked(self, reason: str) -> None:
-        """Its token was revoked or moved to another tenant: no more events are taken, and the
+    async def _withdrawn(self, reason: str) -> None:
+        """Its credential was withdrawn (execapp/auth_watch.py): no more events are taken, and the
         socket is closed with 1008 and ``reason``."""
-        self._watched_token = None
+        self._watched = None
         if self.conn is not None:
             self.conn.close()
-        await self.close(token_watch.CLOSE_REVOKED, close_reason(reason))
+        await self.close(auth_watch.CLOSE_REVOKED, close_reason(reason))
 
     async def _send_text(self, text: str) -> None:
         await self.base_send({"type": "websocket.send", "text": text})

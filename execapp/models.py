@@ -80,7 +80,7 @@ class ApiToken(models.Model):
 
     def revoke(self) -> None:
         """Refuse this token from now on (its open connections are closed within
-        EXECAPP['TOKEN_RECHECK_SECONDS']: execapp/token_watch.py)."""
+        EXECAPP['AUTH_RECHECK_SECONDS']: execapp/auth_watch.py)."""
         self.revoked_at = timezone.now()
         self.save(update_fields=["revoked_at"])
 

@@ -5,9 +5,9 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
+from execapp.auth_watch import revoked_connections_note
 from execapp.db_command import DatabaseCommand
 from execapp.models import ApiToken
-from execapp.token_watch import revoked_connections_note
 
 
 class Command(DatabaseCommand):

@@ -1,4 +1,4 @@
-"""A revoked or deleted API token's open connections are closed (execapp/token_watch.py), and a
+"""A revoked or deleted API token's open connections are closed (execapp/auth_watch.py), and a
 token in a URL never reaches the log (execapp/logtext.py): through a real uvicorn and real
 `websockets` clients, as a token holder and an operator would see them."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from django.core import checks
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from execapp import token_watch
+from execapp import auth_watch
 from execapp.logtext import redact_token
 from execapp.models import ApiToken
 from execapp.routing import websocket_application
@@ -30,7 +30,7 @@ RECHECK = 0.2
 @pytest.fixture
 def server(transactional_db: Any, settings: Any) -> Iterator[str]:
     settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
-    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "TOKEN_RECHECK_SECONDS": RECHECK}
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "AUTH_RECHECK_SECONDS": RECHECK}
     with InProcessServer(websocket_application) as srv:
         yield f"ws://127.0.0.1:{srv.port}/ws/events/"
 
@@ -71,7 +71,7 @@ def test_a_revoked_tokens_open_connections_are_closed_and_its_tenants_other_toke
         victim.revoke()
         started = time.monotonic()
         for ws in (a, b):  # both of its connections, within about one interval
-            assert _closed(ws, 5) == (1008, token_watch.REVOKED_REASON)
+            assert _closed(ws, 5) == (1008, auth_watch.REVOKED_REASON)
         assert time.monotonic() - started < RECHECK + 2
         # The tenant's other token is untouched (revoking one token is not revoking its tenant).
         time.sleep(2 * RECHECK)
@@ -85,7 +85,7 @@ def test_a_deleted_tokens_connection_is_closed_too(server: str) -> None:
     with _open(server, raw) as ws:
         assert _pings(ws, "d1")
         token.delete()
-        assert _closed(ws, 5) == (1008, token_watch.REVOKED_REASON)
+        assert _closed(ws, 5) == (1008, auth_watch.REVOKED_REASON)
 
 
 def test_a_token_moved_to_another_tenant_stops_reading_the_old_tenants_sessions(server: str) -> None:
@@ -97,14 +97,36 @@ def test_a_token_moved_to_another_tenant_stops_reading_the_old_tenants_sessions(
         assert [json.loads(ws.recv(5))["type"] for _ in range(2)] == ["reply", "done"]  # a member of acme's room-1
         moved.tenant = "elsewhere"
         moved.save()
-        assert _closed(ws, 5) == (1008, token_watch.MOVED_REASON)
+        assert _closed(ws, 5) == (1008, auth_watch.MOVED_REASON)
         assert _pings(acme, "a3")  # the tenant's other token is untouched
     with _open(server, raw) as ws:  # a new connection is the new tenant's
         assert _pings(ws, "n1") and _closed(ws, 3 * RECHECK) is None
 
 
+@pytest.mark.parametrize("withdraw", ["deactivate", "unstaff"])
+def test_a_staff_session_is_closed_once_its_user_is_no_longer_active_staff(server: str, settings: Any,
+                                                                           withdraw: str) -> None:
+    from django.contrib.auth import get_user_model
+    from django.test import Client as HttpClient
+
+    settings.ALLOWED_HOSTS = ["127.0.0.1"]
+    user = get_user_model().objects.create_user(f"watched-{withdraw}", is_staff=True)  # no password: no hashing
+    http = HttpClient()
+    http.force_login(user)
+    origin = server.split("/ws/")[0].replace("ws://", "http://")
+    with connect(server, additional_headers={"Cookie": f"sessionid={http.cookies['sessionid'].value}"},
+                 origin=origin, open_timeout=5) as ws:
+        assert _pings(ws, "s1")
+        if withdraw == "deactivate":
+            user.is_active = False
+        else:
+            user.is_staff = False
+        user.save()
+        assert _closed(ws, 5) == (1008, auth_watch.STAFF_REASON)
+
+
 def test_with_the_recheck_off_a_revoked_tokens_connection_runs_on(server: str, settings: Any) -> None:
-    settings.EXECAPP = {**settings.EXECAPP, "TOKEN_RECHECK_SECONDS": 0}
+    settings.EXECAPP = {**settings.EXECAPP, "AUTH_RECHECK_SECONDS": 0}
     token, raw = ApiToken.issue("kept")
     with _open(server, raw) as ws:
         token.revoke()
@@ -112,34 +134,34 @@ def test_with_the_recheck_off_a_revoked_tokens_connection_runs_on(server: str, s
 
 
 def test_a_database_outage_closes_nothing_and_is_logged(monkeypatch: Any, caplog: Any, settings: Any) -> None:
-    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "TOKEN_RECHECK_SECONDS": 0}  # no task: checked by hand
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "AUTH_RECHECK_SECONDS": 0}  # no task: checked by hand
     closed: list[int] = []
 
     async def down(ids: list[int]) -> set[int]:
         raise ConnectionError("database is down")
 
     async def scenario() -> tuple[int, int]:
-        watch = token_watch.TokenWatch()
+        watch = auth_watch.AuthWatch()
 
         async def closer(reason: str) -> None:
             closed.append(1)
 
-        watch.add(7, "t", "tenant:t", closer)
+        watch.add(("token", 7), "t", "tenant:t", closer)
         with caplog.at_level(logging.WARNING, logger="execapp.auth"):
             n = await watch.check()
         return n, watch.watched()
 
-    monkeypatch.setattr(token_watch, "_live", down)
-    token_watch._rare._seen.clear()
+    monkeypatch.setattr(auth_watch, "_live", down)
+    auth_watch._rare._seen.clear()
     assert asyncio.run(scenario()) == (0, 1) and closed == []
-    assert any("could not re-check the API tokens" in r.getMessage() for r in caplog.records)
+    assert any("could not re-check the credentials" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("value", [-1, "10", None])
 def test_the_checks_refuse_a_bad_recheck_interval(settings: Any, value: Any) -> None:
-    settings.EXECAPP = {"TOKEN_RECHECK_SECONDS": value}
+    settings.EXECAPP = {"AUTH_RECHECK_SECONDS": value}
     found = [m for m in checks.run_checks() if m.id == "execapp.E098"]
-    assert found and "TOKEN_RECHECK_SECONDS" in found[0].msg and "0 turns that off" in (found[0].hint or "")
+    assert found and "AUTH_RECHECK_SECONDS" in found[0].msg and "0 turns that off" in (found[0].hint or "")
 
 
 # -- tokens in logged URLs ------------------------------------------------------------------------
