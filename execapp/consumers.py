@@ -204,9 +204,13 @@ class EventConsumer(AsyncWebsocketConsumer):
         """Its credential was withdrawn (execapp/auth_watch.py): no more events are taken, and the
         socket is closed with 1008 and ``reason``."""
         self._watched = None
-        if self.conn is not None:
-            self.conn.close()
-        await self.close(auth_watch.CLOSE_REVOKED, close_reason(reason))
+        if self.conn is None or self.conn.closed:  # it disconnected since the check: nothing to close
+            return
+        self.conn.close()
+        try:
+            await self.close(auth_watch.CLOSE_REVOKED, close_reason(reason))
+        except Exception as exc:  # the socket went away while the close was being sent
+            log.debug("closing a connection whose credential was withdrawn failed: %r", exc)
 
     async def _send_text(self, text: str) -> None:
         await self.base_send({"type": "websocket.send", "text": text})

@@ -202,3 +202,24 @@ def test_the_servers_websocket_log_line_carries_no_token(server: str) -> None:
     ws_lines = [line for line in lines if "WebSocket /ws/events/" in line]
     assert len(ws_lines) == 3 and all("[redacted]" in line for line in ws_lines), lines
     assert not any(raw in line for line in lines), lines
+
+
+def test_a_connection_that_left_since_the_check_is_not_closed_again() -> None:
+    from types import SimpleNamespace
+
+    from execapp.consumers import EventConsumer
+
+    sent: list[Any] = []
+    consumer = EventConsumer()
+
+    async def close(code: Any = None, reason: Any = None) -> None:
+        sent.append(code)
+        raise RuntimeError("Unexpected ASGI message 'websocket.close', after sending 'websocket.close'")
+
+    consumer.close = close  # type: ignore[method-assign]
+    consumer.conn = SimpleNamespace(closed=True)  # type: ignore[assignment]
+    asyncio.run(consumer._withdrawn(auth_watch.REVOKED_REASON))  # left already: nothing sent
+    assert sent == []
+    consumer.conn = SimpleNamespace(closed=False, close=lambda: None)  # type: ignore[assignment]
+    asyncio.run(consumer._withdrawn(auth_watch.REVOKED_REASON))  # leaves while being closed: no error escapes
+    assert sent == [1008]
