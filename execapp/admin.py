@@ -10,6 +10,7 @@ from django.http import HttpRequest
 from django.utils import timezone
 from django.utils.html import format_html
 
+from .auth_watch import revoked_connections_note
 from .models import ApiToken, hash_token
 
 
@@ -43,7 +44,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
     @admin.action(description="Revoke selected tokens", permissions=["change"])
     def revoke_tokens(self, request: HttpRequest, queryset: QuerySet[ApiToken]) -> None:
         count = queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
-        self.message_user(request, f"Revoked {count} token(s); their open connections close when they disconnect.")
+        self.message_user(request, f"Revoked {count} token(s); {revoked_connections_note()}")
 
 
 # -- Observability: persisted execution profiles and the live pool dashboard ---------------------

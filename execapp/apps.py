@@ -9,3 +9,6 @@ class ExecAppConfig(AppConfig):
 
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)
+        from .logtext import install_token_redactor
+
+        install_token_redactor()  # no ?token=<t> in uvicorn's request lines

@@ -154,7 +154,8 @@ class _SessionGate:
                               "WebSocket must come from a page of this site (Origin equal to the request's scheme "
                               "and Host, the Host in ALLOWED_HOSTS; or an origin listed in CSRF_TRUSTED_ORIGINS)")
         # A staff session is its own owner: its user (never a tenant of tokens; docs/protocol.md).
-        scope["execapp_auth"] = {"kind": "session", "name": user.get_username(), "owner": f"user:{user.pk}"}
+        scope["execapp_auth"] = {"kind": "session", "name": user.get_username(), "owner": f"user:{user.pk}",
+                                 "user_id": user.pk}  # re-checked while open (auth_watch)
         return await self.inner(scope, receive, send)
 
 
@@ -218,7 +219,8 @@ class TokenAuthMiddleware:
             return await deny(scope, receive, send, "bad_token",
                               "the API token is unknown or revoked; create one with "
                               "`.venv/bin/python manage.py create_token <name>`")
-        scope = {**scope, "execapp_auth": {"kind": "token", "name": token.name, "owner": token.owner}}
+        scope = {**scope, "execapp_auth": {"kind": "token", "name": token.name, "owner": token.owner,
+                                            "token_id": token.pk}}  # re-checked while open (auth_watch)
         return await self.inner(scope, receive, send)
 
 

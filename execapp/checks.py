@@ -113,6 +113,13 @@ def _auth_throttle_checks() -> list[checks.CheckMessage]:
             f"EXECAPP['AUTH_FAILURES_PER_MINUTE'] is {rate!r}{_from('AUTH_FAILURES_PER_MINUTE')}, it must be a "
             "positive number", hint="Default 30.0: how many failures a minute a throttled client network earns "
             "back.", id="execapp.E094"))
+    recheck = conf.get("AUTH_RECHECK_SECONDS")
+    if not _number(recheck) or not recheck >= 0:
+        out.append(checks.Error(
+            f"EXECAPP['AUTH_RECHECK_SECONDS'] is {recheck!r}{_from('AUTH_RECHECK_SECONDS')}, it must be a number "
+            "of seconds of at least 0", hint="Default 10.0: how often each worker closes the connections whose API "
+            "token was revoked, deleted or moved, or whose staff user was deactivated, since they connected (0 "
+            "turns that off: their open connections then run until they end).", id="execapp.E098"))
     return out
 
 

@@ -64,6 +64,12 @@ DEFAULTS: dict[str, Any] = {
     # unjudged, so a flood of bad credentials from many networks (which the per-network throttle
     # does not see) queues nothing there for long.
     "MAX_TOKEN_LOOKUPS": 64,
+    # How often each worker re-checks the credentials of its open connections (execapp/auth_watch.py):
+    # a connection whose token was revoked, deleted or moved to another tenant, or whose staff user
+    # was deactivated, since its handshake is closed with 1008 within about this long (a query per
+    # kind per interval per worker, whatever the number of connections). 0 turns it off: a
+    # withdrawn credential then refuses new connections only.
+    "AUTH_RECHECK_SECONDS": 10.0,
     # Every HTTP request's body (execapp/http_limits.py): Django reads a whole body into a file that
     # rolls over to disk before it looks at the request, so without these a POST to any path wrote
     # as much to disk as its sender streamed. Past the size: 413; not all in after the time: 408.

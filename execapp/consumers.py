@@ -12,7 +12,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from channels.layers import get_channel_layer
 from django.db import Error as DatabaseError
 
-from . import conf, metrics
+from . import auth_watch, conf, metrics
 from . import worker as worker_module
 from .auth import CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, close_reason, database_unavailable
 from .codes import TOO_MANY_CONNECTIONS
@@ -73,6 +73,8 @@ class EventConsumer(AsyncWebsocketConsumer):
     owner_tag = ""
     #: The worker this connection is counted on (its owner's quota), once it is.
     _counted_on: worker_module.Worker | None = None
+    #: The credential this connection is watched for (closed once it is withdrawn), once it is.
+    _watched: auth_watch.Key | None = None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         self.scope = scope
@@ -87,6 +89,7 @@ class EventConsumer(AsyncWebsocketConsumer):
         except StopConsumer:
             pass
         finally:
+            self._unwatch()
             await self._stop_reader()
 
     async def dispatch(self, message: dict[str, Any]) -> None:
@@ -167,6 +170,9 @@ class EventConsumer(AsyncWebsocketConsumer):
                 except ProtocolError as exc:
                     problems.append(exc)
         await self.accept()
+        # Closed once its token is revoked, deleted or moved, or its user is no longer active staff
+        # (execapp/auth_watch.py).
+        self._watched = auth_watch.watch(auth, self._withdrawn)
         # Reported up to a few, then summed up: a URL naming thousands of sessions must not turn
         # into thousands of error frames queued past the outbox's limits (no backpressure here).
         for problem in problems[:_URL_PROBLEMS_SHOWN]:
@@ -178,6 +184,7 @@ class EventConsumer(AsyncWebsocketConsumer):
                                          "characters of A-Z a-z 0-9 _ . -")
 
     async def disconnect(self, code: int) -> None:
+        self._unwatch()
         if self._counted_on is not None:
             self._counted_on.connection_closed(self.owner)
             self._counted_on = None
@@ -187,6 +194,23 @@ class EventConsumer(AsyncWebsocketConsumer):
         if self.channel_name is not None and self._watch is not None:
             for group in self.conn.groups():
                 await self._watch.discard(group, self.channel_name)  # never raises: a down layer expires it
+
+    def _unwatch(self) -> None:
+        if self._watched is not None:
+            auth_watch.current().discard(self._watched, self._withdrawn)
+            self._watched = None
+
+    async def _withdrawn(self, reason: str) -> None:
+        """Its credential was withdrawn (execapp/auth_watch.py): no more events are taken, and the
+        socket is closed with 1008 and ``reason``."""
+        self._watched = None
+        if self.conn is None or self.conn.closed:  # it disconnected since the check: nothing to close
+            return
+        self.conn.close()
+        try:
+            await self.close(auth_watch.CLOSE_REVOKED, close_reason(reason))
+        except Exception as exc:  # the socket went away while the close was being sent
+            log.debug("closing a connection whose credential was withdrawn failed: %r", exc)
 
     async def _send_text(self, text: str) -> None:
         await self.base_send({"type": "websocket.send", "text": text})

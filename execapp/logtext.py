@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from typing import Any
+from urllib.parse import unquote_plus
 
 #: What breaks or hides a line: C0 controls but the tab, DEL, C1 controls, U+2028 and U+2029.
 _ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029) if c != 0x09}
@@ -45,3 +46,47 @@ class PlainFormatter(logging.Formatter):
 
     def formatStack(self, stack_info: str) -> str:
         return marked(super().formatStack(stack_info))
+
+
+#: The loggers that write request URLs, query string included: uvicorn's WebSocket lines
+#: (``"WebSocket /ws/events/?token=..." [accepted]``, on uvicorn.error) and its access log.
+URL_LOGGERS = ("uvicorn.error", "uvicorn.access")
+REDACTED = "[redacted]"
+
+
+def redact_token(text: str) -> str:
+    """``text`` with the value of every ``token`` parameter of a query string in it replaced by
+    ``[redacted]``: the name is compared as the server reads it (percent-decoded: ``tok%65n`` is
+    ``token``), so a client cannot spell it past the filter."""
+    if "?" not in text or "=" not in text:
+        return text
+    head, _, query = text.partition("?")
+    tail = ""
+    end = next((i for i, c in enumerate(query) if c in ' "#'), len(query))  # a log line: the URL ends there
+    query, tail = query[:end], query[end:]
+    parts = query.split("&")
+    for n, part in enumerate(parts):
+        name, eq, _ = part.partition("=")
+        if eq and unquote_plus(name) == "token":
+            parts[n] = f"{name}={REDACTED}"
+    return f"{head}?{'&'.join(parts)}{tail}"
+
+
+class TokenRedactor(logging.Filter):
+    """Takes API tokens out of logged URLs (``?token=<t>``): a log is read by more people, and kept
+    longer, than a token may be. Installed on ``URL_LOGGERS`` by execapp's AppConfig.ready."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact_token(a) if isinstance(a, str) else a for a in record.args)
+        if isinstance(record.msg, str):
+            record.msg = redact_token(record.msg)
+        return True
+
+
+def install_token_redactor() -> None:
+    """Add one TokenRedactor to each of ``URL_LOGGERS`` (idempotent)."""
+    for name in URL_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, TokenRedactor) for f in logger.filters):
+            logger.addFilter(TokenRedactor())

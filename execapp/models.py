@@ -40,6 +40,35 @@ class ApiToken(models.Model):
     def __str__(self) -> str:
         return f"{self.name} ({self.prefix}…{' revoked' if self.revoked_at else ''})"
 
+    @classmethod
+    def tenant_members(cls, tenant: str, exclude_pk: Any = None) -> list[str]:
+        """Names of the tokens (other than ``exclude_pk``) whose tenant is ``tenant``, a few at most."""
+        return list(cls.objects.filter(tenant=tenant).exclude(pk=exclude_pk).values_list("name", flat=True)[:3])
+
+    def joins_by_default(self) -> str | None:
+        """Why this token with a blank tenant is not its own tenant, or None.
+
+        A blank tenant becomes the token's name; if that name is already other tokens' tenant,
+        the token would silently join them (read and write their sessions), where a new token
+        is meant to be its own owner (docs/protocol.md, "Owners")."""
+        if self.tenant.strip():
+            return None
+        members = self.tenant_members(self.name.strip(), self.pk)
+        if not members:
+            return None
+        name = self.name.strip()
+        return (f"token {name!r} would join tenant {name!r}, the tenant of {', '.join(map(repr, members))}, and "
+                "share its sessions (a blank tenant is the token's name); to mean that, set the tenant to it "
+                "explicitly, otherwise pick another name")
+
+    def clean(self) -> None:
+        """Model validation (the admin's forms): a blank tenant must not silently join another tenant."""
+        from django.core.exceptions import ValidationError
+
+        why = self.joins_by_default()
+        if why is not None:
+            raise ValidationError({"tenant": why}, code="tenant_taken")
+
     def save(self, *args: Any, **kwargs: Any) -> None:
         """Save; a blank tenant becomes the token's name (the admin's add form may leave it blank)."""
         self.tenant = self.tenant.strip() or self.name
@@ -48,7 +77,12 @@ class ApiToken(models.Model):
     @property
     def owner(self) -> str:
         """The owner key of this token's sessions (see execapp.protocol.group_name)."""
-        return f"tenant:{self.tenant or self.name}"
+        return self.owner_of(self.tenant, self.name)
+
+    @staticmethod
+    def owner_of(tenant: str, name: str) -> str:
+        """The owner key of a token with this ``tenant`` and ``name`` (see ``owner``)."""
+        return f"tenant:{tenant or name}"
 
     @classmethod
     def issue(cls, name: str, tenant: str = "") -> tuple["ApiToken", str]:
@@ -74,7 +108,8 @@ class ApiToken(models.Model):
         return token
 
     def revoke(self) -> None:
-        """Refuse this token from now on (existing connections keep running until they close)."""
+        """Refuse this token from now on (its open connections are closed within
+        EXECAPP['AUTH_RECHECK_SECONDS']: execapp/auth_watch.py)."""
         self.revoked_at = timezone.now()
         self.save(update_fields=["revoked_at"])
 

@@ -76,3 +76,24 @@ def test_a_token_s_last_use_is_written_at_most_once_a_minute() -> None:
     ApiToken.objects.filter(name="busy").update(last_used_at=first - dt.timedelta(minutes=2))
     ApiToken.authenticate(raw)
     assert ApiToken.objects.get(name="busy").last_used_at >= first  # a minute on: written again
+
+
+def test_a_new_token_named_after_a_tenant_does_not_silently_join_it(admin_client: Any) -> None:
+    """A blank tenant is the token's name: a token named like another tenant would have shared its
+    sessions without anyone choosing that (docs: 'a new token is its own tenant')."""
+    ApiToken.issue("alice", tenant="acme")
+    with pytest.raises(CommandError, match="token 'acme' would join tenant 'acme', the tenant of 'alice'.*"
+                                           "--tenant acme"):
+        _create("acme")
+    response = admin_client.post("/admin/execapp/apitoken/add/", {"name": "acme", "tenant": ""})
+    assert response.status_code == 200 and "would join tenant" in str(response.context["adminform"].form.errors)
+    assert not ApiToken.objects.filter(name="acme").exists()
+    # Meant: said explicitly, in the command or the admin.
+    out = StringIO()
+    call_command("create_token", "acme", "--tenant", "acme", stdout=out)
+    admin_client.post("/admin/execapp/apitoken/add/", {"name": "acme-2", "tenant": "acme"})
+    assert dict(ApiToken.objects.values_list("name", "tenant")) == {"alice": "acme", "acme": "acme", "acme-2": "acme"}
+    # A token that is its own tenant already is not refused for its own name (an edit of it).
+    solo = ApiToken.issue("solo")[0]
+    response = admin_client.post(f"/admin/execapp/apitoken/{solo.pk}/change/", {"tenant": ""})
+    assert response.status_code == 302 and ApiToken.objects.get(pk=solo.pk).tenant == "solo"

@@ -27,6 +27,9 @@ class Command(DatabaseCommand):
         if ApiToken.objects.filter(name=name).exists():
             raise CommandError(f"a token called {name!r} already exists; pick another name "
                                f"(or `.venv/bin/python manage.py revoke_token {name}` to disable the old one)")
+        why = ApiToken(name=name, tenant=tenant).joins_by_default()
+        if why is not None:
+            raise CommandError(why.replace("set the tenant to it explicitly", f"pass --tenant {name}"))
         token, raw = ApiToken.issue(name, tenant)
         # Information, not an error: stdout (stderr printed it red), with the token as its last line.
         self.stdout.write(f"Created API token {name!r} of tenant {token.tenant!r}. Copy it now: only its hash is "

@@ -5,12 +5,13 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
+from execapp.auth_watch import revoked_connections_note
 from execapp.db_command import DatabaseCommand
 from execapp.models import ApiToken
 
 
 class Command(DatabaseCommand):
-    help = "Revoke an API token: new connections with it are refused (HTTP 403)."
+    help = "Revoke an API token: new connections with it are refused (HTTP 403), open ones closed (1008)."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="the token's name, as given to create_token")
@@ -24,4 +25,4 @@ class Command(DatabaseCommand):
             self.stdout.write(f"Token {name!r} was already revoked at {token.revoked_at:%Y-%m-%d %H:%M:%S} UTC.")
             return
         token.revoke()
-        self.stdout.write(f"Revoked token {name!r}; open connections keep running until they disconnect.")
+        self.stdout.write(f"Revoked token {name!r}; {revoked_connections_note()}")
