@@ -18,7 +18,7 @@ with none of our Python in between:
   Since issue 14 ours passes the engine's event differently: its strings as call arguments
   (converted in C by the binding) and only ``data`` as JSON, and a string reply back as
   itself (when the binding can carry it: no NUL, no lone surrogate), so a second bare
-  baseline does the same (``upper({id, type, text, data: JSON.parse(data), session, args})``,
+  baseline does the same (``upper({id, type, text, data: JSON.parse(data), session, tenant, args})``,
   the string returned as is): against it the ratio is our layer alone; against the JSON one,
   what a call costs compared with the obvious way to use the library. mini-racer (V8) is
   measured when installed.
@@ -38,7 +38,8 @@ from typing import Any, Callable
 from bench.common import median, per_call_us, row, setup_django
 
 BENCH = "plugins"
-EVENT = {"args": "2 3", "text": "/add 2 3", "type": "message", "id": "bench", "session": "s1", "data": {}}
+EVENT = {"args": "2 3", "text": "/add 2 3", "type": "message", "id": "bench", "session": "s1",
+         "tenant": "5f0c6e2b9d1a4c37", "data": {}}
 
 
 def _spec(name: str, runtime: str, code: Any, strategy: str) -> Any:
@@ -151,15 +152,16 @@ def _js_bare(code: str) -> dict[str, Callable[[], Any]]:
     def context_fields() -> Any:
         ctx = limited()
         # A string reply crosses as itself when the binding can carry it, as ours does.
-        ctx.eval("function __run(id, type, text, data, session, args) {"
-                 " const r = upper({id, type, text, data: JSON.parse(data), session, args});"
+        ctx.eval("function __run(id, type, text, data, session, tenant, args) {"
+                 " const r = upper({id, type, text, data: JSON.parse(data), session, tenant, args});"
                  " return typeof r === 'string' && r.isWellFormed() && !r.includes('\\0') ? r : 0; }")
         return ctx.get("__run")
 
     def call_fields(run: Any) -> Any:  # the event's strings as arguments, its data as JSON
         e = EVENT
         data = e["data"]
-        return run(e["id"], e["type"], e["text"], "{}" if not data else to_json(data), e["session"], e["args"])
+        return run(e["id"], e["type"], e["text"], "{}" if not data else to_json(data), e["session"], e["tenant"],
+                   e["args"])
 
     run, run_fields = context(), context_fields()
     return {"reused": lambda: scan_json(run(to_json(EVENT)), 0)[0],

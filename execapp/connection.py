@@ -30,6 +30,7 @@ from .protocol import (
     lagged_frame,
     outcome_frame,
     parse_request,
+    tenant_id,
     with_fields,
 )
 
@@ -86,6 +87,7 @@ class Connection:
         self.owner = owner or ""
         # group_name(owner, session) == this prefix + session: the digest is computed once.
         self._group_prefix = group_name(self.owner, "")
+        self._tenant = tenant_id(self.owner)  # what handlers see as event.tenant
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         bounds = outbox_limits if outbox_limits is not None else OutboxLimits.from_settings()
@@ -151,7 +153,7 @@ class Connection:
             try:
                 started = monotonic()
                 try:
-                    event, resend_ = parse_request(text, data, self.limits)
+                    event, resend_ = parse_request(text, data, self.limits, self._tenant)
                 finally:  # a refused frame cost its decoding too
                     if share is not None:
                         share.spend_since(started)

@@ -65,6 +65,12 @@ def owner_digest(owner: str) -> str:
     return hashlib.sha256(owner.encode("utf-8", "surrogatepass")).hexdigest()[:OWNER_DIGEST_CHARS]
 
 
+def tenant_id(owner: str) -> str:
+    """The opaque id plugins see as an event's ``tenant`` (Event.tenant): the owner's digest, the
+    same one its session groups are named by; "" for no owner."""
+    return owner_digest(owner) if owner else ""
+
+
 def group_name(owner: str, session: str) -> str:
     """The channel-layer group of one owner's session: the same name under two owners is two groups."""
     return f"{GROUP_PREFIX}{owner_digest(owner)}.{session}"
@@ -96,13 +102,14 @@ def parse_frame(text: str | None, data: bytes | None, limits: Limits) -> Event:
     return parse_request(text, data, limits)[0]
 
 
-def parse_request(text: str | None, data: bytes | None, limits: Limits) -> tuple[Event, bool]:
+def parse_request(text: str | None, data: bytes | None, limits: Limits, tenant: str = "") -> tuple[Event, bool]:
     """Turn one WebSocket frame into (Event, resend), or raise ProtocolError with the code to send back.
 
     Checked in order of cost, each before the decoder sees the text: size, Unicode, nesting
     depth (so ``json.loads`` can never recurse deep), then JSON, then the event's fields.
     ``resend``: the client asked for a safe resend of this id (docs/protocol.md, "Resending
-    after a lost connection").
+    after a lost connection"). ``tenant``: the sender's opaque id (``tenant_id``), set by the
+    server, never read from the frame (a frame naming a ``tenant`` is refused as an unknown field).
     """
     if text is None:
         size = len(data or b"")
@@ -149,7 +156,7 @@ def parse_request(text: str | None, data: bytes | None, limits: Limits) -> tuple
     # "\ud"/"\uD" start every surrogate escape (\ud800-\udfff) and a few valid ones: checked, not refused.
     if "\\u" in text and ("\\ud" in text or "\\uD" in text):
         _check_unicode(obj)
-    return _event_from(obj, chars)
+    return _event_from(obj, chars, tenant)
 
 
 def _json_problem(exc: ValueError) -> str:
@@ -306,7 +313,7 @@ def _clip(text: str, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _event_from(obj: dict[str, Any], size: int | None = None) -> tuple[Event, bool]:
+def _event_from(obj: dict[str, Any], size: int | None = None, tenant: str = "") -> tuple[Event, bool]:
     eid = obj.get("id")
     if eid is not None and (not isinstance(eid, str) or not eid or len(eid) > MAX_ID_CHARS):
         raise ProtocolError("bad_event", f"id must be a non-empty string of at most {MAX_ID_CHARS} characters, "
@@ -350,7 +357,7 @@ def _event_from(obj: dict[str, Any], size: int | None = None) -> tuple[Event, bo
         if resend and eid is None:
             raise ProtocolError("bad_event", "resend: true needs your own id (the id is what a resend is matched by); "
                                              "add \"id\": \"<unique id>\"")
-    return Event(type=etype, text=text, data=data, id=eid, session=session, size=size), resend
+    return Event(type=etype, text=text, data=data, id=eid, session=session, size=size, tenant=tenant), resend
 
 
 def _show(value: Any) -> str:

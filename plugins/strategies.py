@@ -440,12 +440,12 @@ class Sharded(Strategy):
         return sum(1 for s in self.shards if s.lock.locked())
 
     def shard_for(self, event: dict[str, Any]) -> int:
-        """The shard of an event: crc32 of its session (else its id), stable across processes."""
-        key = event.get("session") or event.get("id") or ""
+        """The shard of an event: crc32 of its shard_key, stable across processes."""
+        key = shard_key(event)
         return crc32(key.encode() if key.__class__ is str else str(key).encode()) % self._n
 
     def _shard_of(self, key: Any) -> _Shard:
-        """The shard for ``key`` (an event's session, else its id), remembered for its next calls."""
+        """The shard for ``key`` (an event's shard_key), remembered for its next calls."""
         shard = self.shards[crc32(key.encode() if key.__class__ is str else str(key).encode()) % self._n]
         if key.__class__ is str:
             by_key = self._by_key
@@ -457,7 +457,7 @@ class Sharded(Strategy):
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
         # The common case, flat: no plugin slot (the shard locks bound concurrency) and the call
         # runs on the caller's thread. ShardedGeneral covers the other two.
-        key = event.get("session") or event.get("id") or ""
+        key = shard_key(event)
         shard = self._by_key.get(key) if key.__class__ is str else None
         if shard is None:
             shard = self._shard_of(key)
@@ -587,6 +587,16 @@ class ShardedGeneral(Sharded):
             if limited:
                 self._give_slot(None)
             self._count()
+
+
+def shard_key(event: dict[str, Any]) -> Any:
+    """What picks an event's shard: its sender's tenant and its session (two tenants' "room-1" are
+    two keys, so neither's calls queue behind the other's or share its ordering), else its id."""
+    session = event.get("session")
+    if session:
+        tenant = event.get("tenant")
+        return f"{tenant}/{session}" if tenant else session
+    return event.get("id") or ""
 
 
 def _shard_loop(jobs: queue.SimpleQueue) -> None:

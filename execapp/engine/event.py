@@ -50,6 +50,9 @@ def _new_id() -> str:
 class Event:
     """One incoming event: a ``message`` with ``text`` or any other ``type`` with ``data``.
 
+    ``tenant``: who sent it, as an opaque id: the same for every event of one owner (a tenant of
+    API tokens, or a staff user), "" when nobody is known. Handlers key per-sender state by it (two
+    tenants may both name a session "room-1"); the engine itself never reads it.
     ``size``: how big the event is, in characters, computed once by whoever made it (the
     protocol passes the frame's length; the default is ``len(text)``). The engine runs a
     handler inline only on events not much larger than those it was proven fast on
@@ -62,9 +65,11 @@ class Event:
     id: str = field(default_factory=_new_id)
     session: str | None = None
     size: int = 0
+    tenant: str = ""
 
     def __init__(self, type: str = "message", text: str = "", data: dict[str, Any] | None = None,
-                 id: str | None = None, session: str | None = None, size: int | None = None) -> None:
+                 id: str | None = None, session: str | None = None, size: int | None = None,
+                 tenant: str = "") -> None:
         # Written into the instance dict directly (one event per frame: see Reply below).
         d = self.__dict__
         d["type"] = type
@@ -73,10 +78,12 @@ class Event:
         d["id"] = "%016x" % next(_ids) if id is None else id  # _new_id(), inlined
         d["session"] = session
         d["size"] = len(text) if size is None else size
+        d["tenant"] = tenant
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able form handed to plugin handlers."""
-        return {"id": self.id, "type": self.type, "text": self.text, "data": self.data, "session": self.session}
+        return {"id": self.id, "type": self.type, "text": self.text, "data": self.data, "session": self.session,
+                "tenant": self.tenant}
 
 
 # Reply, Failure and Completion are made on the hot path (one Completion per event). A frozen
@@ -206,7 +213,7 @@ class Context:
             raise BadEvent(f"event {event.id}: its data cannot be copied for a pooled handler "
                            f"({getattr(matcher, 'name', matcher)!r}): {type(exc).__name__}: {exc}; send plain JSON "
                            "values (dict, list, str, number, bool, null)") from None
-        private = Event(event.type, event.text, data, event.id, event.session, event.size)
+        private = Event(event.type, event.text, data, event.id, event.session, event.size, event.tenant)
         return Context(private, args, matcher, ExecClass.POOL)
 
 

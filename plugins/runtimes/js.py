@@ -214,8 +214,8 @@ __NATIVE_GUARDS__
   });
   define("__execapp_run", (name, event) => run(name, event, false));
   // The engine's event with its strings as arguments: only `data` crosses as JSON.
-  define("__execapp_call", (name, id, type, text, data, session, args) =>
-    run(name, {id, type, text, data, session, args}, true));
+  define("__execapp_call", (name, id, type, text, data, session, tenant, args) =>
+    run(name, {id, type, text, data, session, tenant, args}, true));
   define("__execapp_resume", (results) => {
     try {  // array iteration, Map methods and Error can all be the guest's by now
       for (const [id, ok, v] of parse(results)) {
@@ -485,18 +485,20 @@ class JsInstance:
 
     def call(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         payload = None
-        if event.__class__ is dict and len(event) == 6:
+        if event.__class__ is dict and len(event) == 7:
             # The engine's event (Event.to_dict() + args): its strings cross as arguments, which
             # the binding converts in C, and only its data as JSON (JSON-encoding the whole event
             # in Python and parsing it in JS was half the cost of a reused call).
             try:
-                eid, etype, text, data, session, args = (event["id"], event["type"], event["text"], event["data"],
-                                                         event["session"], event["args"])
+                eid, etype, text, data, session, tenant, args = (event["id"], event["type"], event["text"],
+                                                                 event["data"], event["session"], event["tenant"],
+                                                                 event["args"])
             except KeyError:
                 payload = to_json(event)
             else:
                 if (eid.__class__ is str and etype.__class__ is str and text.__class__ is str
-                        and args.__class__ is str and (session is None or session.__class__ is str)):
+                        and args.__class__ is str and tenant.__class__ is str
+                        and (session is None or session.__class__ is str)):
                     data = "{}" if data.__class__ is dict and not data else to_json(data)
                 else:
                     payload = to_json(event)
@@ -517,7 +519,7 @@ class JsInstance:
             slot.deadline = deadline  # the watchdog interrupts the guest past it
         try:
             if payload is None:
-                out = self._call(handler, eid, etype, text, data, session, args)
+                out = self._call(handler, eid, etype, text, data, session, tenant, args)
             else:
                 run = self._run or self._entry("_run", "__execapp_run")
                 out = run(handler, payload)

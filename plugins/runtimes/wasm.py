@@ -595,7 +595,8 @@ def _trap_error(exc: wasmtime.Trap, spec: Any, budget: float | None = None) -> G
 def _abi_event(event: dict[str, Any]) -> dict[str, Any]:
     # "args" first: a guest may find it without a JSON parser (plugins/examples/add.wat does).
     return {"args": event.get("args", ""), "text": event.get("text", ""), "type": event.get("type"),
-            "id": event.get("id"), "session": event.get("session"), "data": event.get("data") or {}}
+            "id": event.get("id"), "session": event.get("session"), "tenant": event.get("tenant", ""),
+            "data": event.get("data") or {}}
 
 
 class WasmCompiled(FreshInstanceIsolation):

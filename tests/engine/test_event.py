@@ -31,11 +31,13 @@ def test_outcome_records_are_frozen_dataclasses():
 
 
 def test_context_for_pool_is_a_deep_private_copy():
-    event = Event(type="x", data={"a": [1], "b": {"c": 2}}, session="s1")
+    event = Event(type="x", data={"a": [1], "b": {"c": 2}}, session="s1", tenant="t1")
     ctx = Context(event, "args", object(), ExecClass.SYNC)
     pooled = Context.for_pool(ctx.event, ctx.args, ctx.matcher)
     assert pooled is not ctx and pooled.exec_class is ExecClass.POOL
-    assert (pooled.event.id, pooled.event.type, pooled.event.session, pooled.args) == (event.id, "x", "s1", "args")
+    assert (pooled.event.id, pooled.event.type, pooled.event.session, pooled.event.tenant, pooled.args) == (
+        event.id, "x", "s1", "t1", "args")
+    assert pooled.event.to_dict() == {**event.to_dict(), "data": event.data}
     pooled.event.data["a"].append(2)
     pooled.event.data["b"]["c"] = 3
     assert event.data == {"a": [1], "b": {"c": 2}}

@@ -134,6 +134,31 @@ async def test_two_owners_sharing_a_session_name_never_see_each_others_frames() 
         engine.pool.drain(5)  # type: ignore[union-attr]
 
 
+async def test_handlers_see_the_sender_s_tenant_and_a_client_cannot_name_one() -> None:
+    """event.tenant: the same opaque id for every connection of one owner, another for another
+    owner (per-sender state, e.g. a plugin's notes per session, keyed by it stays apart), set by
+    the server: a frame that names a tenant is refused."""
+    engine = Engine(pool=ExecPool(4, 16, 0.5))
+    engine.add(engine.make_matcher("command", "whoami", lambda ctx: ctx.event.tenant, name="whoami"))
+    layer = InMemoryChannelLayer()
+    alice, alice2 = LayerClient(engine, layer, "tenant:a"), LayerClient(engine, layer, "tenant:a")
+    mallory = LayerClient(engine, layer, "tenant:m")
+    try:
+        for n, client in enumerate((alice, alice2, mallory)):
+            await client.conn.receive(msg("/whoami", f"w{n}", session="room-1"))
+        await mallory.conn.receive(msg("/whoami", "forged", tenant=owner_digest("tenant:a")))
+        await _until(lambda: "w0" in alice.ids() and "w1" in alice2.ids() and "w2" in mallory.ids()
+                     and "forged" in mallory.ids("error"))
+        seen = [next(f["text"] for f in c.frames if f["type"] == "reply") for c in (alice, alice2, mallory)]
+        assert seen[0] == seen[1] == owner_digest("tenant:a") and seen[2] == owner_digest("tenant:m")
+        forged = next(f for f in mallory.frames if f.get("id") == "forged")
+        assert forged["code"] == "bad_event" and "tenant: unknown field" in forged["message"]
+    finally:
+        for c in (alice, alice2, mallory):
+            c.close()
+        engine.pool.drain(5)  # type: ignore[union-attr]
+
+
 # -- the consumer behind the real auth middleware -------------------------------------------------
 
 def owned(owner: str, kind: str = "token") -> Any:

@@ -64,3 +64,57 @@ def test_a_new_js_instance_top_level_stops_by_the_calls_inline_deadline() -> Non
             assert time.monotonic() - began < 4.0, strategy
         finally:
             plugin.close()
+
+
+# -- the sender's tenant ----------------------------------------------------------------------------
+
+def engine_event(tenant: str, session: str | None = "room-1") -> dict:
+    """What a LoadedPlugin gets from the engine for a client's event: Event.to_dict() and the args."""
+    from execapp.engine import Event
+
+    return {**Event(text="/who x", session=session, tenant=tenant).to_dict(), "args": "x"}
+
+
+@pytest.mark.parametrize("runtime, code", [
+    ("lua", "function who(e) return e.tenant .. '/' .. e.session end"),
+    ("js", "function who(e) { return e.tenant + '/' + e.session; }"),
+])
+@pytest.mark.parametrize("strategy", ["per_request", "pooled", "sharded"])
+def test_a_handler_sees_the_sender_s_tenant_beside_the_session(runtime: str, code: str, strategy: str) -> None:
+    """Two tenants may both name a session "room-1": a plugin keeps their state apart by keying it
+    with event.tenant (docs/plugins.md, "Tenants")."""
+    plugin = LoadedPlugin(PluginSpec(name=f"who-{runtime}", runtime=runtime, code=code, strategy=strategy,
+                                     timeout=5.0, pool_size=1, shard_count=2))
+    try:
+        assert plugin.call("who", engine_event("aaaa"), True, None) == "aaaa/room-1"
+        assert plugin.call("who", engine_event("bbbb"), True, None) == "bbbb/room-1"
+    finally:
+        plugin.close()
+
+
+def test_the_engine_s_event_takes_the_js_fast_path_with_its_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's event (seven fields) crosses as call arguments, not as one JSON string."""
+    from plugins.runtimes.js import JsInstance
+
+    def no_json_path(self: object, attr: str, name: str) -> None:
+        raise AssertionError(f"the JSON entry point {name} was used for the engine's event")
+
+    plugin = LoadedPlugin(PluginSpec(name="who-fast", runtime="js", code="function who(e) { return e.tenant; }",
+                                     strategy="pooled", timeout=5.0, pool_size=1))
+    try:
+        monkeypatch.setattr(JsInstance, "_entry", no_json_path)
+        assert plugin.call("who", engine_event("cccc"), True, None) == "cccc"
+    finally:
+        plugin.close()
+
+
+def test_shards_are_picked_by_tenant_and_session() -> None:
+    from plugins.runtimes.wasm import _abi_event
+    from plugins.strategies import shard_key
+
+    a, b = engine_event("aaaa"), engine_event("bbbb")
+    assert shard_key(a) != shard_key(b) and shard_key(a) == shard_key(engine_event("aaaa"))
+    assert shard_key({"session": "room-1", "id": "e"}) == "room-1"  # no tenant known: the session
+    lone = engine_event("aaaa", session=None)
+    assert shard_key(lone) == lone["id"]  # no session: the event's id
+    assert _abi_event(a)["tenant"] == "aaaa"  # WASM guests get it in their JSON event too
