@@ -361,11 +361,13 @@ def test_a_plugin_whose_lookups_hang_does_not_starve_the_others(monkeypatch) -> 
 
     release = threading.Event()
     real = socket.getaddrinfo
+    entered: list[str] = []  # lookups that reached the (hanging) resolver
 
     def fake(host, port, *args, **kwargs):
         if kwargs.get("flags", 0) & socket.AI_NUMERICHOST or host in ("127.0.0.1", "::1"):
             return real(host, port, *args, **kwargs)
         if host.endswith(".hang.test"):
+            entered.append(host)
             release.wait(10)  # a DNS server that never answers (until the test ends)
             raise socket.gaierror(socket.EAI_AGAIN, "timed out")
         return real("127.0.0.1", port, *args, **kwargs)  # fast.test: answers at once (loopback: refused)
@@ -376,7 +378,8 @@ def test_a_plugin_whose_lookups_hang_does_not_starve_the_others(monkeypatch) -> 
 
         def fetch(i: int) -> None:
             try:
-                host(timeout=0.2, allow=("*.hang.test",), name="hostile").http_get(f"http://n{i}.hang.test/")
+                # (a budget no start-up delay of a thread on a loaded machine uses up before its lookup)
+                host(timeout=1.0, allow=("*.hang.test",), name="hostile").http_get(f"http://n{i}.hang.test/")
             except (GuestTimeout, HostCallError) as exc:
                 failures.append(exc)
 
@@ -386,6 +389,7 @@ def test_a_plugin_whose_lookups_hang_does_not_starve_the_others(monkeypatch) -> 
         for t in threads:
             t.join()
         assert len(failures) == 8  # two timed out in their lookup; the others refused at once
+        assert len(entered) == deadline_net.MAX_PENDING_LOOKUPS == 2
         assert sum("have not finished" in str(e) for e in failures) == 6
         started = time.monotonic()
         with pytest.raises(HostDenied, match="resolves only to 127.0.0.1"):
