@@ -28,6 +28,7 @@ from .protocol import (
     owner_digest,
     session_of,
 )
+from .redis_layer import ChannelReleased
 
 log = logging.getLogger("execapp.consumers")
 _rare = RateLimitedLog(log, 60.0)
@@ -213,12 +214,16 @@ class EventConsumer(AsyncWebsocketConsumer):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if self._reader is None or isinstance(exc, ChannelReleased):
+                    return  # stopped, its cancellation lost on the way (_stop_reader): not the layer's failure
                 watch.failed(exc)
                 await asyncio.sleep(backoff)  # an error the watch cannot see must not spin either
                 backoff = min(backoff * 2, _READER_BACKOFF_SECONDS[1])
                 await watch.wait_up()
                 continue
             backoff = _READER_BACKOFF_SECONDS[0]
+            if self._reader is None:
+                return
             try:
                 await self.dispatch(message)
             except Exception:
@@ -228,10 +233,19 @@ class EventConsumer(AsyncWebsocketConsumer):
         task, self._reader = self._reader, None
         for _ in range(3):
             if task is None or task.done():
-                return
+                break
             task.cancel()
             await asyncio.wait({task}, timeout=_READER_STOP_SECONDS)
-        log.warning("the channel-layer reader of %s did not stop; abandoning it", self.channel_name)
+        else:
+            # Its cancellation was lost (see execapp/redis_layer.py): once the channel is released, the
+            # receive it is in ends at its next wake-up and the reader returns.
+            log.debug("the channel-layer reader of %s did not stop at once; it ends once its receive wakes",
+                      self.channel_name)
+        # Frames sent to its sessions before it left them still arrive for it: without a reader,
+        # the layer must not keep them (execapp/redis_layer.py).
+        release = getattr(self.channel_layer, "release", None)
+        if self.channel_name is not None and release is not None:
+            release(self.channel_name)
 
     async def _publish(self, group: str, frame: str) -> None:
         await self.channel_layer.group_send(group, {"type": "session.frame", "frame": frame,
