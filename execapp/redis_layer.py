@@ -19,10 +19,13 @@ are left (execapp.consumers); a message for a released channel is dropped and co
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from channels_redis.core import BoundedQueue
 from channels_redis.core import RedisChannelLayer as ChannelsRedisChannelLayer
+
+from . import redis_fair
 
 
 class _LiveBuffers(dict):
@@ -90,6 +93,26 @@ class RedisChannelLayer(ChannelsRedisChannelLayer):
         channel = await super().new_channel(prefix)
         self.live.add(channel)
         return channel
+
+    async def group_send(self, group: str, message: dict[str, Any]) -> None:
+        """channels_redis' group send, a session's message queued per owner (execapp/redis_fair.py)."""
+        part = redis_fair.owner_part(group)
+        if not part:
+            return await super().group_send(group, message)
+        assert self.require_valid_group_name(group), "Group name not valid"
+        key = self._group_key(group)
+        connection = self.connection(self.consistent_hash(group))
+        await connection.zremrangebyscore(key, min=0, max=int(time.time()) - self.group_expiry)
+        names = [x.decode("utf8") for x in await connection.zrange(key, 0, -1)]
+        by_connection, messages, capacities = self._map_channel_keys_to_connection(names, message)
+        for index, keys in by_connection.items():
+            args = [messages[k] for k in keys] + [capacities[k] for k in keys] + [time.time(), self.expiry, part]
+            await self.connection(index).eval(redis_fair.SEND, len(keys), *keys, *args)
+
+    async def _brpop_with_clean(self, index: int, channel: str, timeout: float) -> Any:
+        if not channel.endswith("!"):  # a general channel: channels_redis' own
+            return await super()._brpop_with_clean(index, channel, timeout)
+        return await redis_fair.take(self.connection(index), channel, self._backup_channel_name(channel), timeout)
 
     def release(self, channel: str) -> None:
         """``channel`` has no reader any more: drop its buffer and whatever still arrives for it."""

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from channels.layers import get_channel_layer
 
+from execapp.protocol import group_name
 from execapp.redis_layer import ChannelReleased, RedisChannelLayer
 from tests.conftest import REDIS_TEST_URL, redis_test_prefix, require_service
 
@@ -16,9 +17,9 @@ from .ws_fixtures import Client, channel_layer, wait_for, ws_worker  # noqa: F40
 pytestmark = pytest.mark.redis
 
 
-def _layer() -> RedisChannelLayer:
+def _layer(capacity: int = 1500) -> RedisChannelLayer:
     url = require_service("Redis", REDIS_TEST_URL)
-    return RedisChannelLayer(hosts=[{"address": url, "socket_timeout": 15}], capacity=1500, expiry=30,
+    return RedisChannelLayer(hosts=[{"address": url, "socket_timeout": 15}], capacity=capacity, expiry=30,
                              prefix=redis_test_prefix("layer"))
 
 
@@ -73,6 +74,44 @@ async def test_a_receive_still_running_for_a_released_channel_ends() -> None:
     finally:
         receive.cancel()
         await asyncio.gather(receive, return_exceptions=True)
+        await layer.flush()
+        await layer.close_pools()
+
+
+async def test_one_owner_filling_a_workers_queue_does_not_drop_or_delay_another_owners_frames() -> None:
+    # channels_redis queued every session frame for a worker in one sorted set of `capacity`
+    # messages: one tenant publishing faster than the worker read kept it full, and another
+    # tenant's members on that worker heard 2-3 of 855 frames in 10 s (no `lagged` frame).
+    layer = _layer(capacity=50)
+    flooder, other = group_name("tenant:flood", "room"), group_name("tenant:quiet", "room")
+    flood_member, other_member = await layer.new_channel(), await layer.new_channel()
+    await layer.group_add(flooder, flood_member)
+    await layer.group_add(other, other_member)
+    try:
+        for n in range(200):  # four times what the worker's queue takes
+            await layer.group_send(flooder, {"type": "session.frame", "n": n})
+        await layer.group_send(other, {"type": "session.frame", "n": "quiet"})
+        got = await asyncio.wait_for(layer.receive(other_member), 3)
+        assert got["n"] == "quiet"
+        # Round robin between the owners waiting: at most the flooder's first frame came before it.
+        assert layer.receive_buffer[flood_member].qsize() <= 1
+        # The flood is bounded by its own owner's queue (its first 50 frames), in order.
+        flood = [(await asyncio.wait_for(layer.receive(flood_member), 3))["n"] for _ in range(50)]
+        assert flood == list(range(50))
+    finally:
+        await layer.flush()
+        await layer.close_pools()
+
+
+async def test_messages_outside_sessions_keep_the_process_queue() -> None:
+    layer = _layer()
+    channel = await layer.new_channel()
+    await layer.group_add("execapp.control", channel)
+    try:
+        await layer.group_send("execapp.control", {"type": "control"})
+        await layer.send(channel, {"type": "direct"})
+        assert [(await asyncio.wait_for(layer.receive(channel), 3))["type"] for _ in range(2)] == ["control", "direct"]
+    finally:
         await layer.flush()
         await layer.close_pools()
 
