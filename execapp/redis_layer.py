@@ -24,8 +24,13 @@ from typing import Any
 
 from channels_redis.core import BoundedQueue
 from channels_redis.core import RedisChannelLayer as ChannelsRedisChannelLayer
+from redis.asyncio import BlockingConnectionPool
 
-from . import redis_fair
+from . import conf, redis_fair
+
+#: How long a command waits for a free connection of the layer's pool (EXECAPP['LAYER_MAX_CONNECTIONS'])
+#: before it fails with ConnectionError (the layer's retry then tries once more).
+POOL_WAIT_SECONDS = 5.0
 
 
 class _LiveBuffers(dict):
@@ -93,6 +98,18 @@ class RedisChannelLayer(ChannelsRedisChannelLayer):
         channel = await super().new_channel(prefix)
         self.live.add(channel)
         return channel
+
+    def create_pool(self, index: int) -> Any:
+        """A pool that waits for a free connection (up to POOL_WAIT_SECONDS) rather than raising at
+        its limit: redis-py's raised MaxConnectionsError at once, and a receive that failed made the
+        worker judge its whole layer down (execapp/layer_watch.py)."""
+        host = dict(self.hosts[index])
+        if "address" not in host:  # a Sentinel set-up: channels_redis' own pool
+            return super().create_pool(index)
+        address = host.pop("address")
+        host.setdefault("max_connections", conf.get("LAYER_MAX_CONNECTIONS"))
+        host.setdefault("timeout", POOL_WAIT_SECONDS)
+        return BlockingConnectionPool.from_url(address, **host)
 
     async def group_send(self, group: str, message: dict[str, Any]) -> None:
         """channels_redis' group send, a session's message queued per owner (execapp/redis_fair.py)."""

@@ -3,11 +3,13 @@ with their channel, so session members that come and go cost their worker nothin
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 import pytest
 from channels.layers import get_channel_layer
 
+from execapp import consumers
 from execapp.protocol import group_name
 from execapp.redis_layer import ChannelReleased, RedisChannelLayer
 from tests.conftest import REDIS_TEST_URL, redis_test_prefix, require_service
@@ -137,3 +139,69 @@ async def test_a_member_that_disconnects_releases_its_channel(settings: Any) -> 
         await sender.until_done("last")
         assert not gone & set(layer.receive_buffer), layer.stats()
     await wait_for(lambda: not layer.live and not layer.receive_buffer)
+
+
+async def test_a_full_connection_pool_makes_a_command_wait_not_fail() -> None:
+    # redis-py's pool raised MaxConnectionsError at its limit (100): 250 connections of one tenant
+    # publishing at once on one worker made it judge its whole layer down for 7-17 s.
+    url = require_service("Redis", REDIS_TEST_URL)
+    layer = RedisChannelLayer(hosts=[{"address": url, "socket_timeout": 15, "max_connections": 2}],
+                              prefix=redis_test_prefix("layer"))
+    member = await layer.new_channel()
+    group = group_name("tenant:busy", "room")
+    await layer.group_add(group, member)
+    try:
+        await asyncio.gather(*(layer.group_send(group, {"type": "session.frame", "n": n}) for n in range(40)))
+        got = sorted([(await asyncio.wait_for(layer.receive(member), 3))["n"] for _ in range(40)])
+        assert got == list(range(40))
+    finally:
+        await layer.flush()
+        await layer.close_pools()
+
+
+@pytest.mark.parametrize("channel_layer", ["memory"], indirect=True)
+@pytest.mark.usefixtures("channel_layer", "ws_worker")
+async def test_one_owners_session_publishes_in_flight_are_capped(settings: Any, monkeypatch: Any) -> None:
+    settings.EXECAPP = {**settings.EXECAPP, "SESSION_PUBLISHES_PER_OWNER": 2}
+    monkeypatch.setattr(consumers, "_publish_slots", weakref.WeakValueDictionary())  # made with the setting
+    layer = get_channel_layer()
+    sending = peak = sent = 0
+    original = layer.group_send
+
+    async def slow_group_send(group: str, message: dict) -> None:
+        nonlocal sending, peak, sent
+        sending += 1
+        peak = max(peak, sending)
+        try:
+            await asyncio.sleep(0.02)  # the point: a slow layer, so publishes overlap
+            await original(group, message)
+        finally:
+            sending -= 1
+            sent += 1
+
+    monkeypatch.setattr(layer, "group_send", slow_group_send)
+    clients = [Client() for _ in range(6)]
+    for client in clients:
+        await client.__aenter__()
+    try:
+        for n, client in enumerate(clients):
+            await client.send({"type": "message", "text": "/ping", "id": f"p{n}", "session": f"room-{n}"})
+        for n, client in enumerate(clients):
+            await client.until_done(f"p{n}")
+        await wait_for(lambda: sent == 12)
+        assert peak == 2  # six connections, each publishing a reply and a done: two at a time
+    finally:
+        for client in clients:
+            await client.__aexit__(None, None, None)
+
+
+def test_the_checks_name_a_publish_cap_that_could_take_the_pool(settings: Any) -> None:
+    from execapp.checks import check_execapp_settings
+
+    assert "execapp.W110" not in {m.id for m in check_execapp_settings()}
+    settings.EXECAPP = {"SESSION_PUBLISHES_PER_OWNER": 60}
+    found = {m.id: m for m in check_execapp_settings()}
+    assert "SESSION_PUBLISHES_PER_OWNER'] is 60" in found["execapp.W110"].msg
+    assert "LAYER_MAX_CONNECTIONS" in found["execapp.W110"].hint
+    settings.EXECAPP = {"SESSION_PUBLISHES_PER_OWNER": 0}
+    assert "SESSION_PUBLISHES_PER_OWNER" in {m.id: m for m in check_execapp_settings()}["execapp.E003"].msg
