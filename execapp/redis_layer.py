@@ -119,8 +119,12 @@ class RedisChannelLayer(ChannelsRedisChannelLayer):
         assert self.require_valid_group_name(group), "Group name not valid"
         key = self._group_key(group)
         connection = self.connection(self.consistent_hash(group))
-        await connection.zremrangebyscore(key, min=0, max=int(time.time()) - self.group_expiry)
-        names = [x.decode("utf8") for x in await connection.zrange(key, 0, -1)]
+        # One round trip for the members (channels_redis takes two), one for the send: a
+        # connection's session frames go out one at a time, each as slow as its round trips.
+        pipe = connection.pipeline(transaction=False)
+        pipe.zremrangebyscore(key, min=0, max=int(time.time()) - self.group_expiry)
+        pipe.zrange(key, 0, -1)
+        names = [x.decode("utf8") for x in (await pipe.execute())[1]]
         by_connection, messages, capacities = self._map_channel_keys_to_connection(names, message)
         for index, keys in by_connection.items():
             args = [messages[k] for k in keys] + [capacities[k] for k in keys] + [time.time(), self.expiry, part]
