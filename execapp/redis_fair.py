@@ -27,6 +27,14 @@ from .protocol import GROUP_PREFIX, OWNER_DIGEST_CHARS
 #: Between a worker's process key and an owner digest, or the ready set's suffix.
 SEP = "~"
 READY = SEP + "ready"
+#: A worker's mark that it still reads its queues: set when one of its channels joins a group and
+#: at every take (at least every brpop_timeout, 5 s, while it has a reader), lapsing after
+#: ALIVE_SECONDS. A session frame for a worker without it is not queued: a killed worker's
+#: memberships stay in their groups up to channels_redis' group expiry (a day), and each owner
+#: sending to them would otherwise keep a full queue of frames nobody reads in Redis (channels_redis
+#: kept one of 1,500 per dead worker the same way).
+ALIVE = SEP + "alive"
+ALIVE_SECONDS = 15
 
 #: KEYS: the channel keys of a group send (a process key ends with "!"); ARGV: a message per key,
 #: a capacity per key, then the time, the expiry and the owner digest. Returns how many were full.
@@ -39,12 +47,14 @@ local full = 0
 for i = 1, n do
     local key = KEYS[i]
     local ready = nil
+    local alive = 1
     if string.sub(key, -1) == '!' then
         ready = key .. '""" + READY + """'
+        alive = redis.call('EXISTS', key .. '""" + ALIVE + """')
         key = key .. '""" + SEP + """' .. part
     end
     redis.call('ZREMRANGEBYSCORE', key, 0, tonumber(now) - expiry)
-    if redis.call('ZCARD', key) < tonumber(ARGV[n + i]) then
+    if alive == 1 and redis.call('ZCARD', key) < tonumber(ARGV[n + i]) then
         redis.call('ZADD', key, now, ARGV[i])
         redis.call('EXPIRE', key, expiry)
         if ready then
@@ -58,12 +68,14 @@ end
 return full
 """
 
-#: ARGV: the process key, its backup queue, the ready set, the time. Without blocking: puts back
+#: ARGV: the process key, its backup queue, the ready set, the time. Without blocking: marks the
+#: worker alive, puts back
 #: what a cancelled receive had taken (channels_redis' backup queue), then takes the oldest message
 #: of the process key, else of the owner that has waited longest (back at the end of the ready set
 #: while its queue holds more), into the backup; false when there is none. One round trip a message
 #: while messages wait (channels_redis' receive took three, plus its cleaner's one).
 NEXT = """
+redis.call('SET', ARGV[1] .. '""" + ALIVE + """', '1', 'EX', """ + str(ALIVE_SECONDS) + """)
 local backed_up = redis.call('ZRANGE', ARGV[2], 0, -1, 'WITHSCORES')
 for i = #backed_up, 1, -2 do
     redis.call('ZADD', ARGV[1], backed_up[i], backed_up[i - 1])

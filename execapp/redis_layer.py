@@ -111,6 +111,13 @@ class RedisChannelLayer(ChannelsRedisChannelLayer):
         host.setdefault("timeout", POOL_WAIT_SECONDS)
         return BlockingConnectionPool.from_url(address, **host)
 
+    async def group_add(self, group: str, channel: str) -> None:
+        await super().group_add(group, channel)
+        if "!" in channel:  # this worker takes the group's frames from now on (before its first take)
+            process = self.non_local_name(channel)
+            await self.connection(self.consistent_hash(process)).set(
+                self.prefix + process + redis_fair.ALIVE, "1", ex=redis_fair.ALIVE_SECONDS)
+
     async def group_send(self, group: str, message: dict[str, Any]) -> None:
         """channels_redis' group send, a session's message queued per owner (execapp/redis_fair.py)."""
         part = redis_fair.owner_part(group)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from channels.layers import get_channel_layer
 
-from execapp import consumers
+from execapp import consumers, redis_fair
 from execapp.protocol import group_name
 from execapp.redis_layer import ChannelReleased, RedisChannelLayer
 from tests.conftest import REDIS_TEST_URL, redis_test_prefix, require_service
@@ -103,6 +103,33 @@ async def test_one_owner_filling_a_workers_queue_does_not_drop_or_delay_another_
     finally:
         await layer.flush()
         await layer.close_pools()
+
+
+async def test_a_worker_that_stopped_reading_gets_no_more_session_frames_queued() -> None:
+    # A killed worker's memberships stay in their groups for a day (channels_redis' group expiry):
+    # every owner sending to them filled a queue of frames nobody reads, kept full in Redis.
+    alive, dead = _layer(), _layer()
+    group = group_name("tenant:t", "room")
+    live_member, dead_member = await alive.new_channel(), await dead.new_channel()
+    dead.prefix = alive.prefix  # two workers of one deployment
+    for layer, member in ((alive, live_member), (dead, dead_member)):
+        await layer.group_add(group, member)  # a join marks its worker as reading
+    dead_key = alive.prefix + dead.non_local_name(dead_member)
+    redis = alive.connection(0)
+    try:
+        await alive.group_send(group, {"type": "session.frame", "n": 1})
+        assert await redis.zcard(dead_key + redis_fair.SEP + redis_fair.owner_part(group)) == 1
+        # The dead worker never takes again, so its mark lapses (ALIVE_SECONDS; deleted here).
+        await redis.delete(dead_key + redis_fair.ALIVE)
+        await alive.group_send(group, {"type": "session.frame", "n": 2})
+        assert await redis.zcard(dead_key + redis_fair.SEP + redis_fair.owner_part(group)) == 1
+        # The live worker marks itself at every take: it gets both.
+        assert [(await asyncio.wait_for(alive.receive(live_member), 3))["n"] for _ in range(2)] == [1, 2]
+        assert await redis.ttl(alive.prefix + alive.non_local_name(live_member) + redis_fair.ALIVE) > 0
+    finally:
+        await alive.flush()
+        await alive.close_pools()
+        await dead.close_pools()
 
 
 async def test_messages_outside_sessions_keep_the_process_queue() -> None:
