@@ -85,7 +85,8 @@ if REDIS_URL:
 
     CHANNEL_LAYERS = {
         "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            # channels_redis' layer whose per-channel buffers end with the channel (execapp/redis_layer.py).
+            "BACKEND": "execapp.redis_layer.RedisChannelLayer",
             # redis-py 8 defaults socket_timeout to 5 s, the same as channels_redis' server-side
             # blocking pop (brpop_timeout = 5): every idle consumer's receive then raises
             # TimeoutError and its WebSocket drops every ~5 s. Read timeout above the pop's.

@@ -13,7 +13,8 @@ _POSITIVE_INTS = ("POOL_MAX_WORKERS", "POOL_QUEUE_SIZE", "PROFILE_WINDOW", "MAX_
                   "MAX_IN_FLIGHT_PER_CONNECTION", "MAX_FRAME_DEPTH", "MAX_CONNECTIONS_PER_OWNER",
                   "MAX_REQUEST_BODY_BYTES", "MAX_PENDING_BODY_BYTES", "HISTORY_FAILURES_PER_OWNER",
                   "INLINE_MAX_MEMORY_MB", "MAX_TOKEN_LOOKUPS", "MAX_PASSWORD_CHECKS", "MAX_BINDINGS_PER_PLUGIN",
-                  "MAX_REGEX_BINDINGS_PER_PLUGIN", "HISTORY_MAX_SEARCHES")
+                  "MAX_REGEX_BINDINGS_PER_PLUGIN", "HISTORY_MAX_SEARCHES",
+                  "LAYER_MAX_CONNECTIONS", "SESSION_PUBLISHES_PER_OWNER")
 _POSITIVE_NUMBERS = ("SLOW_THRESHOLD_SECONDS", "OVERFLOW_WAIT_SECONDS", "PROFILE_FLUSH_SECONDS",
                      "SNAPSHOT_SECONDS", "WORKER_STALE_SECONDS", "WORKER_DROP_SECONDS",
                      "REGISTRY_POLL_SECONDS", "DRAIN_TIMEOUT_SECONDS", "SHUTDOWN_GRACE_SECONDS",
@@ -53,6 +54,14 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
         errors.append(checks.Warning("WORKER_DROP_SECONDS is below WORKER_STALE_SECONDS: workers are dropped before "
                                      "they are ever shown as stale", hint="Make WORKER_DROP_SECONDS the larger.",
                                      id="execapp.W001"))
+    publishes, pool = conf.get("SESSION_PUBLISHES_PER_OWNER"), conf.get("LAYER_MAX_CONNECTIONS")
+    if isinstance(publishes, int) and isinstance(pool, int) and 0 < pool <= 2 * publishes:
+        errors.append(checks.Warning(
+            f"EXECAPP['SESSION_PUBLISHES_PER_OWNER'] is {publishes}{_from('SESSION_PUBLISHES_PER_OWNER')} and "
+            f"EXECAPP['LAYER_MAX_CONNECTIONS'] {pool}{_from('LAYER_MAX_CONNECTIONS')}: two owners publishing "
+            "at once can take every Redis connection of a worker, and the others' session frames wait for them",
+            hint="Keep SESSION_PUBLISHES_PER_OWNER well below LAYER_MAX_CONNECTIONS (defaults 8 and 100).",
+            id="execapp.W110"))
     errors += _inline_timeout_checks()
     errors += _watchdog_checks()
     errors += _frame_depth_checks()

@@ -124,6 +124,18 @@ DEFAULTS: dict[str, Any] = {
     # (~1 GiB); 16 MiB lets 16 of its connections back up to their full 1 MiB at once (a few
     # stalled session members, a slow dashboard) while a single tenant costs a worker 1/64 of that.
     "OWNER_OUTBOX_BYTES": 16 * 1_048_576,
+    # Connections each worker process's Redis channel layer opens to Redis at most (its pool,
+    # execapp/redis_layer.py): past it a command waits for one (up to the layer's POOL_WAIT_SECONDS)
+    # instead of failing at once (redis-py's pool raised MaxConnectionsError at its 100th, and one
+    # failed receive made the worker judge its whole layer down: every session's frames lost).
+    "LAYER_MAX_CONNECTIONS": 100,
+    # Group sends (a session frame each) one owner's connections may have in flight to the channel
+    # layer at once, per worker process (execapp/consumers.py): past it that owner's next publish
+    # waits, its connections' session outboxes fill and they stop being read (backpressure on that
+    # owner only). Without it 250 connections of one tenant publishing took every Redis connection
+    # of the worker: another tenant's members heard 0 of 159 frames. Keep it well below
+    # LAYER_MAX_CONNECTIONS so several owners publishing at once still leave connections free.
+    "SESSION_PUBLISHES_PER_OWNER": 8,
     # The channel layer (execapp/layer_watch.py, docs/operations.md "When Redis goes away"): how
     # often each worker checks it and, once it answers again, re-adds its session and control
     # memberships. This sets the time from Redis' return to working sessions and control.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -28,6 +29,7 @@ from .protocol import (
     owner_digest,
     session_of,
 )
+from .redis_layer import ChannelReleased
 
 log = logging.getLogger("execapp.consumers")
 _rare = RateLimitedLog(log, 60.0)
@@ -40,6 +42,17 @@ _READER_BACKOFF_SECONDS = (0.05, 1.0)
 CLOSE_POLICY_VIOLATION = 1008
 #: Problems with the URL's ?session= sent one error frame each; the rest in one more.
 _URL_PROBLEMS_SHOWN = 3
+#: owner -> its session publishes in flight on this worker (held by its connections while they live).
+_publish_slots: "weakref.WeakValueDictionary[str, asyncio.Semaphore]" = weakref.WeakValueDictionary()
+
+
+def publish_slots(owner: str) -> asyncio.Semaphore:
+    """The group sends ``owner``'s connections may have in flight at once on this worker
+    (EXECAPP['SESSION_PUBLISHES_PER_OWNER']), shared by them."""
+    slots = _publish_slots.get(owner)
+    if slots is None:
+        slots = _publish_slots[owner] = asyncio.Semaphore(int(conf.get("SESSION_PUBLISHES_PER_OWNER")))
+    return slots
 
 
 async def aget_worker() -> worker_module.Worker:
@@ -142,6 +155,7 @@ class EventConsumer(AsyncWebsocketConsumer):
         # hand without one still gets a namespace of its own identity, never a shared one).
         self.owner = auth.get("owner") or f"{auth.get('kind')}:{auth.get('name')}"
         self.owner_tag = owner_digest(self.owner)
+        self._publishes = publish_slots(self.owner)
         worker = await aget_worker()
         limit = int(conf.get("MAX_CONNECTIONS_PER_OWNER"))
         if not worker.connection_opened(self.owner, limit):
@@ -237,12 +251,16 @@ class EventConsumer(AsyncWebsocketConsumer):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if self._reader is None or isinstance(exc, ChannelReleased):
+                    return  # stopped, its cancellation lost on the way (_stop_reader): not the layer's failure
                 watch.failed(exc)
                 await asyncio.sleep(backoff)  # an error the watch cannot see must not spin either
                 backoff = min(backoff * 2, _READER_BACKOFF_SECONDS[1])
                 await watch.wait_up()
                 continue
             backoff = _READER_BACKOFF_SECONDS[0]
+            if self._reader is None:
+                return
             try:
                 await self.dispatch(message)
             except Exception:
@@ -252,15 +270,27 @@ class EventConsumer(AsyncWebsocketConsumer):
         task, self._reader = self._reader, None
         for _ in range(3):
             if task is None or task.done():
-                return
+                break
             task.cancel()
             await asyncio.wait({task}, timeout=_READER_STOP_SECONDS)
-        log.warning("the channel-layer reader of %s did not stop; abandoning it", self.channel_name)
+        else:
+            # Its cancellation was lost (see execapp/redis_layer.py): once the channel is released, the
+            # receive it is in ends at its next wake-up and the reader returns.
+            log.debug("the channel-layer reader of %s did not stop at once; it ends once its receive wakes",
+                      self.channel_name)
+        # Frames sent to its sessions before it left them still arrive for it: without a reader,
+        # the layer must not keep them (execapp/redis_layer.py).
+        release = getattr(self.channel_layer, "release", None)
+        if self.channel_name is not None and release is not None:
+            release(self.channel_name)
 
     async def _publish(self, group: str, frame: str) -> None:
-        await self.channel_layer.group_send(group, {"type": "session.frame", "frame": frame,
-                                                    "session": session_of(group), "sender": self.channel_name,
-                                                    "owner": self.owner_tag})
+        # At most SESSION_PUBLISHES_PER_OWNER of this owner's publishes in flight on this worker: past
+        # it this connection's session outbox fills and it stops being read (backpressure on its owner).
+        async with self._publishes:
+            await self.channel_layer.group_send(group, {"type": "session.frame", "frame": frame,
+                                                        "session": session_of(group), "sender": self.channel_name,
+                                                        "owner": self.owner_tag})
 
     async def session_frame(self, message: dict[str, Any]) -> None:
         """A frame of another member of one of this client's sessions (the sender has its own).

@@ -22,6 +22,7 @@ from .codes import REFUSAL_CODES
 from .engine.engine import COUNTERS as ENGINE_COUNTERS
 from .engine.ratelog import RateLimitedLog
 from .outbox import SessionFrameTotals
+from .redis_layer import layer_stats
 from .seams import EngineLike, WorkerLike
 from .worker_slot import worker_slot
 
@@ -297,6 +298,8 @@ class SnapshotPublisher:
             # This process's outboxes: frames of other session members dropped for a member that
             # fell behind (it got one `lagged` frame each time it caught up).
             "session_frames": SessionFrameTotals.read(),
+            # The Redis channel layer's buffers (execapp/redis_layer.py): at most one per live channel.
+            "channel_layer": layer_stats(),
         }
         point = None
         if advance:

@@ -18,11 +18,12 @@ TIMEOUT = 5.0
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
 def channel_layer(request: pytest.FixtureRequest, settings: Any) -> str:
-    """Run the test once over the in-memory channel layer and once over channels_redis."""
+    """Run the test once over the in-memory channel layer and once over channels_redis (production's
+    subclass, execapp/redis_layer.py)."""
     if request.param == "redis":
         url = require_service("Redis", REDIS_TEST_URL)
         # A prefix of this test alone (inside the run's): empty channels and groups, no flushdb.
-        settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+        settings.CHANNEL_LAYERS = {"default": {"BACKEND": "execapp.redis_layer.RedisChannelLayer",
                                                "CONFIG": {"hosts": [{"address": url, "socket_timeout": 15}],
                                                           "capacity": 1500, "expiry": 30,
                                                           "prefix": redis_test_prefix("ws")}}}
