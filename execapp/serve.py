@@ -254,11 +254,17 @@ class Supervisor:
         assert self.slots is not None
         self.slots.flags = self.slots.flags | watchdog.FLAG_STOPPING
         forced = len(self.signals) > 1
-        for child in self.children:
-            if child.process.is_alive():
-                os.kill(child.pid, signal.SIGINT if forced else signal.SIGTERM)
+        self._signal_children(signal.SIGINT if forced else signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout
         while time.monotonic() < deadline and any(c.process.is_alive() for c in self.children):
+            if not forced and len(self.signals) > 1:
+                # A second signal while the workers drain (an impatient operator, `kill -INT` twice,
+                # an orchestrator's second stop): force them, as a second Ctrl+C does in uvicorn. A
+                # terminal's Ctrl+C reaches the workers by itself; a signal sent to this pid does not.
+                forced = True
+                log.warning("second signal (%s) while the workers drain: forcing them to exit now (events in "
+                            "flight get no done)", signal.Signals(self.signals[-1]).name)
+                self._signal_children(signal.SIGINT)
             for child in self.children:
                 if child.process.is_alive():
                     self._watch(child)  # a drain that stalls its loop is a stall too
@@ -270,6 +276,15 @@ class Supervisor:
                 child.process.kill()
             child.process.join()
             log.info("worker process [%s] exited (%s)", child.pid, child.process.exitcode)
+
+
+    def _signal_children(self, sig: int) -> None:
+        for child in self.children:
+            if child.process.is_alive():
+                try:
+                    os.kill(child.pid, sig)
+                except ProcessLookupError:  # exited since is_alive(): nothing to stop
+                    pass
 
 
 def build_parser() -> argparse.ArgumentParser:
