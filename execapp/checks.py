@@ -345,7 +345,8 @@ def _inline_timeout_checks() -> list[checks.CheckMessage]:
 
 
 def _watchdog_checks() -> list[checks.CheckMessage]:
-    """The supervisor's watchdog settings: LOOP_STALL_SECONDS and STUCK_THREADS_LIMIT (docs/operations.md)."""
+    """The supervisor's watchdog settings: LOOP_STALL_SECONDS, STUCK_THREADS_LIMIT and
+    RESTART_BACKOFF_MAX_SECONDS (docs/operations.md)."""
     errors: list[checks.CheckMessage] = []
     stall = conf.get("LOOP_STALL_SECONDS")
     if not isinstance(stall, (int, float)) or isinstance(stall, bool) or stall <= 0:
@@ -375,6 +376,17 @@ def _watchdog_checks() -> list[checks.CheckMessage]:
             f"EXECAPP['STUCK_THREADS_LIMIT'] ({limit}) is above POOL_MAX_WORKERS ({conf.get('POOL_MAX_WORKERS')}): "
             "the pool fills with stuck threads before the worker is ever recycled", hint="Make it at most "
             "POOL_MAX_WORKERS (a quarter of it or less keeps the pool useful).", id="execapp.W042"))
+    backoff = conf.get("RESTART_BACKOFF_MAX_SECONDS")
+    if not isinstance(backoff, (int, float)) or isinstance(backoff, bool) or not 0 <= backoff < float("inf"):
+        errors.append(checks.Error(
+            f"EXECAPP['RESTART_BACKOFF_MAX_SECONDS'] is {backoff!r}, it must be a finite number of seconds >= 0",
+            hint=f"Set it to 0 (restart a crashing worker at once) or more (default "
+                 f"{conf.DEFAULTS['RESTART_BACKOFF_MAX_SECONDS']}).", id="execapp.E043"))
+    elif backoff > 300:
+        errors.append(checks.Warning(
+            f"EXECAPP['RESTART_BACKOFF_MAX_SECONDS'] is {backoff!r}: once fixed, a worker that kept crashing at "
+            "start may wait that long before it is tried again", hint="Use at most a few minutes (default "
+            f"{conf.DEFAULTS['RESTART_BACKOFF_MAX_SECONDS']}).", id="execapp.W043"))
     return errors
 
 

@@ -145,6 +145,9 @@ DEFAULTS: dict[str, Any] = {
     "LOOP_STALL_SECONDS": 5.0,
     # Pool threads stuck past their deadline at which a worker is drained and replaced.
     "STUCK_THREADS_LIMIT": 8,
+    # The longest wait before the supervisor starts another worker after consecutive ones died
+    # before serving (a crash loop, execapp/restart_backoff.py): 0.5 s, doubling, up to this. 0: none.
+    "RESTART_BACKOFF_MAX_SECONDS": 30.0,
     # /healthz dependency checks (execapp/health.py): how long a probe waits for the database's
     # SELECT 1 (Redis PING), and how long one answer is reused (at most one check per interval).
     "HEALTH_CHECK_TIMEOUT_SECONDS": 1.0,

@@ -38,6 +38,7 @@ from uvicorn._subprocess import get_subprocess
 from uvicorn.config import STARTUP_FAILURE
 
 from . import handshake, logjson, watchdog
+from .restart_backoff import RestartBackoff
 from .server import reuse_port_socket, run_worker_process
 from .watchdog_quarantine import append_quarantine
 from .ws_flow import BackpressuredWebSocketProtocol
@@ -65,6 +66,8 @@ class Child:
     replaces: "Child | None" = None
     retiring: bool = False  # SIGTERMed by the supervisor once its replacement listened
     killed: bool = False  # SIGKILLed by the watchdog
+    started_at: float = 0.0  # time.monotonic() of its start
+    ready_at: float | None = None  # when the supervisor first saw it listening
 
     @property
     def pid(self) -> int:
@@ -78,11 +81,14 @@ class Supervisor:
     connections). Otherwise the workers share one socket bound here. ``stall_limit``: seconds
     without a heartbeat after which a worker is killed and replaced (LOOP_STALL_SECONDS).
     ``watch_dir``: where the watchdog's slots and quarantine list live (a fresh temporary
-    directory, removed at exit, when None).
+    directory, removed at exit, when None). ``restart_backoff``: the longest wait before starting
+    another worker after consecutive ones died before they served (RESTART_BACKOFF_MAX_SECONDS;
+    execapp.restart_backoff).
     """
 
     def __init__(self, config: uvicorn.Config, grace: float | None, stop_timeout: float,
-                 reuse_port: bool = False, stall_limit: float = 5.0, watch_dir: str | None = None) -> None:
+                 reuse_port: bool = False, stall_limit: float = 5.0, watch_dir: str | None = None,
+                 restart_backoff: float = 30.0) -> None:
         self.config = config
         self.grace = grace
         self.stop_timeout = stop_timeout
@@ -93,6 +99,7 @@ class Supervisor:
         self.signals: list[int] = []
         self.children: list[Child] = []
         self.exit_code = 0
+        self.backoff = RestartBackoff(restart_backoff)
         self.slots: watchdog.SlotFile | None = None
         self._free: collections.deque[int] = collections.deque()
         self._sock: socket.socket | None = None
@@ -116,7 +123,7 @@ class Supervisor:
         process.start()
         assert process.pid is not None  # a started process has one
         slot.pid = process.pid
-        child = Child(process, slot, replaces=replaces)
+        child = Child(process, slot, replaces=replaces, started_at=time.monotonic())
         self.children.append(child)
         log.info("started worker process [%s] (watchdog slot %d)", process.pid, slot.index)
         return child
@@ -162,17 +169,23 @@ class Supervisor:
 
     def _tick(self) -> None:
         """One round of supervision: reap exits, catch stalls, run recycles."""
+        now = time.monotonic()
         missing = self.config.workers - sum(1 for c in self.children if c.replaces is None)
-        for _ in range(max(0, missing)):  # a spawn that found no free slot last round
-            self._spawn()
+        if missing > 0 and self.backoff.may_start(now):  # a death (after its backoff), or no free slot last round
+            for _ in range(missing):
+                self._spawn()
         for child in list(self.children):
             if not child.process.is_alive():
                 self._reap(child)
                 continue
+            if child.ready_at is None and child.slot.state in (watchdog.STATE_READY, watchdog.STATE_RECYCLE):
+                child.ready_at = now
+            self.backoff.served(child.started_at, child.ready_at, now)  # ends a streak of failed starts
             self._watch(child)
             if self.should_exit.is_set():
                 return
-            if child.slot.state == watchdog.STATE_RECYCLE and child.replacement is None and not child.retiring:
+            if (child.slot.state == watchdog.STATE_RECYCLE and child.replacement is None and not child.retiring
+                    and self.backoff.may_start(now)):
                 log.warning("worker process [%s] asks to be recycled (%d pool threads stuck past their deadline): "
                             "starting its replacement", child.pid, child.slot.stuck)
                 child.replacement = self._spawn(replaces=child)
@@ -202,14 +215,25 @@ class Supervisor:
             if child.replacement is not None:
                 child.replacement.replaces = None
             return
+        now = time.monotonic()
+        served = self.backoff.served(child.started_at, child.ready_at, now)
         if child.replaces is not None:  # a replacement died before taking over: the original serves on
-            log.warning("replacement worker process [%s] died with exit code %s before it listened", child.pid, code)
+            delay = self.backoff.failed(now)
+            log.warning("replacement worker process [%s] died with exit code %s before it listened (%d failed "
+                        "starts in a row): the next try in %.1f s", child.pid, code, self.backoff.failures, delay)
             child.replaces.replacement = None
             return
         if child.replacement is not None:  # it died while its replacement starts: that one takes over
             log.warning("worker process [%s] died with exit code %s; its replacement [%s] takes over", child.pid,
                         code, child.replacement.pid)
             child.replacement.replaces = None
+            return
+        if not served:  # a crash loop: back off (_tick starts the next one once the wait is over)
+            delay = self.backoff.failed(now)
+            log.error("worker process [%s] died with exit code %s %s (%d failed starts in a row): starting another "
+                      "in %.1f s (doubling each time, at most EXECAPP['RESTART_BACKOFF_MAX_SECONDS'] = %g s)",
+                      child.pid, code, "before it listened" if child.ready_at is None else
+                      "soon after it listened", self.backoff.failures, delay, self.backoff.cap)
             return
         if not child.killed:
             log.warning("worker process [%s] died with exit code %s; starting another", child.pid, code)
@@ -381,6 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reuse_port = hasattr(socket, "SO_REUSEPORT") and not args.shared_socket
     return Supervisor(config, args.grace, stop_timeout=grace + args.close_timeout + 10, reuse_port=reuse_port,
                       stall_limit=float(conf.get("LOOP_STALL_SECONDS")),
+                      restart_backoff=float(conf.get("RESTART_BACKOFF_MAX_SECONDS")),
                       watch_dir=os.environ.get(watchdog.ENV_DIR) or None).run()
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,7 +21,9 @@ import pytest
 from websockets.asyncio.client import connect
 
 from execapp import watchdog
+from execapp.restart_backoff import STABLE_SECONDS, RestartBackoff
 from tests.conftest import ServerProcess, manage, wait_until
+from tests.execapp.ws_handlers import CRASH_AT_START
 
 pytestmark = pytest.mark.e2e
 
@@ -122,3 +126,54 @@ async def test_a_second_signal_to_the_supervisor_forces_the_draining_workers_out
     log = server.log()
     assert "second signal (SIGINT) while the workers drain: forcing them to exit now" in log, log
     assert "NOT drained (aborted)" in log, log
+
+
+# -- restart storms -------------------------------------------------------------------------------
+
+STARTED = re.compile(r"^(\S+ \S+) INFO execapp\.serve started worker process", re.M)
+BACKOFF = re.compile(r"died with exit code 17 before it listened \((\d+) failed starts in a row\): starting another "
+                     r"in ([\d.]+) s")
+
+
+async def test_a_worker_that_dies_at_every_start_is_restarted_with_a_growing_wait(start: Any) -> None:
+    """A plugin whose top level kills its process at every load (here: the test handlers' service
+    exits in the first service ticks) made the supervisor start another at once, forever."""
+    server = await asyncio.to_thread(start, env={CRASH_AT_START: "1"}, settings={"RESTART_BACKOFF_MAX_SECONDS": 1.0},
+                                     wait=False)
+    assert await asyncio.to_thread(wait_until, lambda: len(BACKOFF.findall(server.log())) >= 3, 60), server.log()
+    log = server.log()
+    waits = [(int(n), float(s)) for n, s in BACKOFF.findall(log)][:3]
+    assert waits == [(1, 0.5), (2, 1.0), (3, 1.0)], waits  # doubling, capped by the setting
+    starts = [time.mktime(time.strptime(t.split(",")[0], "%Y-%m-%d %H:%M:%S")) + int(t.split(",")[1]) / 1000
+              for t in STARTED.findall(log)]
+    # Each start after a failed one waited at least its backoff (a lower bound: the mechanism, not speed).
+    for (_, wait), before, after in zip(waits, starts, starts[1:]):
+        assert after - before >= wait, (waits, starts)
+    assert server.proc.poll() is None and server.healthz() == 0, "the supervisor stays up, nothing serves"
+    assert await asyncio.to_thread(server.stop, WAIT) == 0, "a SIGTERM during a backoff wait stops it at once"
+
+
+def test_a_streak_of_failed_starts_ends_only_when_a_worker_started_after_it_serves() -> None:
+    backoff = RestartBackoff(cap=4.0)
+    assert [backoff.failed(100.0 + i) for i in range(5)] == [0.5, 1.0, 2.0, 4.0, 4.0]
+    assert not backoff.may_start(104.0) and backoff.may_start(108.0)
+    # A sibling serving since before the streak (started at 0) does not end it...
+    assert backoff.served(0.0, 1.0, 200.0) and backoff.failures == 5
+    # ...nor one started after it that has not listened STABLE_SECONDS yet; one that has does.
+    assert not backoff.served(150.0, 195.0, 200.0) and backoff.failures == 5
+    assert backoff.served(150.0, 195.0, 195.0 + STABLE_SECONDS) and backoff.failures == 0
+    assert backoff.may_start(0.0) and backoff.failed(300.0) == 0.5
+    assert RestartBackoff(cap=0.0).failed(1.0) == 0.0, "0 turns the wait off"
+
+
+def test_checks_name_a_bad_restart_backoff(settings: Any) -> None:
+    from execapp.checks import check_execapp_settings
+
+    for value, code in ((-1, "execapp.E043"), (float("inf"), "execapp.E043"), ("5", "execapp.E043"),
+                        (3600, "execapp.W043")):
+        settings.EXECAPP = {"RESTART_BACKOFF_MAX_SECONDS": value}
+        found = {m.id: m for m in check_execapp_settings()}
+        assert code in found and "RESTART_BACKOFF_MAX_SECONDS" in found[code].msg and found[code].hint, value
+    settings.EXECAPP = {"RESTART_BACKOFF_MAX_SECONDS": 0}
+    assert not {m.id for m in check_execapp_settings()} & {"execapp.E043", "execapp.W043"}
+
