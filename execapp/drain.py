@@ -96,9 +96,21 @@ def drain_pool(pool: Any, timeout: float) -> bool:
             return False
 
 
+def hold_drained(worker: WorkerLike, drained: bool) -> None:
+    """Note in the worker's watchdog slot that an operator's drain holds it (``manage.py drain``;
+    ``undrain`` lets go), so a process the supervisor starts in its place (after a crash, a SIGKILL,
+    a watchdog kill, a recycle) starts drained too: a drained deployment stays drained until
+    ``undrain``. A SIGTERM drain is not held: it ends in the worker's exit, and the operator who
+    stops one worker wants its replacement to serve."""
+    watch = getattr(worker, "watch", None)
+    if watch is not None:
+        watch.slot.drained = int(drained)
+
+
 def undrain_worker(worker: WorkerLike) -> dict[str, Any]:
     """Take new events again: reopen the pool, then admit events (the reverse of a drain)."""
     was_draining = worker.draining
+    hold_drained(worker, False)
     worker.pool.resume()
     worker.set_draining(False)
     log.info("undrain of %s (was draining: %s)", worker.id, was_draining)

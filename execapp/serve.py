@@ -102,13 +102,15 @@ class Supervisor:
         self.backoff = RestartBackoff(restart_backoff)
         self.slots: watchdog.SlotFile | None = None
         self._free: collections.deque[int] = collections.deque()
+        #: Starts still owed to workers that died while an operator's drain held them: those start drained.
+        self._drained_owed = 0
         self._sock: socket.socket | None = None
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         self.signals.append(sig)
         self.should_exit.set()
 
-    def _spawn(self, replaces: Child | None = None) -> Child | None:
+    def _spawn(self, replaces: Child | None = None, drained: bool = False) -> Child | None:
         assert self.slots is not None and self._sock is not None and self.watch_dir is not None  # run() set them
         if not self._free:
             log.error("no free watchdog slot for a new worker process (%d in use); retrying", self.slots.count)
@@ -117,6 +119,7 @@ class Supervisor:
         # mark, for a post-mortem) is reused as late as possible.
         slot = self.slots.slot(self._free.popleft())
         slot.clear()
+        slot.drained = int(drained)  # the worker drains before it listens (execapp.drain.hold_drained)
         target = functools.partial(run_worker_process, self.config, self.grace, self.reuse_port, self.watch_dir,
                                    slot.index)
         process = get_subprocess(self.config, target, [] if self.reuse_port else [self._sock])
@@ -173,7 +176,9 @@ class Supervisor:
         missing = self.config.workers - sum(1 for c in self.children if c.replaces is None)
         if missing > 0 and self.backoff.may_start(now):  # a death (after its backoff), or no free slot last round
             for _ in range(missing):
-                self._spawn()
+                owed = self._drained_owed > 0
+                if self._spawn(drained=owed) is not None and owed:
+                    self._drained_owed -= 1
         for child in list(self.children):
             if not child.process.is_alive():
                 self._reap(child)
@@ -188,7 +193,7 @@ class Supervisor:
                     and self.backoff.may_start(now)):
                 log.warning("worker process [%s] asks to be recycled (%d pool threads stuck past their deadline): "
                             "starting its replacement", child.pid, child.slot.stuck)
-                child.replacement = self._spawn(replaces=child)
+                child.replacement = self._spawn(replaces=child, drained=bool(child.slot.drained))
             new = child.replacement
             if new is not None and not child.retiring and new.slot.state == watchdog.STATE_READY:
                 log.warning("worker process [%s] listens: draining worker process [%s] (SIGTERM)", new.pid,
@@ -217,6 +222,10 @@ class Supervisor:
             return
         now = time.monotonic()
         served = self.backoff.served(child.started_at, child.ready_at, now)
+        # Held drained by an operator and gone without its own shutdown (a crash, a SIGKILL, the
+        # watchdog): whatever takes its place starts drained. A SIGTERMed worker exits cleanly and
+        # its replacement serves (the operator restarted it).
+        drained = bool(child.slot.drained) and child.slot.state != watchdog.STATE_EXITING
         if child.replaces is not None:  # a replacement died before taking over: the original serves on
             delay = self.backoff.failed(now)
             log.warning("replacement worker process [%s] died with exit code %s before it listened (%d failed "
@@ -228,6 +237,10 @@ class Supervisor:
                         code, child.replacement.pid)
             child.replacement.replaces = None
             return
+        if drained:
+            log.warning("worker process [%s] was drained (manage.py drain) when it died: its replacement starts "
+                        "drained (manage.py undrain resumes it)", child.pid)
+            self._drained_owed += 1
         if not served:  # a crash loop: back off (_tick starts the next one once the wait is over)
             delay = self.backoff.failed(now)
             log.error("worker process [%s] died with exit code %s %s (%d failed starts in a row): starting another "
@@ -237,7 +250,8 @@ class Supervisor:
             return
         if not child.killed:
             log.warning("worker process [%s] died with exit code %s; starting another", child.pid, code)
-        self._spawn()
+        if self._spawn(drained=drained) is not None and drained:
+            self._drained_owed -= 1
 
     def _watch(self, child: Child) -> None:
         """Kill and replace ``child`` if its loop has not beaten for ``stall_limit`` seconds."""

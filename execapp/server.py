@@ -86,9 +86,21 @@ class ExecServer(uvicorn.Server):
         if not await asyncio.to_thread(self.worker.ready.wait, STARTUP_READY_SECONDS):
             log.warning("worker %s: services not ready after %d s; serving anyway", self.worker.id,
                         STARTUP_READY_SECONDS)
+        if self.watch is not None and self.watch.slot.drained:
+            await self._start_drained()
         await super().startup(sockets)
         if self.watch is not None and self.started and not self.should_exit:
             self.watch.slot.state = watchdog.STATE_READY  # listening: the supervisor may retire a predecessor
+
+    async def _start_drained(self) -> None:
+        """The supervisor started this worker in place of one an operator had drained: drain before
+        listening, so no event is accepted until ``manage.py undrain`` (execapp.drain.hold_drained)."""
+        from .drain import drain_worker
+
+        assert self.worker is not None
+        await asyncio.to_thread(drain_worker, self.worker, 0.0, flush=False)
+        log.warning("worker %s starts drained: the worker it replaces was drained (manage.py drain) when it died; "
+                    "it refuses events with `draining` until `manage.py undrain`", self.worker.id)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # 1. New clients. If sibling workers serve (a recycle, or one worker stopped alone), close

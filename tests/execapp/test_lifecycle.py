@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +24,7 @@ from websockets.asyncio.client import connect
 
 from execapp import watchdog
 from execapp.restart_backoff import STABLE_SECONDS, RestartBackoff
-from tests.conftest import ServerProcess, manage, wait_until
+from tests.conftest import REDIS_TEST_URL, ServerProcess, manage, redis_test_prefix, require_service, wait_until
 from tests.execapp.ws_handlers import CRASH_AT_START
 
 pytestmark = pytest.mark.e2e
@@ -177,3 +179,94 @@ def test_checks_name_a_bad_restart_backoff(settings: Any) -> None:
     settings.EXECAPP = {"RESTART_BACKOFF_MAX_SECONDS": 0}
     assert not {m.id for m in check_execapp_settings()} & {"execapp.E043", "execapp.W043"}
 
+
+# -- a drained deployment loses a worker ----------------------------------------------------------
+
+def worker_pids(server: Server) -> set[int]:
+    return {s["pid"] for s in server.slots() if s["state"] in ("ready", "recycle")}
+
+
+async def test_a_drained_worker_killed_is_replaced_by_a_drained_one_until_undrain(start: Any) -> None:
+    """After `manage.py drain` (exit 0: the deploy may begin) a worker that died (OOM, SIGKILL, the
+    watchdog) was replaced by one that served events: a deployment the operator drained took events
+    again, in the middle of a schema change."""
+    redis = {"REDIS_URL": require_service("Redis", REDIS_TEST_URL), "REDIS_PREFIX": redis_test_prefix("life")}
+    server = await asyncio.to_thread(start, env=redis)
+    (old,) = worker_pids(server)
+    drained = await asyncio.to_thread(manage, "drain", "--timeout", "5", env=server.env)
+    assert drained.returncode == 0, drained.stdout + drained.stderr
+    assert (await first_frame(server.ws_url, "/stall", "a"))["code"] == "draining"
+    os.kill(old, signal.SIGKILL)
+    assert await asyncio.to_thread(wait_until, lambda: worker_pids(server) - {old}, START_BOUND), server.log()
+    (new,) = worker_pids(server) - {old}
+    frame = await first_frame(server.ws_url, "/stall", "b")
+    assert frame["type"] == "error" and frame["code"] == "draining", f"the replacement {new} took an event: {frame}"
+    assert server.healthz() == 503
+    undrained = await asyncio.to_thread(manage, "undrain", env=server.env)
+    assert undrained.returncode == 0, undrained.stdout + undrained.stderr  # the dead worker is not waited for
+    assert (await first_frame(server.ws_url, "/stall", "c"))["text"] == f"pid {new}"
+    assert "its replacement starts drained" in server.log() and "starts drained" in server.log()
+    # Undrained, it is no longer held: the next replacement serves at once.
+    os.kill(new, signal.SIGKILL)
+    assert await asyncio.to_thread(wait_until, lambda: worker_pids(server) - {old, new}, START_BOUND), server.log()
+    (newest,) = worker_pids(server) - {old, new}
+    assert (await first_frame(server.ws_url, "/stall", "d"))["text"] == f"pid {newest}"
+
+
+# -- a dead worker and the operator's commands ----------------------------------------------------
+
+async def test_a_worker_whose_process_is_gone_is_not_waited_for_nor_counted_as_silent(settings: Any) -> None:
+    """A worker SIGKILLed a moment ago stays in the registry for LIVE_SECONDS: `drain` then waited its
+    whole timeout for it and failed ("did not answer"), `undrain` failed, though its process was gone."""
+    from channels.layers import InMemoryChannelLayer
+
+    from execapp import control_client as control
+    from execapp.control import UnknownWorker
+    from execapp.control_registry import LocalRegistry, process_namespace
+    from execapp.worker import Worker
+    from tests.execapp.test_control import start_listeners, stop_listeners
+
+    settings.EXECAPP = {"POOL_IDLE_SECONDS": 0.2}
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is gone now (reaped)
+    layer, registry = InMemoryChannelLayer(), LocalRegistry()
+    tasks = await start_listeners([Worker("alive")], layer, registry)
+    registry.beat("killed", {"pid": dead.pid, "pidns": process_namespace()})
+    registry.beat("elsewhere", {"pid": dead.pid, "pidns": "another-machine:1"})  # unsure: still expected
+    try:
+        result = await control.request("drain", layer=layer, registry=registry, timeout=0.1, wait=0.5)
+        assert list(result.answers) == ["alive"] and result.gone == {"killed": dead.pid}
+        assert result.missing == ["elsewhere"]
+        with pytest.raises(UnknownWorker, match=f"'killed' is gone: its process {dead.pid} no longer exists"):
+            await control.request("undrain", layer=layer, registry=registry, worker="killed")
+    finally:
+        await stop_listeners(tasks)
+
+
+async def test_a_worker_killed_while_it_is_asked_ends_the_wait_for_it(settings: Any) -> None:
+    """A worker the watchdog (or anyone) killed mid-drain never answers: the command waited for it until
+    the drain's timeout plus the margin, then said "did not answer"; it now sees the process die."""
+    from channels.layers import InMemoryChannelLayer
+
+    from execapp import control_client as control
+    from execapp.control_registry import LocalRegistry, process_namespace
+    from execapp.worker import Worker
+    from tests.execapp.test_control import start_listeners, stop_listeners
+
+    settings.EXECAPP = {"POOL_IDLE_SECONDS": 0.2}
+    doomed = subprocess.Popen(["sleep", "60"])
+    layer, registry = InMemoryChannelLayer(), LocalRegistry()
+    tasks = await start_listeners([Worker("alive")], layer, registry)
+    registry.beat("doomed", {"pid": doomed.pid, "pidns": process_namespace()})  # registered, never answers
+    try:
+        asking = asyncio.ensure_future(control.request("drain", layer=layer, registry=registry, timeout=60))
+        await asyncio.sleep(0.3)  # the request is out and "alive" answered; "doomed" is waited for
+        assert not asking.done()
+        doomed.kill()  # a zombie until reaped: dead all the same
+        result = await asyncio.wait_for(asking, WAIT)  # not the drain's 60 s + the margin
+        assert list(result.answers) == ["alive"] and result.died == {"doomed": doomed.pid}
+        assert result.missing == [] and result.gone == {}
+    finally:
+        doomed.kill()
+        doomed.wait()
+        await stop_listeners(tasks)
