@@ -25,6 +25,7 @@ from websockets.asyncio.client import connect
 from execapp import watchdog
 from execapp.restart_backoff import STABLE_SECONDS, RestartBackoff
 from tests.conftest import REDIS_TEST_URL, ServerProcess, manage, redis_test_prefix, require_service, wait_until
+from tests.execapp.test_dashboard import publisher_only  # noqa: F401 (a fixture)
 from tests.execapp.ws_handlers import CRASH_AT_START
 
 pytestmark = pytest.mark.e2e
@@ -270,3 +271,23 @@ async def test_a_worker_killed_while_it_is_asked_ends_the_wait_for_it(settings: 
         doomed.kill()
         doomed.wait()
         await stop_listeners(tasks)
+
+
+def test_the_dashboard_takes_a_killed_worker_out_of_the_totals_at_once(publisher_only: None) -> None:
+    """A SIGKILLed worker's last snapshot said it served: it stayed live in the dashboard's totals for
+    WORKER_STALE_SECONDS (10 s). On the same machine its missing process now says so at once."""
+    from execapp import dashboard_data, snapshots
+    from execapp.control_registry import process_namespace
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    now = time.time()
+    base = {"pool": {"capacity": 8, "queue_capacity": 8, "in_flight": 3, "queued": 0, "submitted": 5},
+            "counts": {"events": 5}, "plugin_pools": [], "events_per_second": 0.0, "matchers": [],
+            "pidns": process_namespace()}
+    snapshots.backend().publish({**base, "worker": "alive", "pid": os.getpid(), "ts": now}, None)
+    snapshots.backend().publish({**base, "worker": "killed", "pid": dead.pid, "ts": now}, None)
+    data = dashboard_data.collect(refresh=False)
+    state = {w["worker"]: (bool(w.get("stopped")), w.get("gone", False)) for w in data["workers"]}
+    assert state == {"alive": (False, False), "killed": (True, True)}, state
+    assert data["total"]["workers"] == 1 and data["total"]["in_flight"] == 3
