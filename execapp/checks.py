@@ -345,8 +345,8 @@ def _inline_timeout_checks() -> list[checks.CheckMessage]:
 
 
 def _watchdog_checks() -> list[checks.CheckMessage]:
-    """The supervisor's watchdog settings: LOOP_STALL_SECONDS, STUCK_THREADS_LIMIT and
-    RESTART_BACKOFF_MAX_SECONDS (docs/operations.md)."""
+    """The lifecycle settings: LOOP_STALL_SECONDS, STUCK_THREADS_LIMIT, RESTART_BACKOFF_MAX_SECONDS and
+    DRAIN_UNREAD_CLIENT_SECONDS (docs/operations.md)."""
     errors: list[checks.CheckMessage] = []
     stall = conf.get("LOOP_STALL_SECONDS")
     if not isinstance(stall, (int, float)) or isinstance(stall, bool) or stall <= 0:
@@ -387,6 +387,19 @@ def _watchdog_checks() -> list[checks.CheckMessage]:
             f"EXECAPP['RESTART_BACKOFF_MAX_SECONDS'] is {backoff!r}: once fixed, a worker that kept crashing at "
             "start may wait that long before it is tried again", hint="Use at most a few minutes (default "
             f"{conf.DEFAULTS['RESTART_BACKOFF_MAX_SECONDS']}).", id="execapp.W043"))
+    unread = conf.get("DRAIN_UNREAD_CLIENT_SECONDS")
+    grace = conf.get("SHUTDOWN_GRACE_SECONDS")
+    if not isinstance(unread, (int, float)) or isinstance(unread, bool) or not 0 <= unread < float("inf"):
+        errors.append(checks.Error(
+            f"EXECAPP['DRAIN_UNREAD_CLIENT_SECONDS'] is {unread!r}, it must be a finite number of seconds >= 0",
+            hint="Set it to 0 (a drain waits for every done to be written) or more (default "
+                 f"{conf.DEFAULTS['DRAIN_UNREAD_CLIENT_SECONDS']}).", id="execapp.E044"))
+    elif unread > 0 and isinstance(grace, (int, float)) and unread >= grace:
+        errors.append(checks.Warning(
+            f"EXECAPP['DRAIN_UNREAD_CLIENT_SECONDS'] ({unread!r}) is not below SHUTDOWN_GRACE_SECONDS ({grace!r}): "
+            "one client that stops reading holds every SIGTERM drain of its worker for the whole grace",
+            hint="Make it a few seconds (default "
+                 f"{conf.DEFAULTS['DRAIN_UNREAD_CLIENT_SECONDS']}).", id="execapp.W044"))
     return errors
 
 

@@ -139,6 +139,9 @@ DEFAULTS: dict[str, Any] = {
     # Draining and shutdown.
     "DRAIN_TIMEOUT_SECONDS": 25.0,
     "SHUTDOWN_GRACE_SECONDS": 25.0,
+    # A drain stops waiting for `done` frames queued for clients that have read nothing for this
+    # long, once every handler is over (execapp/drain.py, UnreadClients). 0: wait for every one.
+    "DRAIN_UNREAD_CLIENT_SECONDS": 5.0,
     # The execapp.serve supervisor's watchdog (execapp/watchdog.py, docs/operations.md): a worker
     # whose event loop has not beaten for this long is killed and replaced, and the matcher it
     # was running inline is quarantined on every worker. Far above any legitimate loop pause.

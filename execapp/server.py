@@ -128,9 +128,12 @@ class ExecServer(uvicorn.Server):
             self.drain_report = await asyncio.to_thread(drain_worker, self.worker, grace,
                                                         abort=lambda: self.force_exit)
             if self.drain_report["ok"]:
-                log.info("worker %s drained: %s events, %s tasks in %.2f s", self.worker.id,
+                log.info("worker %s drained: %s events, %s tasks in %.2f s%s", self.worker.id,
                          self.drain_report["finished"]["events"], self.drain_report["finished"]["tasks"],
-                         self.drain_report["elapsed_seconds"])
+                         self.drain_report["elapsed_seconds"],
+                         f"; {self.drain_report['dones_unread']} done frames were not read by their clients "
+                         "(handlers over; the frames are dropped with the connections)"
+                         if self.drain_report.get("dones_unread") else "")
             else:
                 log.error("worker %s NOT drained (%s) after %.2f s; still running: %s; %s events without done",
                           self.worker.id, self.drain_report["reason"], self.drain_report["elapsed_seconds"],

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -169,16 +170,21 @@ def test_a_streak_of_failed_starts_ends_only_when_a_worker_started_after_it_serv
     assert RestartBackoff(cap=0.0).failed(1.0) == 0.0, "0 turns the wait off"
 
 
-def test_checks_name_a_bad_restart_backoff(settings: Any) -> None:
+def test_checks_name_a_bad_restart_backoff_or_unread_client_wait(settings: Any) -> None:
     from execapp.checks import check_execapp_settings
 
-    for value, code in ((-1, "execapp.E043"), (float("inf"), "execapp.E043"), ("5", "execapp.E043"),
-                        (3600, "execapp.W043")):
-        settings.EXECAPP = {"RESTART_BACKOFF_MAX_SECONDS": value}
+    for key, value, code in (("RESTART_BACKOFF_MAX_SECONDS", -1, "execapp.E043"),
+                             ("RESTART_BACKOFF_MAX_SECONDS", float("inf"), "execapp.E043"),
+                             ("RESTART_BACKOFF_MAX_SECONDS", "5", "execapp.E043"),
+                             ("RESTART_BACKOFF_MAX_SECONDS", 3600, "execapp.W043"),
+                             ("DRAIN_UNREAD_CLIENT_SECONDS", -0.5, "execapp.E044"),
+                             ("DRAIN_UNREAD_CLIENT_SECONDS", 30, "execapp.W044")):
+        settings.EXECAPP = {key: value}
         found = {m.id: m for m in check_execapp_settings()}
-        assert code in found and "RESTART_BACKOFF_MAX_SECONDS" in found[code].msg and found[code].hint, value
-    settings.EXECAPP = {"RESTART_BACKOFF_MAX_SECONDS": 0}
-    assert not {m.id for m in check_execapp_settings()} & {"execapp.E043", "execapp.W043"}
+        assert code in found and key in found[code].msg and found[code].hint, (key, value)
+    settings.EXECAPP = {"RESTART_BACKOFF_MAX_SECONDS": 0, "DRAIN_UNREAD_CLIENT_SECONDS": 0}
+    assert not {m.id for m in check_execapp_settings()} & {"execapp.E043", "execapp.W043", "execapp.E044",
+                                                           "execapp.W044"}
 
 
 # -- a drained deployment loses a worker ----------------------------------------------------------
@@ -291,3 +297,36 @@ def test_the_dashboard_takes_a_killed_worker_out_of_the_totals_at_once(publisher
     state = {w["worker"]: (bool(w.get("stopped")), w.get("gone", False)) for w in data["workers"]}
     assert state == {"alive": (False, False), "killed": (True, True)}, state
     assert data["total"]["workers"] == 1 and data["total"]["in_flight"] == 3
+
+
+# -- a client that stops reading during a drain ---------------------------------------------------
+
+async def test_a_client_that_reads_nothing_does_not_hold_a_sigterm_drain_for_its_whole_grace(start: Any) -> None:
+    """A client that stopped reading left its events' `done` frames queued: the SIGTERM drain waited
+    for them until the grace ran out (60 s here) and logged them as events still running. Now the drain
+    waits for every running handler (the reading client's /slow), then stops waiting for frames no client
+    reads (DRAIN_UNREAD_CLIENT_SECONDS) and says so."""
+    server = await asyncio.to_thread(start, settings={"DRAIN_UNREAD_CLIENT_SECONDS": 1.0},
+                                     args=("--grace", "60", "--close-timeout", "1"))
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # its backlog is felt at once
+    sock.connect(("127.0.0.1", server.port))
+    async with connect(server.ws_url, sock=sock, max_queue=1) as mute, connect(server.ws_url) as reader:
+        mute.transport.pause_reading()  # reads nothing from here on
+
+        async def flood() -> None:  # until the server, its outbox over the limits, stops reading it
+            for i in range(1000):
+                await mute.send(json.dumps({"id": f"m{i}", "type": "message", "text": "/echo " + "x" * 60_000}))
+
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(flood(), 1.5)  # (the sends block: the point, not a pace)
+        await reader.send(json.dumps({"id": "slow", "type": "message", "text": "/slow 1500"}))
+        await reader.send(json.dumps({"id": "probe", "type": "message", "text": "/stall"}))
+        assert json.loads(await asyncio.wait_for(reader.recv(), WAIT))["id"] == "probe"  # /slow is accepted
+        server.proc.send_signal(signal.SIGTERM)
+        frames = [json.loads(await asyncio.wait_for(reader.recv(), WAIT)) for _ in range(3)]
+        assert [(f["id"], f["type"]) for f in frames if f["id"] == "slow"] == [("slow", "reply"), ("slow", "done")]
+        await asyncio.to_thread(server.proc.wait, WAIT)  # far below the 60 s grace
+    log = server.log()
+    assert re.search(r"drained: \d+ events, \d+ tasks in [\d.]+ s; [1-9]\d* done frames were not read", log), log
+    assert "NOT drained" not in log

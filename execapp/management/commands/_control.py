@@ -83,6 +83,9 @@ def drain_line(answer: dict[str, Any]) -> str:
                 f"{answer.get('elapsed_seconds', 0):.2f} s, {done}; still running: {running}; "
                 f"{answer.get('events_in_flight', 0)} events without done, {answer.get('tasks_queued', 0)} "
                 "handlers queued")
+    if answer.get("dones_unread"):
+        line += (f"; {answer['dones_unread']} done frames wait, queued, for clients that read nothing (their "
+                 "handlers are over)")
     if answer.get("flush_errors"):
         line += f"; profile flush failed: {'; '.join(answer['flush_errors'])}"
     return line
