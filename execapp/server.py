@@ -75,7 +75,7 @@ class ExecServer(uvicorn.Server):
         if self.watch is not None:
             # First of all: from here on the supervisor sees this loop beat (or stall).
             self.watch.slot.state = watchdog.STATE_STARTING
-            self._heartbeat = self.watch.start_heartbeat()
+            self._heartbeat = self.watch.start_heartbeat(orphaned=self._orphaned)
         self.config.loaded_app = DrainGate(self.config.loaded_app, self)
         # Built off the loop (its services may touch the database) and before the socket
         # listens, so the control listener is up and the plugins' matchers are installed (the
@@ -91,6 +91,12 @@ class ExecServer(uvicorn.Server):
         await super().startup(sockets)
         if self.watch is not None and self.started and not self.should_exit:
             self.watch.slot.state = watchdog.STATE_READY  # listening: the supervisor may retire a predecessor
+
+    def _orphaned(self) -> None:
+        """The supervisor is gone (its parent changed): drain and exit, as on SIGTERM."""
+        log.error("worker process [%s]: its supervisor is gone (killed?): draining and exiting, since no watchdog "
+                  "would watch or replace this worker and a new supervisor would serve beside it", os.getpid())
+        self.handle_exit(signal.SIGTERM, None)
 
     async def _start_drained(self) -> None:
         """The supervisor started this worker in place of one an operator had drained: drain before

@@ -330,3 +330,27 @@ async def test_a_client_that_reads_nothing_does_not_hold_a_sigterm_drain_for_its
     log = server.log()
     assert re.search(r"drained: \d+ events, \d+ tasks in [\d.]+ s; [1-9]\d* done frames were not read", log), log
     assert "NOT drained" not in log
+
+
+# -- the supervisor itself dies -------------------------------------------------------------------
+
+async def test_workers_of_a_supervisor_that_was_killed_drain_and_exit(start: Any) -> None:
+    """SIGKILL the supervisor (the OOM killer's pick, `kill -9` of the wrong pid): its workers served on
+    for ever, with no watchdog and nobody to restart them, beside whatever supervisor started next."""
+    server = await asyncio.to_thread(start)
+    (pid,) = server.ready_pids()
+    try:
+        async with connect(server.ws_url) as ws:
+            await ws.send(json.dumps({"id": "slow", "type": "message", "text": "/slow 1000"}))
+            await ws.send(json.dumps({"id": "probe", "type": "message", "text": "/stall"}))
+            assert json.loads(await asyncio.wait_for(ws.recv(), WAIT))["id"] == "probe"  # /slow is accepted
+            server.proc.kill()
+            # The orphan drains like a SIGTERMed worker: the event in flight ends with its done, then 1012.
+            frames = [json.loads(await asyncio.wait_for(ws.recv(), WAIT)) for _ in range(3)]
+            assert [(f["id"], f["type"]) for f in frames if f["id"] == "slow"] == [("slow", "reply"),
+                                                                                  ("slow", "done")]
+        assert await asyncio.to_thread(wait_until, lambda: not Path(f"/proc/{pid}").exists(), WAIT), server.log()
+        assert f"worker process [{pid}]: its supervisor is gone" in server.log()
+    finally:
+        if Path(f"/proc/{pid}").exists():  # the worker this test started, orphaned: never left serving
+            os.kill(pid, signal.SIGKILL)
