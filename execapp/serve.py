@@ -241,7 +241,9 @@ class Supervisor:
             log.warning("worker process [%s] was drained (manage.py drain) when it died: its replacement starts "
                         "drained (manage.py undrain resumes it)", child.pid)
             self._drained_owed += 1
-        if not served:  # a crash loop: back off (_tick starts the next one once the wait is over)
+        # A crash loop: back off (_tick starts the next one once the wait is over). A worker that
+        # went through its own shutdown (SIGTERMed by an operator, orphaned) did not fail to start.
+        if not served and child.slot.state != watchdog.STATE_EXITING:
             delay = self.backoff.failed(now)
             log.error("worker process [%s] died with exit code %s %s (%d failed starts in a row): starting another "
                       "in %.1f s (doubling each time, at most EXECAPP['RESTART_BACKOFF_MAX_SECONDS'] = %g s)",

@@ -157,6 +157,18 @@ async def test_a_worker_that_dies_at_every_start_is_restarted_with_a_growing_wai
     assert await asyncio.to_thread(server.stop, WAIT) == 0, "a SIGTERM during a backoff wait stops it at once"
 
 
+async def test_a_young_worker_stopped_with_sigterm_is_replaced_at_once_not_as_a_failed_start(start: Any) -> None:
+    """A worker that exits through its own shutdown (an operator's `kill -TERM <worker pid>`) a few
+    seconds after it started is no crash: no backoff, no ERROR about failed starts."""
+    server = await asyncio.to_thread(start)
+    (old,) = server.ready_pids()
+    os.kill(old, signal.SIGTERM)
+    assert await asyncio.to_thread(wait_until, lambda: server.ready_pids() - {old}, START_BOUND), server.log()
+    log = server.log()
+    assert f"worker process [{old}] died with exit code -15; starting another" in log, log
+    assert "failed starts in a row" not in log, log
+
+
 def test_a_streak_of_failed_starts_ends_only_when_a_worker_started_after_it_serves() -> None:
     backoff = RestartBackoff(cap=4.0)
     assert [backoff.failed(100.0 + i) for i in range(5)] == [0.5, 1.0, 2.0, 4.0, 4.0]
