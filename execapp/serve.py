@@ -317,7 +317,6 @@ class Supervisor:
             child.process.join()
             log.info("worker process [%s] exited (%s)", child.pid, child.process.exitcode)
 
-
     def _signal_children(self, sig: int) -> None:
         for child in self.children:
             if child.process.is_alive():
