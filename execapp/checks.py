@@ -387,6 +387,18 @@ def _watchdog_checks() -> list[checks.CheckMessage]:
             f"EXECAPP['RESTART_BACKOFF_MAX_SECONDS'] is {backoff!r}: once fixed, a worker that kept crashing at "
             "start may wait that long before it is tried again", hint="Use at most a few minutes (default "
             f"{conf.DEFAULTS['RESTART_BACKOFF_MAX_SECONDS']}).", id="execapp.W043"))
+    start = conf.get("WORKER_START_TIMEOUT_SECONDS")
+    if not isinstance(start, (int, float)) or isinstance(start, bool) or not 0 <= start < float("inf"):
+        errors.append(checks.Error(
+            f"EXECAPP['WORKER_START_TIMEOUT_SECONDS'] is {start!r}, it must be a finite number of seconds >= 0",
+            hint="Set it to 0 (never kill a worker that is still starting) or well above 30 (default "
+                 f"{conf.DEFAULTS['WORKER_START_TIMEOUT_SECONDS']}).", id="execapp.E046"))
+    elif 0 < start < 40:
+        errors.append(checks.Warning(
+            f"EXECAPP['WORKER_START_TIMEOUT_SECONDS'] is {start!r}: a worker waits up to 30 s for its services' "
+            "first round (plugins loading) before it listens, and its imports take seconds on a busy machine; "
+            "a healthy worker slow to start would be killed", hint="Use 40 or more (default "
+            f"{conf.DEFAULTS['WORKER_START_TIMEOUT_SECONDS']}).", id="execapp.W046"))
     unread = conf.get("DRAIN_UNREAD_CLIENT_SECONDS")
     grace = conf.get("SHUTDOWN_GRACE_SECONDS")
     if not isinstance(unread, (int, float)) or isinstance(unread, bool) or not 0 <= unread < float("inf"):

@@ -151,6 +151,10 @@ DEFAULTS: dict[str, Any] = {
     # The longest wait before the supervisor starts another worker after consecutive ones died
     # before serving (a crash loop, execapp/restart_backoff.py): 0.5 s, doubling, up to this. 0: none.
     "RESTART_BACKOFF_MAX_SECONDS": 30.0,
+    # A worker process not listening this long after its start (hung in its imports or in building
+    # its Worker) is killed and replaced; above execapp.server.STARTUP_READY_SECONDS (30 s), after
+    # which a worker whose services are slow to tick listens anyway. 0: never.
+    "WORKER_START_TIMEOUT_SECONDS": 90.0,
     # /healthz dependency checks (execapp/health.py): how long a probe waits for the database's
     # SELECT 1 (Redis PING), and how long one answer is reused (at most one check per interval).
     "HEALTH_CHECK_TIMEOUT_SECONDS": 1.0,

@@ -83,12 +83,13 @@ class Supervisor:
     ``watch_dir``: where the watchdog's slots and quarantine list live (a fresh temporary
     directory, removed at exit, when None). ``restart_backoff``: the longest wait before starting
     another worker after consecutive ones died before they served (RESTART_BACKOFF_MAX_SECONDS;
-    execapp.restart_backoff).
+    execapp.restart_backoff). ``start_timeout``: a worker not listening this long after its start
+    is killed and replaced (WORKER_START_TIMEOUT_SECONDS; 0: never).
     """
 
     def __init__(self, config: uvicorn.Config, grace: float | None, stop_timeout: float,
                  reuse_port: bool = False, stall_limit: float = 5.0, watch_dir: str | None = None,
-                 restart_backoff: float = 30.0) -> None:
+                 restart_backoff: float = 30.0, start_timeout: float = 90.0) -> None:
         self.config = config
         self.grace = grace
         self.stop_timeout = stop_timeout
@@ -100,6 +101,7 @@ class Supervisor:
         self.children: list[Child] = []
         self.exit_code = 0
         self.backoff = RestartBackoff(restart_backoff)
+        self.start_timeout = start_timeout
         self.slots: watchdog.SlotFile | None = None
         self._free: collections.deque[int] = collections.deque()
         #: Starts still owed to workers that died while an operator's drain held them: those start drained.
@@ -255,8 +257,36 @@ class Supervisor:
         if self._spawn(drained=drained) is not None and drained:
             self._drained_owed -= 1
 
+    def _watch_start(self, child: Child) -> None:
+        """Kill (and so replace, after the restart backoff) ``child`` if it has not listened within
+        ``start_timeout`` of its start: hung in its imports (no heartbeat yet, nothing else watches
+        it) or in building its Worker (a service factory, a database that never answers)."""
+        if (child.killed or child.ready_at is not None or self.start_timeout <= 0
+                or child.slot.state in (watchdog.STATE_READY, watchdog.STATE_RECYCLE, watchdog.STATE_DRAINING,
+                                        watchdog.STATE_EXITING)):
+            return
+        waited = time.monotonic() - child.started_at
+        if waited <= self.start_timeout:
+            return
+        child.killed = True
+        log.error("worker process [%s] did not listen within %g s of its start (EXECAPP['WORKER_START_TIMEOUT_SECONDS']"
+                  "; state %s, %s): killing it (its threads' stacks follow) and starting another", child.pid,
+                  self.start_timeout, watchdog.STATE_NAMES.get(child.slot.state, "?"),
+                  "its loop beats" if child.slot.heartbeat > 0 else "no heartbeat yet: stuck before its loop ran")
+        self._dump_and_kill(child)
+
+    def _dump_and_kill(self, child: Child) -> None:
+        """SIGUSR1 (faulthandler writes every thread's stack to the log), then SIGKILL."""
+        try:
+            os.kill(child.pid, signal.SIGUSR1)
+            time.sleep(STACK_DUMP_SECONDS)
+            child.process.kill()
+        except ProcessLookupError:
+            pass
+
     def _watch(self, child: Child) -> None:
         """Kill and replace ``child`` if its loop has not beaten for ``stall_limit`` seconds."""
+        self._watch_start(child)
         if child.killed or child.slot.state in (watchdog.STATE_EXITING, watchdog.STATE_EMPTY):
             return
         beat = child.slot.heartbeat
@@ -279,12 +309,7 @@ class Supervisor:
             log.error("worker process [%s]: event loop stalled for %.1f s (limit %g s) outside any inline handler "
                       "(server code, or a pooled handler holding the GIL: the threads' stacks follow); killing the "
                       "worker and starting another", child.pid, stalled, self.stall_limit)
-        try:
-            os.kill(child.pid, signal.SIGUSR1)
-            time.sleep(STACK_DUMP_SECONDS)
-            child.process.kill()
-        except ProcessLookupError:
-            pass
+        self._dump_and_kill(child)
 
     def _stop_all(self) -> None:
         # SIGTERM each worker: it drains (bounded by the grace), closes its connections with
@@ -421,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return Supervisor(config, args.grace, stop_timeout=grace + args.close_timeout + 10, reuse_port=reuse_port,
                       stall_limit=float(conf.get("LOOP_STALL_SECONDS")),
                       restart_backoff=float(conf.get("RESTART_BACKOFF_MAX_SECONDS")),
+                      start_timeout=float(conf.get("WORKER_START_TIMEOUT_SECONDS")),
                       watch_dir=os.environ.get(watchdog.ENV_DIR) or None).run()
 
 

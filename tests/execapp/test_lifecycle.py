@@ -27,7 +27,7 @@ from execapp import watchdog
 from execapp.restart_backoff import STABLE_SECONDS, RestartBackoff
 from tests.conftest import REDIS_TEST_URL, ServerProcess, manage, redis_test_prefix, require_service, wait_until
 from tests.execapp.test_dashboard import publisher_only  # noqa: F401 (a fixture)
-from tests.execapp.ws_handlers import CRASH_AT_START
+from tests.execapp.ws_handlers import CRASH_AT_START, HANG_AT_START
 
 pytestmark = pytest.mark.e2e
 
@@ -169,6 +169,21 @@ async def test_a_young_worker_stopped_with_sigterm_is_replaced_at_once_not_as_a_
     assert "failed starts in a row" not in log, log
 
 
+async def test_a_worker_that_hangs_at_every_start_is_killed_and_replaced(start: Any) -> None:
+    """A worker that hung while starting (a service factory that never returns, an import stuck on
+    the network) was never watched: no stall (its loop beats, or has not started), never listening,
+    counted as running for ever while nothing served."""
+    server = await asyncio.to_thread(start, env={HANG_AT_START: "1"}, wait=False,
+                                     settings={"WORKER_START_TIMEOUT_SECONDS": 2.0, "RESTART_BACKOFF_MAX_SECONDS": 0.5})
+    hung = re.compile(r"worker process \[(\d+)\] did not listen within 2 s of its start "
+                      r".*state starting, its loop beats")
+    assert await asyncio.to_thread(wait_until, lambda: len(hung.findall(server.log())) >= 2, 60), server.log()
+    first, second = hung.findall(server.log())[:2]
+    assert first != second, "each hung start is killed, then another is started"
+    assert "most recent call first" in server.log(), "its threads' stacks were dumped before the kill"
+    assert server.proc.poll() is None
+
+
 def test_a_streak_of_failed_starts_ends_only_when_a_worker_started_after_it_serves() -> None:
     backoff = RestartBackoff(cap=4.0)
     assert [backoff.failed(100.0 + i) for i in range(5)] == [0.5, 1.0, 2.0, 4.0, 4.0]
@@ -190,13 +205,16 @@ def test_checks_name_a_bad_restart_backoff_or_unread_client_wait(settings: Any) 
                              ("RESTART_BACKOFF_MAX_SECONDS", "5", "execapp.E043"),
                              ("RESTART_BACKOFF_MAX_SECONDS", 3600, "execapp.W043"),
                              ("DRAIN_UNREAD_CLIENT_SECONDS", -0.5, "execapp.E044"),
-                             ("DRAIN_UNREAD_CLIENT_SECONDS", 30, "execapp.W044")):
+                             ("DRAIN_UNREAD_CLIENT_SECONDS", 30, "execapp.W044"),
+                             ("WORKER_START_TIMEOUT_SECONDS", float("nan"), "execapp.E046"),
+                             ("WORKER_START_TIMEOUT_SECONDS", 5, "execapp.W046")):
         settings.EXECAPP = {key: value}
         found = {m.id: m for m in check_execapp_settings()}
         assert code in found and key in found[code].msg and found[code].hint, (key, value)
-    settings.EXECAPP = {"RESTART_BACKOFF_MAX_SECONDS": 0, "DRAIN_UNREAD_CLIENT_SECONDS": 0}
+    settings.EXECAPP = {"RESTART_BACKOFF_MAX_SECONDS": 0, "DRAIN_UNREAD_CLIENT_SECONDS": 0,
+                        "WORKER_START_TIMEOUT_SECONDS": 0}
     assert not {m.id for m in check_execapp_settings()} & {"execapp.E043", "execapp.W043", "execapp.E044",
-                                                           "execapp.W044"}
+                                                           "execapp.W044", "execapp.E046", "execapp.W046"}
 
 
 # -- a drained deployment loses a worker ----------------------------------------------------------
