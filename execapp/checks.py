@@ -361,7 +361,8 @@ def _inline_timeout_checks() -> list[checks.CheckMessage]:
 
 
 def _watchdog_checks() -> list[checks.CheckMessage]:
-    """The supervisor's watchdog settings: LOOP_STALL_SECONDS and STUCK_THREADS_LIMIT (docs/operations.md)."""
+    """The lifecycle settings: LOOP_STALL_SECONDS, STUCK_THREADS_LIMIT, RESTART_BACKOFF_MAX_SECONDS and
+    DRAIN_UNREAD_CLIENT_SECONDS (docs/operations.md)."""
     errors: list[checks.CheckMessage] = []
     stall = conf.get("LOOP_STALL_SECONDS")
     if not isinstance(stall, (int, float)) or isinstance(stall, bool) or stall <= 0:
@@ -391,6 +392,42 @@ def _watchdog_checks() -> list[checks.CheckMessage]:
             f"EXECAPP['STUCK_THREADS_LIMIT'] ({limit}) is above POOL_MAX_WORKERS ({conf.get('POOL_MAX_WORKERS')}): "
             "the pool fills with stuck threads before the worker is ever recycled", hint="Make it at most "
             "POOL_MAX_WORKERS (a quarter of it or less keeps the pool useful).", id="execapp.W042"))
+    backoff = conf.get("RESTART_BACKOFF_MAX_SECONDS")
+    if not isinstance(backoff, (int, float)) or isinstance(backoff, bool) or not 0 <= backoff < float("inf"):
+        errors.append(checks.Error(
+            f"EXECAPP['RESTART_BACKOFF_MAX_SECONDS'] is {backoff!r}, it must be a finite number of seconds >= 0",
+            hint=f"Set it to 0 (restart a crashing worker at once) or more (default "
+                 f"{conf.DEFAULTS['RESTART_BACKOFF_MAX_SECONDS']}).", id="execapp.E043"))
+    elif backoff > 300:
+        errors.append(checks.Warning(
+            f"EXECAPP['RESTART_BACKOFF_MAX_SECONDS'] is {backoff!r}: once fixed, a worker that kept crashing at "
+            "start may wait that long before it is tried again", hint="Use at most a few minutes (default "
+            f"{conf.DEFAULTS['RESTART_BACKOFF_MAX_SECONDS']}).", id="execapp.W043"))
+    start = conf.get("WORKER_START_TIMEOUT_SECONDS")
+    if not isinstance(start, (int, float)) or isinstance(start, bool) or not 0 <= start < float("inf"):
+        errors.append(checks.Error(
+            f"EXECAPP['WORKER_START_TIMEOUT_SECONDS'] is {start!r}, it must be a finite number of seconds >= 0",
+            hint="Set it to 0 (never kill a worker that is still starting) or well above 30 (default "
+                 f"{conf.DEFAULTS['WORKER_START_TIMEOUT_SECONDS']}).", id="execapp.E046"))
+    elif 0 < start < 40:
+        errors.append(checks.Warning(
+            f"EXECAPP['WORKER_START_TIMEOUT_SECONDS'] is {start!r}: a worker waits up to 30 s for its services' "
+            "first round (plugins loading) before it listens, and its imports take seconds on a busy machine; "
+            "a healthy worker slow to start would be killed", hint="Use 40 or more (default "
+            f"{conf.DEFAULTS['WORKER_START_TIMEOUT_SECONDS']}).", id="execapp.W046"))
+    unread = conf.get("DRAIN_UNREAD_CLIENT_SECONDS")
+    grace = conf.get("SHUTDOWN_GRACE_SECONDS")
+    if not isinstance(unread, (int, float)) or isinstance(unread, bool) or not 0 <= unread < float("inf"):
+        errors.append(checks.Error(
+            f"EXECAPP['DRAIN_UNREAD_CLIENT_SECONDS'] is {unread!r}, it must be a finite number of seconds >= 0",
+            hint="Set it to 0 (a drain waits for every done to be written) or more (default "
+                 f"{conf.DEFAULTS['DRAIN_UNREAD_CLIENT_SECONDS']}).", id="execapp.E044"))
+    elif unread > 0 and isinstance(grace, (int, float)) and unread >= grace:
+        errors.append(checks.Warning(
+            f"EXECAPP['DRAIN_UNREAD_CLIENT_SECONDS'] ({unread!r}) is not below SHUTDOWN_GRACE_SECONDS ({grace!r}): "
+            "one client that stops reading holds every SIGTERM drain of its worker for the whole grace",
+            hint="Make it a few seconds (default "
+                 f"{conf.DEFAULTS['DRAIN_UNREAD_CLIENT_SECONDS']}).", id="execapp.W044"))
     return errors
 
 

@@ -157,12 +157,22 @@ DEFAULTS: dict[str, Any] = {
     # Draining and shutdown.
     "DRAIN_TIMEOUT_SECONDS": 25.0,
     "SHUTDOWN_GRACE_SECONDS": 25.0,
+    # A drain stops waiting for `done` frames queued for clients that have read nothing for this
+    # long, once every handler is over (execapp/drain.py, UnreadClients). 0: wait for every one.
+    "DRAIN_UNREAD_CLIENT_SECONDS": 5.0,
     # The execapp.serve supervisor's watchdog (execapp/watchdog.py, docs/operations.md): a worker
     # whose event loop has not beaten for this long is killed and replaced, and the matcher it
     # was running inline is quarantined on every worker. Far above any legitimate loop pause.
     "LOOP_STALL_SECONDS": 5.0,
     # Pool threads stuck past their deadline at which a worker is drained and replaced.
     "STUCK_THREADS_LIMIT": 8,
+    # The longest wait before the supervisor starts another worker after consecutive ones died
+    # before serving (a crash loop, execapp/restart_backoff.py): 0.5 s, doubling, up to this. 0: none.
+    "RESTART_BACKOFF_MAX_SECONDS": 30.0,
+    # A worker process not listening this long after its start (hung in its imports or in building
+    # its Worker) is killed and replaced; above execapp.server.STARTUP_READY_SECONDS (30 s), after
+    # which a worker whose services are slow to tick listens anyway. 0: never.
+    "WORKER_START_TIMEOUT_SECONDS": 90.0,
     # /healthz dependency checks (execapp/health.py): how long a probe waits for the database's
     # SELECT 1 (Redis PING), and how long one answer is reused (at most one check per interval).
     "HEALTH_CHECK_TIMEOUT_SECONDS": 1.0,

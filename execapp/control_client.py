@@ -21,10 +21,12 @@ from .control import (
     new_layer,
     require_shared_layer,
 )
-from .control_registry import Registry, default_registry
+from .control_registry import Registry, default_registry, process_gone
 
 #: Extra time a command waits past a drain's own timeout for the answers to travel.
 ANSWER_MARGIN_SECONDS = 3.0
+#: How often a command waiting for answers looks whether a silent worker's process died meanwhile.
+GONE_CHECK_SECONDS = 0.5
 
 
 @dataclass
@@ -34,6 +36,10 @@ class ControlResult:
     op: str
     answers: dict[str, dict[str, Any]] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
+    #: Registered workers whose process no longer exists (killed, crashed): not asked, not waited for.
+    gone: dict[str, int] = field(default_factory=dict)
+    #: Expected workers whose process died while they were asked (killed mid-drain): no answer will come.
+    died: dict[str, int] = field(default_factory=dict)
     expected: list[str] | None = None
     waited_seconds: float = 0.0
 
@@ -50,35 +56,61 @@ async def request(op: str, *, layer: Any, registry: Registry | None = None, work
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
     expected: set[str] | None = None
+    gone: dict[str, int] = {}
+    live: dict[str, dict[str, Any]] = {}
     if registry is not None:
         live = await asyncio.to_thread(registry.live)
+        # A worker killed a moment ago still looks live for LIVE_SECONDS: on this machine its
+        # missing process says so, and nobody waits for it to answer (a drain right after a
+        # SIGKILL said "did not answer" and failed, after waiting its whole timeout).
+        gone = {wid: info["pid"] for wid, info in live.items() if process_gone(info)}
+        if worker is not None and worker in gone:
+            raise UnknownWorker(f"worker {worker!r} is gone: its process {gone[worker]} no longer exists; live "
+                                f"workers: {', '.join(sorted(set(live) - set(gone))) or 'none'} (run `manage.py "
+                                "execstatus`)")
         if worker is not None and worker not in live:
             raise UnknownWorker(f"no live worker {worker!r}; live workers: {', '.join(sorted(live)) or 'none'} "
                                 "(run `manage.py execstatus`)")
-        expected = {worker} if worker is not None else set(live)
+        expected = {worker} if worker is not None else set(live) - set(gone)
     elif worker is not None:
         expected = {worker}
     if wait is None:
         wait = (timeout or 0.0) + ANSWER_MARGIN_SECONDS if op == "drain" else ANSWER_MARGIN_SECONDS
     if expected is not None and not expected:  # nobody is registered: give stragglers the margin only
         wait = min(wait, ANSWER_MARGIN_SECONDS)
-    result = ControlResult(op, expected=sorted(expected) if expected is not None else None)
+    result = ControlResult(op, expected=sorted(expected) if expected is not None else None, gone=gone)
     started = time.monotonic()
     deadline = started + wait
     reply_to = await layer.new_channel()
     rid = uuid.uuid4().hex
     await layer.group_send(CONTROL_GROUP, {"type": REQUEST, "op": op, "request": rid,
                                            "reply_to": reply_to, "worker": worker, "timeout": timeout})
-    while not (expected and expected <= set(result.answers)):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        try:
-            message = await asyncio.wait_for(layer.receive(reply_to), remaining)
-        except asyncio.TimeoutError:
-            break
-        if message.get("type") == ANSWER and message.get("request") == rid:
-            result.answers[message["worker"]] = message.get("result") or {}
+    receiving: asyncio.Future[dict[str, Any]] | None = None
+    try:
+        while not (expected and expected <= set(result.answers)):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            if receiving is None:
+                receiving = asyncio.ensure_future(layer.receive(reply_to))
+            # One receive, never cancelled between checks: every GONE_CHECK_SECONDS the silent
+            # workers' processes are looked at, so one killed while it drains ends the wait for it.
+            await asyncio.wait((receiving,), timeout=min(remaining, GONE_CHECK_SECONDS))
+            if not receiving.done():
+                if expected:
+                    for wid in sorted(expected - set(result.answers)):
+                        if process_gone(live.get(wid) or {}):
+                            result.died[wid] = int(live[wid]["pid"])
+                            expected.discard(wid)
+                    if not expected - set(result.answers):
+                        break
+                continue
+            message, receiving = receiving.result(), None
+            if message.get("type") == ANSWER and message.get("request") == rid:
+                result.answers[message["worker"]] = message.get("result") or {}
+    finally:
+        if receiving is not None:
+            receiving.cancel()
     result.missing = sorted((expected or set()) - set(result.answers))
     result.waited_seconds = round(time.monotonic() - started, 3)
     return result

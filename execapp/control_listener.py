@@ -11,8 +11,8 @@ from typing import Any
 
 from . import conf
 from .control import ANSWER, CONTROL_GROUP, OPS, REQUEST
-from .control_registry import Registry
-from .drain import drain_worker, undrain_worker
+from .control_registry import Registry, process_namespace
+from .drain import drain_worker, hold_drained, undrain_worker
 from .engine.ratelog import RateLimitedLog
 from .layer_watch import REFRESH_SECONDS, LayerWatch
 from .seams import WorkerLike
@@ -25,6 +25,8 @@ _rare = RateLimitedLog(log, 60.0)
 #: How often a worker checks its control membership (then beats the registry): at most this, and
 #: at most EXECAPP['LAYER_CHECK_SECONDS'].
 HEARTBEAT_SECONDS = 1.0
+#: This process's pid namespace: a command on the same machine tells a dead worker from a silent one.
+_PIDNS = process_namespace()
 #: A receive that keeps failing while the layer answers backs off from the first to the second.
 _RECEIVE_BACKOFF_SECONDS = (0.05, 1.0)
 
@@ -40,6 +42,7 @@ async def handle(worker: WorkerLike, message: dict[str, Any]) -> dict[str, Any] 
     if op == "drain":
         timeout = message.get("timeout")
         timeout = float(conf.get("DRAIN_TIMEOUT_SECONDS") if timeout is None else timeout)
+        hold_drained(worker, True)  # a replacement of this worker starts drained too (until undrain)
         return await asyncio.to_thread(drain_worker, worker, timeout)
     if op == "undrain":
         return await asyncio.to_thread(undrain_worker, worker)
@@ -71,7 +74,7 @@ class ControlListener:
 
     def info(self) -> dict[str, Any]:
         """What a command learns about this worker before it answers."""
-        return {"pid": os.getpid(), "host": socket.gethostname(), "channel": self.channel,
+        return {"pid": os.getpid(), "host": socket.gethostname(), "pidns": _PIDNS, "channel": self.channel,
                 "started_at": getattr(self.worker, "started_at", None)}
 
     async def serve(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from typing import Any, Protocol, cast
@@ -14,6 +15,34 @@ REGISTRY_KEY = "execapp:control:workers"
 REGISTRY_INFO_KEY = "execapp:control:info"
 #: A worker whose last beat is older than this is not expected to answer (crashed or gone).
 LIVE_SECONDS = 5.0
+
+
+def process_namespace() -> str:
+    """This kernel's boot and this process's pid namespace ('' where unknown: not Linux): two processes
+    with the same one see the same pids, so one can tell that the other's process is gone."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def process_gone(info: dict[str, Any]) -> bool:
+    """True when a registered worker's process provably no longer exists: it beat from this process's
+    pid namespace (``info["pidns"]``) and its pid is gone or a zombie (SIGKILLed, not yet reaped).
+    Anything unsure (another host or container, no namespace, a reused pid) is False: still expected."""
+    pid, ns = info.get("pid"), info.get("pidns")
+    if not ns or not isinstance(pid, int) or pid <= 0 or ns != process_namespace():
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[:1]
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return state == ["Z"]
 
 
 class Registry(Protocol):

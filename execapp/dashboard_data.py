@@ -12,6 +12,7 @@ from typing import Any
 
 from . import conf
 from .codes import REFUSAL_CODES
+from .control_registry import process_gone
 from .engine.engine import COUNTERS as ENGINE_COUNTERS
 from .engine.profile import COUNTERS as PROFILE_COUNTERS
 from .snapshots import (
@@ -186,6 +187,10 @@ def collect(refresh: bool = True) -> dict[str, Any]:
                 except Exception:  # Redis went away since the load: the next read drops it
                     log.debug("dropping %s failed", snap.get("worker"), exc_info=True)
             continue
+        if not snap.get("stopped") and process_gone(snap):
+            # Killed (a SIGKILL, the watchdog, a crash) on this machine: its last snapshot showed it
+            # serving, and for WORKER_STALE_SECONDS it counted in the totals. Out of them at once.
+            snap["stopped"] = snap["gone"] = True
         snap["age"] = age
         snap["stale"] = age > stale_after
         snap["series"] = series

@@ -11,7 +11,9 @@ import logging
 import time
 from typing import Any, Callable
 
+from . import conf
 from .engine.engine import running_handlers
+from .outbox import TerminalFrames
 from .seams import WorkerLike
 
 log = logging.getLogger("execapp.drain")
@@ -20,13 +22,36 @@ log = logging.getLogger("execapp.drain")
 POLL_SECONDS = 0.005
 
 
+class UnreadClients:
+    """Whether every event still in flight only waits for a client that reads nothing: its handlers
+    are over and its `done` is queued (``TerminalFrames.pending``), and no outbox has written
+    anything for ``limit`` seconds (EXECAPP['DRAIN_UNREAD_CLIENT_SECONDS']; 0: never)."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self._writes = -1
+        self._since = 0.0
+
+    def only_unread(self, in_flight: int, now: float) -> bool:
+        if self.limit <= 0 or in_flight <= 0 or TerminalFrames.pending < in_flight:
+            self._writes = -1  # a handler still runs (or its done is not queued yet): wait for it
+            return False
+        if TerminalFrames.writes != self._writes:  # a client read something since: it may read the rest
+            self._writes, self._since = TerminalFrames.writes, now
+            return False
+        return now - self._since >= self.limit
+
+
 def drain_worker(worker: WorkerLike, timeout: float, *, flush: bool = True,
                  abort: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Drain ``worker`` within ``timeout`` seconds and return the report sent to the operator.
 
     1. ``set_draining(True)``: consumers refuse new events with code ``draining``;
     2. wait until every admitted event has sent its `done` (its inline and pooled handlers,
-       queued ones included, have all finished by then);
+       queued ones included, have all finished by then), or has only its `done` left to send to
+       a client that has read nothing for DRAIN_UNREAD_CLIENT_SECONDS (``dones_unread`` in the
+       report; the frame stays queued for it: a client that stops reading cannot hold a drain
+       for its whole timeout, nor make it report running events that are over);
     3. drain the pool (closes it, so nothing else starts; ``undrain`` reopens it), not waiting
        for threads stuck past their deadline (their events were answered with `timeout`);
     4. flush the worker's services that can (persisted execution profiles).
@@ -43,9 +68,14 @@ def drain_worker(worker: WorkerLike, timeout: float, *, flush: bool = True,
     def stop_waiting() -> bool:
         return time.monotonic() >= deadline or (abort is not None and abort())
 
+    unread = UnreadClients(float(conf.get("DRAIN_UNREAD_CLIENT_SECONDS")))
+    dones_unread = 0
     while worker.events_in_flight > 0 and not stop_waiting():
+        if unread.only_unread(worker.events_in_flight, time.monotonic()):
+            dones_unread = max(0, worker.events_in_flight)
+            break
         time.sleep(POLL_SECONDS)
-    events_done = worker.events_in_flight <= 0
+    events_done = worker.events_in_flight <= 0 or dones_unread > 0
     ok = False
     reason = ""
     if not events_done:
@@ -68,6 +98,8 @@ def drain_worker(worker: WorkerLike, timeout: float, *, flush: bool = True,
                      "tasks": pool.completed + pool.failed - tasks_before},
         "still_running": still_running,
         "events_in_flight": max(0, worker.events_in_flight),
+        # Events whose handlers are over and whose `done` waits, queued, for a client that reads nothing.
+        "dones_unread": dones_unread,
         "tasks_queued": pool.stats()["queued"],
         # Pool threads still running past their deadline: their events already ended with
         # `timeout`, so the drain does not wait for them (execapp.watchdog_service recycles such workers).
@@ -96,9 +128,21 @@ def drain_pool(pool: Any, timeout: float) -> bool:
             return False
 
 
+def hold_drained(worker: WorkerLike, drained: bool) -> None:
+    """Note in the worker's watchdog slot that an operator's drain holds it (``manage.py drain``;
+    ``undrain`` lets go), so a process the supervisor starts in its place (after a crash, a SIGKILL,
+    a watchdog kill, a recycle) starts drained too: a drained deployment stays drained until
+    ``undrain``. A SIGTERM drain is not held: it ends in the worker's exit, and the operator who
+    stops one worker wants its replacement to serve."""
+    watch = getattr(worker, "watch", None)
+    if watch is not None:
+        watch.slot.drained = int(drained)
+
+
 def undrain_worker(worker: WorkerLike) -> dict[str, Any]:
     """Take new events again: reopen the pool, then admit events (the reverse of a drain)."""
     was_draining = worker.draining
+    hold_drained(worker, False)
     worker.pool.resume()
     worker.set_draining(False)
     log.info("undrain of %s (was draining: %s)", worker.id, was_draining)

@@ -38,6 +38,16 @@ log = logging.getLogger("execapp.connection")
 _rare = RateLimitedLog(log, 60.0)
 
 
+class TerminalFrames:
+    """This process's event-ending frames (an item pushed with ``after``: a `done`, a replay's last
+    frame) queued and not yet written, and how many items all outboxes have written: a drain
+    (execapp.drain) tells events still running from events whose `done` only waits for a client
+    that reads nothing. Loop thread only; plain ints, read from the drain's thread."""
+
+    pending = 0
+    writes = 0
+
+
 @dataclass(frozen=True)
 class OutboxLimits:
     """How much one connection's outbox may hold before session frames are dropped (0: no limit)."""
@@ -124,6 +134,8 @@ class Outbox:
             return
         self.frames += 1
         self.bytes += size
+        if after is not None:
+            TerminalFrames.pending += 1
         budget = self.budget
         if budget is not None:
             budget.bytes += size
@@ -287,12 +299,14 @@ class Outbox:
                 log.debug("%s: write failed, item dropped: %r", self._name, error)
         self.frames -= 1
         self.bytes -= size
+        TerminalFrames.writes += 1
         budget = self.budget
         if budget is not None:
             budget.bytes -= size
             if budget.waiting:  # the owner's held connections, lagging members
                 budget.drained()
         if after is not None:
+            TerminalFrames.pending -= 1
             after()
         if self._closed:
             return
@@ -350,6 +364,7 @@ class Outbox:
             self.bytes -= size
             dropped += size
             if after is not None:
+                TerminalFrames.pending -= 1
                 after()
         while self._items:
             _, after, size = self._items.popleft()
@@ -357,6 +372,7 @@ class Outbox:
             self.bytes -= size
             dropped += size
             if after is not None:
+                TerminalFrames.pending -= 1
                 after()
         for fut in (self._room, self._held):
             if fut is not None and not fut.done():

@@ -38,6 +38,7 @@ from uvicorn._subprocess import get_subprocess
 from uvicorn.config import STARTUP_FAILURE
 
 from . import handshake, logjson, watchdog
+from .restart_backoff import RestartBackoff
 from .server import reuse_port_socket, run_worker_process
 from .watchdog_quarantine import append_quarantine
 from .ws_flow import BackpressuredWebSocketProtocol
@@ -65,6 +66,8 @@ class Child:
     replaces: "Child | None" = None
     retiring: bool = False  # SIGTERMed by the supervisor once its replacement listened
     killed: bool = False  # SIGKILLed by the watchdog
+    started_at: float = 0.0  # time.monotonic() of its start
+    ready_at: float | None = None  # when the supervisor first saw it listening
 
     @property
     def pid(self) -> int:
@@ -78,11 +81,15 @@ class Supervisor:
     connections). Otherwise the workers share one socket bound here. ``stall_limit``: seconds
     without a heartbeat after which a worker is killed and replaced (LOOP_STALL_SECONDS).
     ``watch_dir``: where the watchdog's slots and quarantine list live (a fresh temporary
-    directory, removed at exit, when None).
+    directory, removed at exit, when None). ``restart_backoff``: the longest wait before starting
+    another worker after consecutive ones died before they served (RESTART_BACKOFF_MAX_SECONDS;
+    execapp.restart_backoff). ``start_timeout``: a worker not listening this long after its start
+    is killed and replaced (WORKER_START_TIMEOUT_SECONDS; 0: never).
     """
 
     def __init__(self, config: uvicorn.Config, grace: float | None, stop_timeout: float,
-                 reuse_port: bool = False, stall_limit: float = 5.0, watch_dir: str | None = None) -> None:
+                 reuse_port: bool = False, stall_limit: float = 5.0, watch_dir: str | None = None,
+                 restart_backoff: float = 30.0, start_timeout: float = 90.0) -> None:
         self.config = config
         self.grace = grace
         self.stop_timeout = stop_timeout
@@ -93,15 +100,19 @@ class Supervisor:
         self.signals: list[int] = []
         self.children: list[Child] = []
         self.exit_code = 0
+        self.backoff = RestartBackoff(restart_backoff)
+        self.start_timeout = start_timeout
         self.slots: watchdog.SlotFile | None = None
         self._free: collections.deque[int] = collections.deque()
+        #: Starts still owed to workers that died while an operator's drain held them: those start drained.
+        self._drained_owed = 0
         self._sock: socket.socket | None = None
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         self.signals.append(sig)
         self.should_exit.set()
 
-    def _spawn(self, replaces: Child | None = None) -> Child | None:
+    def _spawn(self, replaces: Child | None = None, drained: bool = False) -> Child | None:
         assert self.slots is not None and self._sock is not None and self.watch_dir is not None  # run() set them
         if not self._free:
             log.error("no free watchdog slot for a new worker process (%d in use); retrying", self.slots.count)
@@ -110,13 +121,14 @@ class Supervisor:
         # mark, for a post-mortem) is reused as late as possible.
         slot = self.slots.slot(self._free.popleft())
         slot.clear()
+        slot.drained = int(drained)  # the worker drains before it listens (execapp.drain.hold_drained)
         target = functools.partial(run_worker_process, self.config, self.grace, self.reuse_port, self.watch_dir,
                                    slot.index)
         process = get_subprocess(self.config, target, [] if self.reuse_port else [self._sock])
         process.start()
         assert process.pid is not None  # a started process has one
         slot.pid = process.pid
-        child = Child(process, slot, replaces=replaces)
+        child = Child(process, slot, replaces=replaces, started_at=time.monotonic())
         self.children.append(child)
         log.info("started worker process [%s] (watchdog slot %d)", process.pid, slot.index)
         return child
@@ -162,20 +174,28 @@ class Supervisor:
 
     def _tick(self) -> None:
         """One round of supervision: reap exits, catch stalls, run recycles."""
+        now = time.monotonic()
         missing = self.config.workers - sum(1 for c in self.children if c.replaces is None)
-        for _ in range(max(0, missing)):  # a spawn that found no free slot last round
-            self._spawn()
+        if missing > 0 and self.backoff.may_start(now):  # a death (after its backoff), or no free slot last round
+            for _ in range(missing):
+                owed = self._drained_owed > 0
+                if self._spawn(drained=owed) is not None and owed:
+                    self._drained_owed -= 1
         for child in list(self.children):
             if not child.process.is_alive():
                 self._reap(child)
                 continue
+            if child.ready_at is None and child.slot.state in (watchdog.STATE_READY, watchdog.STATE_RECYCLE):
+                child.ready_at = now
+            self.backoff.served(child.started_at, child.ready_at, now)  # ends a streak of failed starts
             self._watch(child)
             if self.should_exit.is_set():
                 return
-            if child.slot.state == watchdog.STATE_RECYCLE and child.replacement is None and not child.retiring:
+            if (child.slot.state == watchdog.STATE_RECYCLE and child.replacement is None and not child.retiring
+                    and self.backoff.may_start(now)):
                 log.warning("worker process [%s] asks to be recycled (%d pool threads stuck past their deadline): "
                             "starting its replacement", child.pid, child.slot.stuck)
-                child.replacement = self._spawn(replaces=child)
+                child.replacement = self._spawn(replaces=child, drained=bool(child.slot.drained))
             new = child.replacement
             if new is not None and not child.retiring and new.slot.state == watchdog.STATE_READY:
                 log.warning("worker process [%s] listens: draining worker process [%s] (SIGTERM)", new.pid,
@@ -202,8 +222,16 @@ class Supervisor:
             if child.replacement is not None:
                 child.replacement.replaces = None
             return
+        now = time.monotonic()
+        served = self.backoff.served(child.started_at, child.ready_at, now)
+        # Held drained by an operator and gone without its own shutdown (a crash, a SIGKILL, the
+        # watchdog): whatever takes its place starts drained. A SIGTERMed worker exits cleanly and
+        # its replacement serves (the operator restarted it).
+        drained = bool(child.slot.drained) and child.slot.state != watchdog.STATE_EXITING
         if child.replaces is not None:  # a replacement died before taking over: the original serves on
-            log.warning("replacement worker process [%s] died with exit code %s before it listened", child.pid, code)
+            delay = self.backoff.failed(now)
+            log.warning("replacement worker process [%s] died with exit code %s before it listened (%d failed "
+                        "starts in a row): the next try in %.1f s", child.pid, code, self.backoff.failures, delay)
             child.replaces.replacement = None
             return
         if child.replacement is not None:  # it died while its replacement starts: that one takes over
@@ -211,12 +239,54 @@ class Supervisor:
                         code, child.replacement.pid)
             child.replacement.replaces = None
             return
+        if drained:
+            log.warning("worker process [%s] was drained (manage.py drain) when it died: its replacement starts "
+                        "drained (manage.py undrain resumes it)", child.pid)
+            self._drained_owed += 1
+        # A crash loop: back off (_tick starts the next one once the wait is over). A worker that
+        # went through its own shutdown (SIGTERMed by an operator, orphaned) did not fail to start.
+        if not served and child.slot.state != watchdog.STATE_EXITING:
+            delay = self.backoff.failed(now)
+            log.error("worker process [%s] died with exit code %s %s (%d failed starts in a row): starting another "
+                      "in %.1f s (doubling each time, at most EXECAPP['RESTART_BACKOFF_MAX_SECONDS'] = %g s)",
+                      child.pid, code, "before it listened" if child.ready_at is None else
+                      "soon after it listened", self.backoff.failures, delay, self.backoff.cap)
+            return
         if not child.killed:
             log.warning("worker process [%s] died with exit code %s; starting another", child.pid, code)
-        self._spawn()
+        if self._spawn(drained=drained) is not None and drained:
+            self._drained_owed -= 1
+
+    def _watch_start(self, child: Child) -> None:
+        """Kill (and so replace, after the restart backoff) ``child`` if it has not listened within
+        ``start_timeout`` of its start: hung in its imports (no heartbeat yet, nothing else watches
+        it) or in building its Worker (a service factory, a database that never answers)."""
+        if (child.killed or child.ready_at is not None or self.start_timeout <= 0
+                or child.slot.state in (watchdog.STATE_READY, watchdog.STATE_RECYCLE, watchdog.STATE_DRAINING,
+                                        watchdog.STATE_EXITING)):
+            return
+        waited = time.monotonic() - child.started_at
+        if waited <= self.start_timeout:
+            return
+        child.killed = True
+        log.error("worker process [%s] did not listen within %g s of its start (EXECAPP['WORKER_START_TIMEOUT_SECONDS']"
+                  "; state %s, %s): killing it (its threads' stacks follow) and starting another", child.pid,
+                  self.start_timeout, watchdog.STATE_NAMES.get(child.slot.state, "?"),
+                  "its loop beats" if child.slot.heartbeat > 0 else "no heartbeat yet: stuck before its loop ran")
+        self._dump_and_kill(child)
+
+    def _dump_and_kill(self, child: Child) -> None:
+        """SIGUSR1 (faulthandler writes every thread's stack to the log), then SIGKILL."""
+        try:
+            os.kill(child.pid, signal.SIGUSR1)
+            time.sleep(STACK_DUMP_SECONDS)
+            child.process.kill()
+        except ProcessLookupError:
+            pass
 
     def _watch(self, child: Child) -> None:
         """Kill and replace ``child`` if its loop has not beaten for ``stall_limit`` seconds."""
+        self._watch_start(child)
         if child.killed or child.slot.state in (watchdog.STATE_EXITING, watchdog.STATE_EMPTY):
             return
         beat = child.slot.heartbeat
@@ -239,12 +309,7 @@ class Supervisor:
             log.error("worker process [%s]: event loop stalled for %.1f s (limit %g s) outside any inline handler "
                       "(server code, or a pooled handler holding the GIL: the threads' stacks follow); killing the "
                       "worker and starting another", child.pid, stalled, self.stall_limit)
-        try:
-            os.kill(child.pid, signal.SIGUSR1)
-            time.sleep(STACK_DUMP_SECONDS)
-            child.process.kill()
-        except ProcessLookupError:
-            pass
+        self._dump_and_kill(child)
 
     def _stop_all(self) -> None:
         # SIGTERM each worker: it drains (bounded by the grace), closes its connections with
@@ -254,11 +319,17 @@ class Supervisor:
         assert self.slots is not None
         self.slots.flags = self.slots.flags | watchdog.FLAG_STOPPING
         forced = len(self.signals) > 1
-        for child in self.children:
-            if child.process.is_alive():
-                os.kill(child.pid, signal.SIGINT if forced else signal.SIGTERM)
+        self._signal_children(signal.SIGINT if forced else signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout
         while time.monotonic() < deadline and any(c.process.is_alive() for c in self.children):
+            if not forced and len(self.signals) > 1:
+                # A second signal while the workers drain (an impatient operator, `kill -INT` twice,
+                # an orchestrator's second stop): force them, as a second Ctrl+C does in uvicorn. A
+                # terminal's Ctrl+C reaches the workers by itself; a signal sent to this pid does not.
+                forced = True
+                log.warning("second signal (%s) while the workers drain: forcing them to exit now (events in "
+                            "flight get no done)", signal.Signals(self.signals[-1]).name)
+                self._signal_children(signal.SIGINT)
             for child in self.children:
                 if child.process.is_alive():
                     self._watch(child)  # a drain that stalls its loop is a stall too
@@ -270,6 +341,14 @@ class Supervisor:
                 child.process.kill()
             child.process.join()
             log.info("worker process [%s] exited (%s)", child.pid, child.process.exitcode)
+
+    def _signal_children(self, sig: int) -> None:
+        for child in self.children:
+            if child.process.is_alive():
+                try:
+                    os.kill(child.pid, sig)
+                except ProcessLookupError:  # exited since is_alive(): nothing to stop
+                    pass
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -366,6 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     reuse_port = hasattr(socket, "SO_REUSEPORT") and not args.shared_socket
     return Supervisor(config, args.grace, stop_timeout=grace + args.close_timeout + 10, reuse_port=reuse_port,
                       stall_limit=float(conf.get("LOOP_STALL_SECONDS")),
+                      restart_backoff=float(conf.get("RESTART_BACKOFF_MAX_SECONDS")),
+                      start_timeout=float(conf.get("WORKER_START_TIMEOUT_SECONDS")),
                       watch_dir=os.environ.get(watchdog.ENV_DIR) or None).run()
 
 

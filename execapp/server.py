@@ -75,7 +75,7 @@ class ExecServer(uvicorn.Server):
         if self.watch is not None:
             # First of all: from here on the supervisor sees this loop beat (or stall).
             self.watch.slot.state = watchdog.STATE_STARTING
-            self._heartbeat = self.watch.start_heartbeat()
+            self._heartbeat = self.watch.start_heartbeat(orphaned=self._orphaned)
         self.config.loaded_app = DrainGate(self.config.loaded_app, self)
         # Built off the loop (its services may touch the database) and before the socket
         # listens, so the control listener is up and the plugins' matchers are installed (the
@@ -86,9 +86,27 @@ class ExecServer(uvicorn.Server):
         if not await asyncio.to_thread(self.worker.ready.wait, STARTUP_READY_SECONDS):
             log.warning("worker %s: services not ready after %d s; serving anyway", self.worker.id,
                         STARTUP_READY_SECONDS)
+        if self.watch is not None and self.watch.slot.drained:
+            await self._start_drained()
         await super().startup(sockets)
         if self.watch is not None and self.started and not self.should_exit:
             self.watch.slot.state = watchdog.STATE_READY  # listening: the supervisor may retire a predecessor
+
+    def _orphaned(self) -> None:
+        """The supervisor is gone (its parent changed): drain and exit, as on SIGTERM."""
+        log.error("worker process [%s]: its supervisor is gone (killed?): draining and exiting, since no watchdog "
+                  "would watch or replace this worker and a new supervisor would serve beside it", os.getpid())
+        self.handle_exit(signal.SIGTERM, None)
+
+    async def _start_drained(self) -> None:
+        """The supervisor started this worker in place of one an operator had drained: drain before
+        listening, so no event is accepted until ``manage.py undrain`` (execapp.drain.hold_drained)."""
+        from .drain import drain_worker
+
+        assert self.worker is not None
+        await asyncio.to_thread(drain_worker, self.worker, 0.0, flush=False)
+        log.warning("worker %s starts drained: the worker it replaces was drained (manage.py drain) when it died; "
+                    "it refuses events with `draining` until `manage.py undrain`", self.worker.id)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # 1. New clients. If sibling workers serve (a recycle, or one worker stopped alone), close
@@ -116,9 +134,12 @@ class ExecServer(uvicorn.Server):
             self.drain_report = await asyncio.to_thread(drain_worker, self.worker, grace,
                                                         abort=lambda: self.force_exit)
             if self.drain_report["ok"]:
-                log.info("worker %s drained: %s events, %s tasks in %.2f s", self.worker.id,
+                log.info("worker %s drained: %s events, %s tasks in %.2f s%s", self.worker.id,
                          self.drain_report["finished"]["events"], self.drain_report["finished"]["tasks"],
-                         self.drain_report["elapsed_seconds"])
+                         self.drain_report["elapsed_seconds"],
+                         f"; {self.drain_report['dones_unread']} done frames were not read by their clients "
+                         "(handlers over; the frames are dropped with the connections)"
+                         if self.drain_report.get("dones_unread") else "")
             else:
                 log.error("worker %s NOT drained (%s) after %.2f s; still running: %s; %s events without done",
                           self.worker.id, self.drain_report["reason"], self.drain_report["elapsed_seconds"],

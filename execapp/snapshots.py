@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 
 from . import conf, extensions, history
 from .codes import REFUSAL_CODES
+from .control_registry import process_namespace
 from .engine.engine import COUNTERS as ENGINE_COUNTERS
 from .engine.ratelog import RateLimitedLog
 from .outbox import SessionFrameTotals
@@ -233,6 +234,7 @@ class SnapshotPublisher:
         self.store = store or backend()
         self.interval = interval if interval is not None else conf.get("SNAPSHOT_SECONDS")
         self.host = socket.gethostname()
+        self.pidns = process_namespace()  # a dashboard on this machine sees at once that the process is gone
         self._lock = threading.Lock()  # the housekeeper and dashboard refreshes both publish
         self._delays: collections.deque = collections.deque(maxlen=100_000)
         self._runs: collections.deque = collections.deque(maxlen=100_000)
@@ -281,6 +283,7 @@ class SnapshotPublisher:
         snap = {
             **status,
             "host": self.host,
+            "pidns": self.pidns,
             "ts": now,
             "stopped": self.stopped,
             "pool": pool,

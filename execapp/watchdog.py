@@ -21,6 +21,8 @@ offset bytes   written by the worker (the pid also by the supervisor, before the
 72     8       pid
 80     8       state (``STATE_*``)
 88     8       pool threads stuck past their deadline now
+96     8       drained: 1 while an operator's drain holds this worker (``manage.py drain``, until
+               ``undrain``); the supervisor starts whatever replaces it drained too
 ====== ======= =================================================================================
 
 A 64-byte header holds the supervisor's flags (``FLAG_STOPPING`` while it stops every worker).
@@ -51,8 +53,8 @@ FRESH_SECONDS = 1.0
 
 _FLAGS = struct.Struct("=q")  # header offset 8
 _BEAT = struct.Struct("=d")  # slot offset 64
-_INT = struct.Struct("=q")  # pid 72, state 80, stuck 88
-_OFF_BEAT, _OFF_PID, _OFF_STATE, _OFF_STUCK = 64, 72, 80, 88
+_INT = struct.Struct("=q")  # pid 72, state 80, stuck 88, drained 96
+_OFF_BEAT, _OFF_PID, _OFF_STATE, _OFF_STUCK, _OFF_DRAINED = 64, 72, 80, 88, 96
 
 FLAG_STOPPING = 1
 
@@ -164,6 +166,7 @@ class Slot:
     pid = _SlotInt(_OFF_PID)
     state = _SlotInt(_OFF_STATE)  # STATE_*
     stuck = _SlotInt(_OFF_STUCK)  # pool threads stuck past their deadline now
+    drained = _SlotInt(_OFF_DRAINED)  # 1 while an operator's drain holds the worker (inherited by its replacement)
 
     def __init__(self, mm: mmap.mmap, offset: int, index: int) -> None:
         self.mm = mm
@@ -203,4 +206,4 @@ class Slot:
         beat = self.heartbeat
         return {"slot": self.index, "pid": self.pid, "state": STATE_NAMES.get(self.state, str(self.state)),
                 "heartbeat_age": round(time.monotonic() - beat, 3) if beat else None, "inline": name,
-                "inline_truncated": cut, "stuck": self.stuck}
+                "inline_truncated": cut, "stuck": self.stuck, "drained": bool(self.drained)}

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 from .watchdog import ENV_DIR, ENV_SLOT, FLAG_STOPPING, HEARTBEAT_SECONDS, SLOTS_FILE, SlotFile, WatchdogError
 from .watchdog_quarantine import QuarantineEntry, read_quarantine
@@ -54,16 +55,24 @@ class WorkerWatch:
         """True while the supervisor stops every worker (not a recycle of this one)."""
         return bool(self.slots.flags & FLAG_STOPPING)
 
-    def start_heartbeat(self) -> "asyncio.Task[None]":
-        """Start the heartbeat on the running loop (``execapp.serve``, before the worker is built)."""
+    def start_heartbeat(self, orphaned: Callable[[], None] | None = None) -> "asyncio.Task[None]":
+        """Start the heartbeat on the running loop (``execapp.serve``, before the worker is built);
+        ``orphaned`` is called once if the supervisor (this process's parent) goes away."""
         self.slot.beat(time.monotonic())
-        return asyncio.get_running_loop().create_task(self.heartbeat(), name="execapp-heartbeat")
+        return asyncio.get_running_loop().create_task(self.heartbeat(orphaned), name="execapp-heartbeat")
 
-    async def heartbeat(self) -> None:
-        """The loop task writing the heartbeat until cancelled; a stalled loop stops writing it."""
-        beat, monotonic, sleep = self.slot.beat, time.monotonic, asyncio.sleep
+    async def heartbeat(self, orphaned: Callable[[], None] | None = None) -> None:
+        """The loop task writing the heartbeat until cancelled; a stalled loop stops writing it. It
+        also notices that the supervisor died (SIGKILLed, OOM-killed): this process's parent changes.
+        A worker without its supervisor has no watchdog and nobody to restart it, and a new
+        supervisor on the same port would serve beside it: ``orphaned`` makes it drain and exit."""
+        beat, monotonic, sleep, getppid = self.slot.beat, time.monotonic, asyncio.sleep, os.getppid
+        parent = getppid()
         while True:
             beat(monotonic())
+            if orphaned is not None and getppid() != parent:
+                orphaned()
+                orphaned = None
             await sleep(HEARTBEAT_SECONDS)
 
     def quarantine_list(self) -> list[QuarantineEntry]:

@@ -88,7 +88,18 @@ class _Installed:
         pass
 
 
+#: e2e servers started with this variable set die in every worker process's first service ticks
+#: (a plugin whose top level crashes its process at every load: a restart storm, test_lifecycle.py).
+CRASH_AT_START = "EXECAPP_TEST_CRASH_AT_START"
+#: ... or hang while their Worker is built (a service factory that never returns).
+HANG_AT_START = "EXECAPP_TEST_HANG_AT_START"
+
+
 def install(worker: Any) -> _Installed:
     """Service factory used by e2e_settings: registers the test commands when the worker starts."""
+    if os.environ.get(CRASH_AT_START):
+        os._exit(17)
+    if os.environ.get(HANG_AT_START):
+        time.sleep(3600)
     register(worker.engine)
     return _Installed()

@@ -56,7 +56,16 @@ class ControlCommand(BaseCommand):
 
     def print_json(self, result: ControlResult) -> None:
         self.stdout.write(json.dumps({"op": result.op, "workers": result.answers, "missing": result.missing,
+                                      "gone": result.gone, "died": result.died,
                                       "waited_seconds": result.waited_seconds}, indent=2, sort_keys=True))
+
+
+def gone_lines(result: ControlResult) -> list[str]:
+    """One line per registered worker whose process no longer exists (not asked, not a failure)."""
+    return [f"worker {wid}: gone (its process {pid} no longer exists: killed or crashed; the supervisor "
+            "starts another)" for wid, pid in sorted(result.gone.items())] + [
+        f"worker {wid}: died while it was asked (its process {pid} is gone: killed or crashed; its clients' events "
+        "in flight got no done)" for wid, pid in sorted(result.died.items())]
 
 
 def drain_line(answer: dict[str, Any]) -> str:
@@ -74,6 +83,9 @@ def drain_line(answer: dict[str, Any]) -> str:
                 f"{answer.get('elapsed_seconds', 0):.2f} s, {done}; still running: {running}; "
                 f"{answer.get('events_in_flight', 0)} events without done, {answer.get('tasks_queued', 0)} "
                 "handlers queued")
+    if answer.get("dones_unread"):
+        line += (f"; {answer['dones_unread']} done frames wait, queued, for clients that read nothing (their "
+                 "handlers are over)")
     if answer.get("flush_errors"):
         line += f"; profile flush failed: {'; '.join(answer['flush_errors'])}"
     return line

@@ -8,7 +8,7 @@ from django.core.management.base import CommandError, CommandParser
 
 from execapp import conf
 
-from ._control import ControlCommand, counted, drain_line
+from ._control import ControlCommand, counted, drain_line, gone_lines
 
 
 class Command(ControlCommand):
@@ -36,10 +36,14 @@ class Command(ControlCommand):
                 self.stdout.write(drain_line(result.answers[wid]))
             for wid in result.missing:
                 self.stdout.write(f"worker {wid}: did not answer within {result.waited_seconds:.1f} s")
+            for line in gone_lines(result):
+                self.stdout.write(line)
         failed = [f"{wid} (still running: {counted(a.get('still_running') or [])}; "
                   f"{a.get('events_in_flight', 0)} events without done)"
                   for wid, a in sorted(result.answers.items()) if not a.get("ok")]
         failed += [f"{wid} (did not answer)" for wid in result.missing]
+        failed += [f"{wid} (died during the drain)" for wid in sorted(result.died)]
         if failed:
-            raise CommandError(f"{len(failed)} of {len(result.answers) + len(result.missing)} workers did not "
-                               f"drain within {timeout:g} s: {', '.join(failed)}")
+            asked = len(result.answers) + len(result.missing) + len(result.died)
+            raise CommandError(f"{len(failed)} of {asked} workers did not drain within {timeout:g} s: "
+                               f"{', '.join(failed)}")

@@ -5,7 +5,7 @@ from typing import Any
 
 from django.core.management.base import CommandError
 
-from ._control import ControlCommand, status_lines
+from ._control import ControlCommand, gone_lines, status_lines
 
 
 class Command(ControlCommand):
@@ -23,7 +23,9 @@ class Command(ControlCommand):
                     self.stdout.write(line)
             for wid in result.missing:
                 self.stdout.write(f"worker {wid}: did not answer within {result.waited_seconds:.1f} s")
+            for line in gone_lines(result):
+                self.stdout.write(line)
             self.stdout.write(f"{len(result.answers)} workers answered" +
                               (f", {len(result.missing)} did not" if result.missing else ""))
-        if result.missing:
-            raise CommandError(f"workers did not answer: {', '.join(result.missing)}")
+        if result.missing or result.died:
+            raise CommandError(f"workers did not answer: {', '.join(result.missing + sorted(result.died))}")

@@ -5,7 +5,7 @@ from typing import Any
 
 from django.core.management.base import CommandError
 
-from ._control import ControlCommand
+from ._control import ControlCommand, gone_lines
 
 
 class Command(ControlCommand):
@@ -23,6 +23,8 @@ class Command(ControlCommand):
                                   f"worker {wid}: FAILED: {answer.get('error')}")
             for wid in result.missing:
                 self.stdout.write(f"worker {wid}: did not answer within {result.waited_seconds:.1f} s")
-        failed = [wid for wid, a in result.answers.items() if not a.get("ok")] + result.missing
+            for line in gone_lines(result):
+                self.stdout.write(line)
+        failed = [wid for wid, a in result.answers.items() if not a.get("ok")] + result.missing + list(result.died)
         if failed:
             raise CommandError(f"not resumed: {', '.join(sorted(failed))}")
