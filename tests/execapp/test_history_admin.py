@@ -3,7 +3,7 @@ the links from a matcher's and a plugin's admin pages to their recent failures."
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -110,7 +110,17 @@ def test_paging_goes_back_through_older_events(recorded: Any, monkeypatch: pytes
     assert _every_page() == ["e4", "e3", "e2", "e1", "e0"]
 
 
-def test_paging_does_not_skip_traces_that_share_a_timestamp(recorded: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def quiet_store() -> Iterator[None]:
+    """An empty recent store and no worker: nothing but the test writes (a recorder's housekeeper
+    writing beside it locks SQLite's shared in-memory test database: 'database table is locked')."""
+    history_store.reset_local()
+    yield
+    history_store.reset_local()
+
+
+@pytest.mark.usefixtures("quiet_store")
+def test_paging_does_not_skip_traces_that_share_a_timestamp(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pages end where PAGE_SIZE says, not where a timestamp changes: traces sharing the last shown
     row's ts (one worker's flush, or the database's microseconds) are on the next page. Before, the
     cursor was the ts alone and "strictly older" skipped them."""
