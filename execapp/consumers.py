@@ -288,9 +288,13 @@ class EventConsumer(AsyncWebsocketConsumer):
         # At most SESSION_PUBLISHES_PER_OWNER of this owner's publishes in flight on this worker: past
         # it this connection's session outbox fills and it stops being read (backpressure on its owner).
         async with self._publishes:
-            await self.channel_layer.group_send(group, {"type": "session.frame", "frame": frame,
-                                                        "session": session_of(group), "sender": self.channel_name,
-                                                        "owner": self.owner_tag})
+            # Shielded: a client leaving cancels its session outbox, and a cancellation that reaches
+            # redis-py mid-command can be swallowed (Python 3.11's wait_for returns the command's
+            # result instead), leaving the outbox's task "cancelling" but idle for ever (seen as a
+            # hang when a test's loop closed). The send itself is short and ends on its own.
+            await asyncio.shield(self.channel_layer.group_send(
+                group, {"type": "session.frame", "frame": frame, "session": session_of(group),
+                        "sender": self.channel_name, "owner": self.owner_tag}))
 
     async def session_frame(self, message: dict[str, Any]) -> None:
         """A frame of another member of one of this client's sessions (the sender has its own).
