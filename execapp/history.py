@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Iterable
 
-from django.db import close_old_connections
+from django.db import OperationalError, close_old_connections
 
 from . import conf
 from .dbtext import clean_json, clean_text
@@ -85,6 +85,10 @@ DB_ROWS_PER_OWNER_PER_SECOND = 100
 #: Failed events written to the database per flush at most; the rest stay in the recent store only
 #: (counted in ``Recorder.db_skipped``), so a failure storm cannot flood the database.
 DB_ROWS_PER_FLUSH = 2000
+#: Waits before writing a flush's failure rows again when SQLite says a table is locked (another
+#: connection of this process mid-transaction: its shared cache answers at once, without the busy
+#: timeout). The rows are the lasting record of failures; ignore_conflicts makes a retry safe.
+DB_LOCKED_RETRY_SECONDS = (0.05, 0.2, 0.5)
 #: How often a worker deletes database traces older than HISTORY_FAILURE_DAYS.
 PRUNE_SECONDS = 3600.0
 #: Outcome of an event whose done never came (its worker stopped first).
@@ -537,13 +541,22 @@ class Recorder:
                            created_at=dt.datetime.fromtimestamp(r.ts, dt.timezone.utc), duration_seconds=r.duration,
                            trace=clean_json(json.loads(to_json(r))))
                 for r in failed]
-        try:
-            close_old_connections()
-            EventTrace.objects.bulk_create(rows, ignore_conflicts=True, batch_size=500)
-            self.db_written += len(rows)
-        except Exception as exc:
+        for retry in (*DB_LOCKED_RETRY_SECONDS, None):
+            try:
+                close_old_connections()
+                EventTrace.objects.bulk_create(rows, ignore_conflicts=True, batch_size=500)
+                self.db_written += len(rows)
+                return
+            except OperationalError as exc:
+                if retry is not None and "locked" in str(exc):
+                    time.sleep(retry)  # (the housekeeper's thread, never the event loop)
+                    continue
+                error: Exception = exc
+            except Exception as exc:
+                error = exc
             self.db_skipped += len(rows)
-            _rare.warning(("db", type(exc).__name__), "writing %d failed event traces failed: %r", len(rows), exc)
+            _rare.warning(("db", type(error).__name__), "writing %d failed event traces failed: %r", len(rows), error)
+            return
 
     def _within_owner_budgets(self, failed: list[Record]) -> list[Record]:
         """The failures each owner's database budget still allows this second (the rest counted)."""
