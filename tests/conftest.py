@@ -281,6 +281,17 @@ def manage(*args: str, env: dict[str, str] | None = None, timeout: float = 120) 
                           capture_output=True, text=True, timeout=timeout)
 
 
+def migrated_token_env(directory: Path, token_name: str) -> dict[str, str]:
+    """Environment for subprocess servers on one migrated SQLite file in ``directory``, with the
+    plaintext of one API token named ``token_name`` as ``TOKEN``."""
+    env = {"DATABASE_URL": f"sqlite:///{directory / 'db.sqlite3'}"}
+    result = manage("migrate", "--noinput", env=env)
+    assert result.returncode == 0, result.stderr
+    token = manage("create_token", token_name, env=env)
+    assert token.returncode == 0, token.stderr
+    return {**env, "TOKEN": token.stdout.strip().splitlines()[-1]}
+
+
 @pytest.fixture
 def sqlite_env(tmp_path: Path) -> dict[str, str]:
     """Environment for a subprocess server on its own migrated SQLite file."""

@@ -25,7 +25,15 @@ from websockets.asyncio.client import connect
 
 from execapp import watchdog
 from execapp.restart_backoff import STABLE_SECONDS, RestartBackoff
-from tests.conftest import REDIS_TEST_URL, ServerProcess, manage, redis_test_prefix, require_service, wait_until
+from tests.conftest import (
+    REDIS_TEST_URL,
+    ServerProcess,
+    manage,
+    migrated_token_env,
+    redis_test_prefix,
+    require_service,
+    wait_until,
+)
 from tests.execapp.test_dashboard import publisher_only  # noqa: F401 (a fixture)
 from tests.execapp.ws_handlers import CRASH_AT_START, HANG_AT_START
 
@@ -80,12 +88,7 @@ class Server(ServerProcess):
 @pytest.fixture(scope="module")
 def db_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """One migrated SQLite file and one API token for this module's servers."""
-    env = {"DATABASE_URL": f"sqlite:///{tmp_path_factory.mktemp('lifecycle-db') / 'db.sqlite3'}"}
-    result = manage("migrate", "--noinput", env=env)
-    assert result.returncode == 0, result.stderr
-    token = manage("create_token", "lifecycle", env=env)
-    assert token.returncode == 0, token.stderr
-    return {**env, "TOKEN": token.stdout.strip().splitlines()[-1]}
+    return migrated_token_env(tmp_path_factory.mktemp("lifecycle-db"), "lifecycle")
 
 
 @pytest.fixture

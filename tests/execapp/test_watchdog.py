@@ -28,7 +28,7 @@ from execapp import watchdog
 from execapp.watchdog_quarantine import append_quarantine, read_quarantine
 from execapp.watchdog_service import WatchdogService
 from execapp.watchdog_worker import WorkerWatch
-from tests.conftest import ServerProcess, manage, wait_until
+from tests.conftest import ServerProcess, migrated_token_env, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -84,12 +84,7 @@ class Supervised(ServerProcess):
 @pytest.fixture(scope="module")
 def db_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """One migrated SQLite file and one API token for this module's servers."""
-    env = {"DATABASE_URL": f"sqlite:///{tmp_path_factory.mktemp('watchdog-db') / 'db.sqlite3'}"}
-    result = manage("migrate", "--noinput", env=env)
-    assert result.returncode == 0, result.stderr
-    token = manage("create_token", "watchdog", env=env)
-    assert token.returncode == 0, token.stderr
-    return {**env, "TOKEN": token.stdout.strip().splitlines()[-1]}
+    return migrated_token_env(tmp_path_factory.mktemp("watchdog-db"), "watchdog")
 
 
 @pytest.fixture
