@@ -220,6 +220,17 @@ def _number(value: Any, integer: bool = False) -> bool:
     return isinstance(value, kinds) and not isinstance(value, bool)
 
 
+def _seconds(value: Any) -> bool:
+    """A finite number of seconds >= 0 (0: the setting's "off")."""
+    return _number(value) and 0 <= value < float("inf")
+
+
+def _seconds_error(key: str, value: Any, zero: str, more: str, check_id: str) -> checks.Error:
+    """The error of a setting that is not ``_seconds``; ``zero`` says what 0 does."""
+    return checks.Error(f"EXECAPP['{key}'] is {value!r}, it must be a finite number of seconds >= 0",
+                        hint=f"Set it to 0 ({zero}) {more} (default {conf.DEFAULTS[key]}).", id=check_id)
+
+
 def _history_checks() -> list[checks.CheckMessage]:
     """The event history's settings (execapp/history.py): sizes and retention."""
     errors: list[checks.CheckMessage] = []
@@ -393,22 +404,19 @@ def _watchdog_checks() -> list[checks.CheckMessage]:
             "the pool fills with stuck threads before the worker is ever recycled", hint="Make it at most "
             "POOL_MAX_WORKERS (a quarter of it or less keeps the pool useful).", id="execapp.W042"))
     backoff = conf.get("RESTART_BACKOFF_MAX_SECONDS")
-    if not isinstance(backoff, (int, float)) or isinstance(backoff, bool) or not 0 <= backoff < float("inf"):
-        errors.append(checks.Error(
-            f"EXECAPP['RESTART_BACKOFF_MAX_SECONDS'] is {backoff!r}, it must be a finite number of seconds >= 0",
-            hint=f"Set it to 0 (restart a crashing worker at once) or more (default "
-                 f"{conf.DEFAULTS['RESTART_BACKOFF_MAX_SECONDS']}).", id="execapp.E043"))
+    if not _seconds(backoff):
+        errors.append(_seconds_error("RESTART_BACKOFF_MAX_SECONDS", backoff, "restart a crashing worker at once",
+                                     "or more", "execapp.E043"))
     elif backoff > 300:
         errors.append(checks.Warning(
             f"EXECAPP['RESTART_BACKOFF_MAX_SECONDS'] is {backoff!r}: once fixed, a worker that kept crashing at "
             "start may wait that long before it is tried again", hint="Use at most a few minutes (default "
             f"{conf.DEFAULTS['RESTART_BACKOFF_MAX_SECONDS']}).", id="execapp.W043"))
     start = conf.get("WORKER_START_TIMEOUT_SECONDS")
-    if not isinstance(start, (int, float)) or isinstance(start, bool) or not 0 <= start < float("inf"):
-        errors.append(checks.Error(
-            f"EXECAPP['WORKER_START_TIMEOUT_SECONDS'] is {start!r}, it must be a finite number of seconds >= 0",
-            hint="Set it to 0 (never kill a worker that is still starting) or well above 30 (default "
-                 f"{conf.DEFAULTS['WORKER_START_TIMEOUT_SECONDS']}).", id="execapp.E046"))
+    if not _seconds(start):
+        errors.append(_seconds_error("WORKER_START_TIMEOUT_SECONDS", start,
+                                     "never kill a worker that is still starting",
+                                     "or well above 30", "execapp.E046"))
     elif 0 < start < 40:
         errors.append(checks.Warning(
             f"EXECAPP['WORKER_START_TIMEOUT_SECONDS'] is {start!r}: a worker waits up to 30 s for its services' "
@@ -417,11 +425,10 @@ def _watchdog_checks() -> list[checks.CheckMessage]:
             f"{conf.DEFAULTS['WORKER_START_TIMEOUT_SECONDS']}).", id="execapp.W046"))
     unread = conf.get("DRAIN_UNREAD_CLIENT_SECONDS")
     grace = conf.get("SHUTDOWN_GRACE_SECONDS")
-    if not isinstance(unread, (int, float)) or isinstance(unread, bool) or not 0 <= unread < float("inf"):
-        errors.append(checks.Error(
-            f"EXECAPP['DRAIN_UNREAD_CLIENT_SECONDS'] is {unread!r}, it must be a finite number of seconds >= 0",
-            hint="Set it to 0 (a drain waits for every done to be written) or more (default "
-                 f"{conf.DEFAULTS['DRAIN_UNREAD_CLIENT_SECONDS']}).", id="execapp.E044"))
+    if not _seconds(unread):
+        errors.append(_seconds_error("DRAIN_UNREAD_CLIENT_SECONDS", unread,
+                                     "a drain waits for every done to be written",
+                                     "or more", "execapp.E044"))
     elif unread > 0 and isinstance(grace, (int, float)) and unread >= grace:
         errors.append(checks.Warning(
             f"EXECAPP['DRAIN_UNREAD_CLIENT_SECONDS'] ({unread!r}) is not below SHUTDOWN_GRACE_SECONDS ({grace!r}): "
