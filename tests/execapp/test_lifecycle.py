@@ -15,25 +15,22 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 from websockets.asyncio.client import connect
 
-from execapp import watchdog
 from execapp.restart_backoff import STABLE_SECONDS, RestartBackoff
 from tests.conftest import (
     REDIS_TEST_URL,
-    ServerProcess,
     manage,
     migrated_token_env,
     redis_test_prefix,
     require_service,
     wait_until,
 )
+from tests.execapp.supervised import SupervisedServer, starter
 from tests.execapp.test_dashboard import publisher_only  # noqa: F401 (a fixture)
 from tests.execapp.ws_handlers import CRASH_AT_START, HANG_AT_START
 
@@ -44,45 +41,13 @@ START_BOUND = 30.0
 WAIT = 20.0
 
 
-class Server(ServerProcess):
-    """``python -m execapp.serve`` with the test handlers, its own watchdog directory and settings."""
+class Server(SupervisedServer):
+    """The supervised server, its log at info (the tests read the supervisor's lines)."""
 
-    def __init__(self, env: dict[str, str], tmp: Path, workers: int = 1, settings: dict | None = None,
-                 args: tuple[str, ...] = (), wait: bool = True) -> None:
-        self.watch_dir = tmp / "watchdog"
-        (tmp / "metrics").mkdir(exist_ok=True)
-        env = {"REDIS_URL": "", **env, "DJANGO_SETTINGS_MODULE": "tests.execapp.e2e_settings",
-               "EXECAPP_TEST_SETTINGS": json.dumps(settings or {}), watchdog.ENV_DIR: str(self.watch_dir),
-               "PROMETHEUS_MULTIPROC_DIR": str(tmp / "metrics")}
-        self.env = env
-        super().__init__(["execapp.serve", "--workers", str(workers), "--log-level", "info", "--no-access-log",
-                          *args], env, "lifecycle")
-        self.ws_url = f"ws://127.0.0.1:{self.port}/ws/events/?token={env['TOKEN']}"
-        if wait:
-            try:
-                assert wait_until(lambda: len(self.ready_pids()) >= workers and self.healthz() == 200, 60), self.log()
-            except BaseException:
-                self.stop()
-                raise
+    log_level = "info"
 
-    def slots(self) -> list[dict[str, Any]]:
-        try:
-            return watchdog.SlotFile.open(self.watch_dir / watchdog.SLOTS_FILE).read()
-        except watchdog.WatchdogError:
-            return []
-
-    def ready_pids(self) -> set[int]:
-        return {s["pid"] for s in self.slots() if s["state"] == "ready" and s["heartbeat_age"] is not None
-                and s["heartbeat_age"] < 1.0}
-
-    def healthz(self) -> int:
-        try:
-            with urllib.request.urlopen(f"{self.url}/healthz", timeout=5) as response:
-                return int(response.status)
-        except urllib.error.HTTPError as exc:
-            return exc.code
-        except OSError:
-            return 0
+    def __init__(self, env: dict[str, str], tmp: Path, **kwargs: Any) -> None:
+        super().__init__(env, tmp, log_name="lifecycle", **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -93,19 +58,7 @@ def db_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture
 def start(db_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
-    servers: list[Server] = []
-
-    def _start(**kwargs: Any) -> Server:
-        db = tmp_path / "db.sqlite3"
-        db.write_bytes(Path(db_env["DATABASE_URL"].removeprefix("sqlite:///")).read_bytes())
-        env = {**db_env, "DATABASE_URL": f"sqlite:///{db}", **kwargs.pop("env", {})}
-        server = Server(env, tmp_path, **kwargs)
-        servers.append(server)
-        return server
-
-    yield _start
-    for server in servers:
-        server.stop()
+    yield from starter(db_env, tmp_path, Server)
 
 
 async def first_frame(url: str, text: str, eid: str) -> dict:
@@ -156,7 +109,7 @@ async def test_a_worker_that_dies_at_every_start_is_restarted_with_a_growing_wai
     # Each start after a failed one waited at least its backoff (a lower bound: the mechanism, not speed).
     for (_, wait), before, after in zip(waits, starts, starts[1:]):
         assert after - before >= wait, (waits, starts)
-    assert server.proc.poll() is None and server.healthz() == 0, "the supervisor stays up, nothing serves"
+    assert server.proc.poll() is None and server.healthz()[0] == 0, "the supervisor stays up, nothing serves"
     assert await asyncio.to_thread(server.stop, WAIT) == 0, "a SIGTERM during a backoff wait stops it at once"
 
 
@@ -241,7 +194,7 @@ async def test_a_drained_worker_killed_is_replaced_by_a_drained_one_until_undrai
     (new,) = worker_pids(server) - {old}
     frame = await first_frame(server.ws_url, "/stall", "b")
     assert frame["type"] == "error" and frame["code"] == "draining", f"the replacement {new} took an event: {frame}"
-    assert server.healthz() == 503
+    assert server.healthz()[0] == 503
     undrained = await asyncio.to_thread(manage, "undrain", env=server.env)
     assert undrained.returncode == 0, undrained.stdout + undrained.stderr  # the dead worker is not waited for
     assert (await first_frame(server.ws_url, "/stall", "c"))["text"] == f"pid {new}"

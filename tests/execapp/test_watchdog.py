@@ -28,7 +28,8 @@ from execapp import watchdog
 from execapp.watchdog_quarantine import append_quarantine, read_quarantine
 from execapp.watchdog_service import WatchdogService
 from execapp.watchdog_worker import WorkerWatch
-from tests.conftest import ServerProcess, migrated_token_env, wait_until
+from tests.conftest import migrated_token_env, wait_until
+from tests.execapp.supervised import SupervisedServer, starter
 
 pytestmark = pytest.mark.e2e
 
@@ -39,46 +40,11 @@ WAIT = 20.0
 SETTINGS = {"LOOP_STALL_SECONDS": STALL_LIMIT, "PROFILE_WINDOW": 10, "STUCK_THREADS_LIMIT": 2}
 
 
-class Supervised(ServerProcess):
-    """``python -m execapp.serve --workers N`` with the test handlers and its own watchdog directory."""
+class Supervised(SupervisedServer):
+    """The supervised server with this module's watchdog settings."""
 
     def __init__(self, env: dict[str, str], tmp: Path, workers: int) -> None:
-        self.workers = workers
-        self.watch_dir = tmp / "watchdog"
-        env = {**env, "DJANGO_SETTINGS_MODULE": "tests.execapp.e2e_settings", "REDIS_URL": "",
-               "EXECAPP_TEST_SETTINGS": json.dumps(SETTINGS), watchdog.ENV_DIR: str(self.watch_dir),
-               "PROMETHEUS_MULTIPROC_DIR": str(tmp / "metrics")}
-        (tmp / "metrics").mkdir(exist_ok=True)
-        super().__init__(["execapp.serve", "--workers", str(workers), "--log-level", "warning", "--no-access-log"],
-                         env, f"watchdog{workers}")
-        self.ws_url = f"ws://127.0.0.1:{self.port}/ws/events/?token={env['TOKEN']}"
-        try:
-            assert wait_until(lambda: len(self.ready_pids()) >= workers and self.healthz()[0] == 200, 60), self.log()
-        except BaseException:
-            self.stop()
-            raise
-
-    def slots(self) -> list[dict[str, Any]]:
-        """The watchdog slots as the supervisor's file holds them ([] before it exists)."""
-        try:
-            return watchdog.SlotFile.open(self.watch_dir / watchdog.SLOTS_FILE).read()
-        except watchdog.WatchdogError:
-            return []
-
-    def ready_pids(self) -> set[int]:
-        """Pids of the workers that listen now (their loop beating)."""
-        return {s["pid"] for s in self.slots() if s["state"] == "ready" and s["heartbeat_age"] is not None
-                and s["heartbeat_age"] < 1.0}
-
-    def healthz(self) -> tuple[int, dict]:
-        """(HTTP status, body) of GET /healthz; (0, {}) when nothing answers."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/healthz", timeout=5) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"{}")
-        except OSError:
-            return 0, {}
+        super().__init__(env, tmp, workers, settings=SETTINGS, log_name=f"watchdog{workers}")
 
 
 @pytest.fixture(scope="module")
@@ -90,18 +56,7 @@ def db_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture
 def start(db_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
     """Start a supervised server (its own database file: profiles persist between tests otherwise)."""
-    servers: list[Supervised] = []
-
-    def _start(workers: int) -> Supervised:
-        db = tmp_path / "db.sqlite3"
-        db.write_bytes(Path(db_env["DATABASE_URL"].removeprefix("sqlite:///")).read_bytes())
-        server = Supervised({**db_env, "DATABASE_URL": f"sqlite:///{db}"}, tmp_path, workers)
-        servers.append(server)
-        return server
-
-    yield _start
-    for server in servers:
-        server.stop()
+    yield from starter(db_env, tmp_path, Supervised)
 
 
 async def event(ws: ClientConnection, text: str, eid: str, timeout: float = WAIT) -> list[dict]:
