@@ -76,6 +76,7 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     errors += _auth_throttle_checks()
     errors += _pending_body_checks()
     errors += _password_check_checks()
+    errors += _login_throttle_checks()
     return errors
 
 
@@ -94,6 +95,25 @@ def _password_check_checks() -> list[checks.CheckMessage]:
             hint=f"Use {_LIMITED_BACKEND!r} in its place (at most EXECAPP['MAX_PASSWORD_CHECKS'] at once per "
                  "worker).", id="execapp.W096")]
     return []
+
+
+def _login_throttle_checks() -> list[checks.CheckMessage]:
+    """Failed sign-ins per client network and username (execapp/login_throttle.py)."""
+    out: list[checks.CheckMessage] = []
+    burst = conf.get("LOGIN_FAILURES_BURST")
+    if not _number(burst, True) or burst < 0:
+        out.append(checks.Error(
+            f"EXECAPP['LOGIN_FAILURES_BURST'] is {burst!r}{_from('LOGIN_FAILURES_BURST')}, it must be a whole number "
+            "of at least 0", hint="Default 10: failed sign-ins per client network (and per username) before its "
+            "attempts are refused unhashed (0 turns that off, and a flood of wrong passwords refuses everyone).",
+            id="execapp.E120"))
+    rate = conf.get("LOGIN_FAILURES_PER_MINUTE")
+    if not _number(rate) or not 0 < rate < float("inf"):
+        out.append(checks.Error(
+            f"EXECAPP['LOGIN_FAILURES_PER_MINUTE'] is {rate!r}{_from('LOGIN_FAILURES_PER_MINUTE')}, it must be a "
+            "finite positive number", hint="Default 6.0: how many failed sign-ins a minute a throttled network or "
+            "username earns back.", id="execapp.E121"))
+    return out
 
 
 def _pending_body_checks() -> list[checks.CheckMessage]:
