@@ -120,6 +120,27 @@ def test_admin_shows_the_runtime_message_for_a_syntax_error(admin_client) -> Non
     assert not Plugin.objects.filter(name="up").exists()
 
 
+def test_one_admin_save_runs_a_refused_top_level_once(admin_client, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The form, the bindings' formset and the save each validate the code: a top level that ran
+    # past its budget ran past it once for each, and the page answered after 2x timeout_ms.
+    from plugins import loaded
+
+    runs: list[str] = []
+    real = loaded.compile_plugin
+    monkeypatch.setattr(loaded, "compile_plugin", lambda spec: runs.append(spec.name) or real(spec))
+    response = admin_client.post("/admin/plugins/plugin/add/", _form(
+        source="while true do end\nfunction up(ev) return 'x' end", timeout_ms="200"))
+    body = html.unescape(response.content.decode())
+    assert response.status_code == 200 and "the top level ran past the plugin's timeout of 200 ms" in body
+    assert "plugin 'up' (handlers up): the lua runtime refused" in body  # still names the bound handler
+    assert runs == ["up"], "the same refused code ran in the sandbox again within one save"
+    # Once the refusal is no longer fresh, saving again runs it again (a busy moment is not remembered).
+    monkeypatch.setattr(loaded, "REFUSAL_MEMORY_SECONDS", 0.0)
+    admin_client.post("/admin/plugins/plugin/add/", _form(source="while true do end\nfunction up(ev) end",
+                                                          timeout_ms="200"))
+    assert runs == ["up", "up", "up"]
+
+
 def test_admin_refuses_a_binding_to_a_missing_handler(admin_client) -> None:
     response = admin_client.post("/admin/plugins/plugin/add/",
                                  _form(source="function other(ev) return 'x' end"))
