@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import html
+import re
 from typing import Any
 
 import pytest
@@ -64,6 +65,22 @@ def test_what_one_plugin_may_make_each_worker_hold_is_bounded(field: str, value:
         Plugin.objects.create(name="big", runtime="lua", source="function a(ev) return 'a' end", **{field: value})
     assert not Plugin.objects.filter(name="big").exists()
     Plugin.objects.create(name="big", runtime="lua", source="function a(ev) return 'a' end", **{field: limit})
+
+
+@pytest.mark.parametrize("entry", ["https://api.example.com", "api.example.com:8443", "api.example.com/v1", "*",
+                                   "*.*", "*example.com", "user@api.example.com", "api..example.com",
+                                   "api.example.com."])
+def test_an_allowlist_entry_that_can_match_no_host_is_refused_naming_it(entry: str) -> None:
+    # host_allowed compares a URL's host name with each entry: these matched nothing, and every
+    # http_get to the host the operator meant was denied at run time instead.
+    from plugins.runtimes.host import host_allowed
+
+    assert not host_allowed("api.example.com", (entry,))
+    with pytest.raises(PluginInvalid, match=re.escape(f"http_allowlist entry '{entry}' is not a host name")):
+        Plugin.objects.create(name="h", runtime="lua", source="function a(ev) return 'a' end",
+                              http_allowlist=f"ok.example.com\n{entry}")
+    good = "api.example.com\n*.example.org, 203.0.113.5\n[2001:db8::1]\nbücher.de"
+    Plugin.objects.create(name="h", runtime="lua", source="function a(ev) return 'a' end", http_allowlist=good)
 
 
 def test_editing_code_away_from_a_bound_handler_is_refused() -> None:
