@@ -372,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the default where SO_REUSEPORT exists: connections spread evenly)")
     p.add_argument("--forwarded-allow-ips", default=env.get("FORWARDED_ALLOW_IPS"),
                    help="proxies whose X-Forwarded-* headers are trusted (env FORWARDED_ALLOW_IPS)")
+    p.add_argument("--skip-checks", action="store_true",
+                   help="start even if `manage.py check` reports errors (by default the server does not start)")
     return p
 
 
@@ -421,22 +423,45 @@ def make_config(args: argparse.Namespace) -> uvicorn.Config:
     )
 
 
+def settings_pass_checks() -> bool:
+    """Django's system checks, as ``manage.py check`` runs them (the EXECAPP settings' among them),
+    before any worker starts: False, with every error and its hint logged, when one fails."""
+    from django.conf import settings
+    from django.core import checks
+
+    # Without this a mistake reached the workers: a value their code refused crashed each start
+    # (the supervisor restarted them for ever, a traceback each), one it did not (a negative
+    # threshold, nan) served silently wrong. Warnings are logged and the server starts.
+    silenced = set(getattr(settings, "SILENCED_SYSTEM_CHECKS", ()))
+    issues = [m for m in checks.run_checks() if m.id not in silenced and m.level >= checks.WARNING]
+    for issue in issues:  # one record each: the plain log format keeps a record on one line
+        log.log(logging.ERROR if issue.is_serious() else logging.WARNING, "%s: %s%s", issue.id, issue.msg,
+                f" (hint: {issue.hint})" if issue.hint else "")
+    errors = sum(1 for issue in issues if issue.is_serious())
+    if errors:
+        log.error("not starting: %d error(s) in the settings above (`manage.py check` lists them too; "
+                  "--skip-checks starts anyway)", errors)
+    return not errors
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server: a Supervisor (the watchdog) over ``--workers`` spawned worker processes, one included."""
     args = build_parser().parse_args(argv)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
     sys.path.insert(0, os.getcwd())
-    config = make_config(args)
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Several processes (a recycle runs a replacement beside its predecessor even with one
         # worker): /metrics must add them up (prometheus_client's multiprocess mode,
         # docs/observability.md). Set before the workers start, as prometheus_client requires.
-        path = os.path.join(tempfile.gettempdir(), f"execapp-prometheus-{config.port}")
+        path = os.path.join(tempfile.gettempdir(), f"execapp-prometheus-{args.port}")
         os.makedirs(path, exist_ok=True)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
     import django
 
     django.setup()
+    if not args.skip_checks and not settings_pass_checks():
+        return STARTUP_FAILURE
+    config = make_config(args)
     from . import conf
 
     grace = args.grace if args.grace is not None else float(conf.get("SHUTDOWN_GRACE_SECONDS"))
