@@ -203,6 +203,36 @@ def test_admin_enable_disable_actions(admin_client) -> None:
     assert RegistryState.current() == v0 + 2
 
 
+def _opened(admin_client, pk: int) -> dict[str, Any]:
+    """The change form of plugin ``pk`` as a browser would post it back unchanged."""
+    page = admin_client.get(f"/admin/plugins/plugin/{pk}/change/").content.decode()
+    binding = Binding.objects.get(plugin_id=pk)
+    return _form(**{"loaded_at": html.unescape(re.search(r'name="loaded_at" value="([^"]+)"', page).group(1)),
+                    "source": "function up(ev) return 'a' end", "bindings-INITIAL_FORMS": "1",
+                    "bindings-0-id": str(binding.pk), "bindings-0-plugin": str(pk)})
+
+
+def test_a_save_from_a_page_opened_before_anothers_save_is_refused_not_lost(admin_client) -> None:
+    # Two operators open the same plugin; the second to save silently undid the first's change.
+    plugin = Plugin.objects.create(name="up", runtime="lua", source="function up(ev) return 'a' end")
+    Binding.objects.create(plugin=plugin, kind="command", pattern="up", handler="up")
+    first, second = _opened(admin_client, plugin.pk), _opened(admin_client, plugin.pk)
+    url = f"/admin/plugins/plugin/{plugin.pk}/change/"
+    assert admin_client.post(url, {**first, "timeout_ms": "2000"}).status_code == 302
+    response = admin_client.post(url, {**second, "description": "from an old page"})
+    body = html.unescape(response.content.decode())
+    assert response.status_code == 200 and "plugin 'up' was changed by someone else" in body
+    assert "nothing was saved. Reload the page" in body
+    plugin.refresh_from_db()
+    assert plugin.timeout_ms == 2000 and plugin.description == ""  # the first save stands, nothing half-applied
+    # Reopened, the same change saves; and the enable/disable action counts as a change too.
+    assert admin_client.post(url, {**_opened(admin_client, plugin.pk), "description": "again"}).status_code == 302
+    stale = _opened(admin_client, plugin.pk)
+    admin_client.post("/admin/plugins/plugin/", {"action": "disable_plugins", "_selected_action": [plugin.pk]})
+    assert admin_client.post(url, stale).status_code == 200  # would have re-enabled it unseen
+    assert not Plugin.objects.get(pk=plugin.pk).enabled
+
+
 @override_settings(EXECAPP={"MAX_BINDINGS_PER_PLUGIN": 4, "MAX_REGEX_BINDINGS_PER_PLUGIN": 2})
 def test_a_plugin_may_have_so_many_bindings_and_regex_bindings() -> None:
     # Every regex binding costs every message a search on the event loop (disabled ones too, for
