@@ -60,6 +60,31 @@ def test_runplugin_reports_errors_with_their_code() -> None:
         run("runplugin", "ping", "ping", "{oops")
 
 
+@pytest.mark.parametrize("event, message", [
+    ({"text": 5}, r"\[bad_event\] text must be a string for a \"message\" event, got int 5"),
+    ({"type": "message", "text": None}, r"\[bad_event\] text must be a string"),
+    ({"text": "/ping", "data": [1]}, r"\[bad_event\] data must be a JSON object"),
+    ({"text": "/ping", "args": 3}, r"\[bad_event\] args must be a string"),
+    ({"text": "/ping", "bogus": 1}, r"\[bad_event\] bogus: unknown field"),
+    ({"text": "/ping \ud800"}, r"\[bad_event\] text: not valid Unicode"),
+])
+def test_runplugin_checks_the_event_as_the_server_checks_a_frame(event: dict, message: str) -> None:
+    # A text of another type was an AttributeError traceback; a lone surrogate reached the guest.
+    run("loadplugins")
+    with pytest.raises(CommandError, match=message):
+        run("runplugin", "ping", "ping", json.dumps(event))
+
+
+def test_runplugin_names_a_stored_plugin_that_no_longer_loads() -> None:
+    # Stored before a runtime or limit changed (or edited in the database): a CompileError traceback.
+    run("loadplugins")
+    Plugin.objects.filter(name="ping").update(source="function ping(e) return end end")
+    with pytest.raises(CommandError, match=r"\[plugin_invalid\] plugin 'ping' does not load: the lua runtime "
+                                           r"refused its code: ping:1: <eof> expected near 'end'; fix it in the admin"):
+        run("runplugin", "ping", "ping", '{"text": "/ping"}')
+    assert run("runplugin", "echo", "echo", '{"type": "tick", "args": "given"}') == "given"
+
+
 def test_loadplugins_refuses_a_broken_plugin_with_the_runtime_message(tmp_path: Path) -> None:
     (tmp_path / "bad.js").write_text("function hello(ev) { return 'x' ")
     (tmp_path / "manifest.json").write_text(json.dumps({"plugins": [
