@@ -158,6 +158,21 @@ def test_one_admin_save_runs_a_refused_top_level_once(admin_client, monkeypatch:
     assert runs == ["up", "up", "up"]
 
 
+def test_admin_takes_a_source_up_to_the_code_limit_and_names_the_limit_past_it(admin_client, settings) -> None:
+    # Django read at most 2.5 MiB of form data: a source between that and the 4 MiB code limit
+    # was a bare "Bad Request (400)", no reason given.
+    from plugins.checks import check_the_admin_takes_the_largest_code
+
+    source = "function up(ev) return 'x' end\n" + "-- padding line\n" * (3 * 1_048_576 // 16)
+    response = admin_client.post("/admin/plugins/plugin/add/", _form(source=source))
+    assert response.status_code == 302 and len(Plugin.objects.get(name="up").source) > 3 * 1_048_576
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 2_621_440  # Django's default
+    assert [m.id for m in check_the_admin_takes_the_largest_code()] == ["plugins.W001"]
+    response = admin_client.post("/admin/plugins/plugin/add/", _form(name="up2", source=source))
+    body = response.content.decode()
+    assert response.status_code == 400 and "DATA_UPLOAD_MAX_MEMORY_SIZE = 2621440" in body
+
+
 def test_admin_refuses_a_binding_to_a_missing_handler(admin_client) -> None:
     response = admin_client.post("/admin/plugins/plugin/add/",
                                  _form(source="function other(ev) return 'x' end"))
