@@ -78,7 +78,8 @@ def _begin(network: str | None) -> None:
     key = network or ""
     with _lock:
         mine = _running.get(key, 0)
-        if _total >= limit or (mine and _total >= limit - 1):
+        # No address (a Unix socket): every client would share one key, so the global cap alone.
+        if _total >= limit or (mine and network and _total >= limit - 1):
             refused = True
         else:
             refused = False

@@ -119,6 +119,25 @@ def test_a_username_guessed_from_many_networks_is_held_but_not_for_its_owners_ne
     assert _sign_in(OTHER_NET, "ops", "ops-password")[0] == 302
 
 
+def test_the_last_slot_rule_is_per_network_and_attempts_without_an_address_share_only_the_cap(settings: Any) -> None:
+    from django.core.exceptions import ValidationError
+
+    settings.EXECAPP = {"MAX_PASSWORD_CHECKS": 2}
+    login_limit._begin(ATTACKER)
+    with pytest.raises(ValidationError, match="checking 2 other sign-in attempts"):
+        login_limit._begin(ATTACKER)  # its second check would take the last slot
+    login_limit._begin(STAFF_NET)
+    login_limit._end(ATTACKER)
+    login_limit._end(STAFF_NET)
+    login_limit._begin(None)  # no address (a Unix socket): one key for everyone, so no last-slot rule
+    login_limit._begin(None)
+    with pytest.raises(ValidationError):
+        login_limit._begin(None)
+    login_limit._end(None)
+    login_limit._end(None)
+    assert login_limit.running() == 0 and login_limit._running == {}
+
+
 def test_burst_zero_turns_the_throttle_off(settings: Any, staff: User) -> None:
     settings.EXECAPP = {"LOGIN_FAILURES_BURST": 0}
     for _ in range(5):
