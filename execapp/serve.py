@@ -112,7 +112,7 @@ class Supervisor:
         self.signals.append(sig)
         self.should_exit.set()
 
-    def _spawn(self, replaces: Child | None = None, drained: bool = False) -> Child | None:
+    def _spawn(self, replaces: Child | None = None, drained: int = 0) -> Child | None:
         assert self.slots is not None and self._sock is not None and self.watch_dir is not None  # run() set them
         if not self._free:
             log.error("no free watchdog slot for a new worker process (%d in use); retrying", self.slots.count)
@@ -121,7 +121,7 @@ class Supervisor:
         # mark, for a post-mortem) is reused as late as possible.
         slot = self.slots.slot(self._free.popleft())
         slot.clear()
-        slot.drained = int(drained)  # the worker drains before it listens (execapp.drain.hold_drained)
+        slot.drained = int(drained)  # the worker drains before it listens (execapp.drain.hold_drained; its scope kept)
         target = functools.partial(run_worker_process, self.config, self.grace, self.reuse_port, self.watch_dir,
                                    slot.index)
         process = get_subprocess(self.config, target, [] if self.reuse_port else [self._sock])
@@ -195,7 +195,7 @@ class Supervisor:
                     and self.backoff.may_start(now)):
                 log.warning("worker process [%s] asks to be recycled (%d pool threads stuck past their deadline): "
                             "starting its replacement", child.pid, child.slot.stuck)
-                child.replacement = self._spawn(replaces=child, drained=bool(child.slot.drained))
+                child.replacement = self._spawn(replaces=child, drained=child.slot.drained)
             new = child.replacement
             if new is not None and not child.retiring and new.slot.state == watchdog.STATE_READY:
                 log.warning("worker process [%s] listens: draining worker process [%s] (SIGTERM)", new.pid,
@@ -227,7 +227,7 @@ class Supervisor:
         # Held drained by an operator and gone without its own shutdown (a crash, a SIGKILL, the
         # watchdog): whatever takes its place starts drained. A SIGTERMed worker exits cleanly and
         # its replacement serves (the operator restarted it).
-        drained = bool(child.slot.drained) and child.slot.state != watchdog.STATE_EXITING
+        drained = child.slot.drained if child.slot.state != watchdog.STATE_EXITING else 0
         if child.replaces is not None:  # a replacement died before taking over: the original serves on
             delay = self.backoff.failed(now)
             log.warning("replacement worker process [%s] died with exit code %s before it listened (%d failed "
