@@ -108,6 +108,12 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "execapp.channel_layer.InMemoryChannelLayer"}}
 
+# A form's data, files aside, that Django reads (default 2.5 MiB): the admin's plugin form carries a
+# plugin's source as text, which may be 4 MiB (plugins.runtimes.registry.MAX_CODE_BYTES); at 2.5 MiB a
+# source pasted between the two was a bare "Bad Request (400)" (plugins.W001 checks it). Bodies stay
+# capped by EXECAPP['MAX_REQUEST_BODY_BYTES'] (8 MiB) before Django reads them.
+DATA_UPLOAD_MAX_MEMORY_SIZE = 5 * 1_048_576
+
 # Django's ModelBackend with at most EXECAPP['MAX_PASSWORD_CHECKS'] password checks at once per
 # worker: each is ~0.5 s of CPU, and anyone may ask for one at the admin's login.
 AUTHENTICATION_BACKENDS = ["execapp.login_limit.LimitedModelBackend"]

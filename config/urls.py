@@ -21,3 +21,6 @@ urlpatterns = [
 from execapp.health import healthz  # noqa: E402
 
 urlpatterns.append(path("healthz", healthz, name="healthz"))
+
+# Django's 400 page, saying which limit a form over Django's own hit (execapp/bad_request.py).
+handler400 = "execapp.bad_request.bad_request"

@@ -1,6 +1,7 @@
 """Django system checks for the EXECAPP settings dict."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from django.conf import settings
@@ -21,6 +22,11 @@ _POSITIVE_NUMBERS = ("SLOW_THRESHOLD_SECONDS", "OVERFLOW_WAIT_SECONDS", "PROFILE
                      "DASHBOARD_HISTORY_SECONDS", "REQUEST_BODY_TIMEOUT_SECONDS")
 
 
+#: The longest number of seconds a setting may have (~31 years): "never" in practice, and below
+#: threading.TIMEOUT_MAX, past which a thread's wait raises.
+_LONGEST_SECONDS = 1e9
+
+
 @checks.register()
 def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """Validate settings.EXECAPP: known keys, positive numbers, a known overflow policy."""
@@ -34,6 +40,25 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
             errors.append(checks.Error(
                 f"unknown EXECAPP setting {key!r}",
                 hint=f"Remove it or use one of: {', '.join(sorted(conf.DEFAULTS))}.", id="execapp.E002"))
+    # One rule for every numeric setting, whatever its own check: nan passes every comparison as
+    # false (nan <= 0 too), so a check of its range let it through and the setting silently never
+    # fired; inf made waits endless. EXECAPP_<KEY>=nan or inf in the environment reads as a float.
+    # A number of seconds past threading.TIMEOUT_MAX (~9.2e9) made a thread's wait raise OverflowError.
+    for key, default in conf.DEFAULTS.items():
+        value = conf.get(key)
+        if not _number(default) or not _number(value):
+            continue
+        if not math.isfinite(value) or (key.endswith("_SECONDS") and value > _LONGEST_SECONDS):
+            errors.append(checks.Error(
+                f"EXECAPP[{key!r}] is {value!r}{_from(key)}, it must be a finite number"
+                + (f" of at most {_LONGEST_SECONDS:g} seconds" if key.endswith("_SECONDS") else ""),
+                hint=f"Set a finite value (default {default!r}; docs/operations.md, \"Settings\", says what 0 does "
+                     "where 0 is allowed).", id="execapp.E122"))
+    idle = conf.get("POOL_IDLE_SECONDS")
+    # ExecPool refused it at every worker start: the server restarted workers for ever (nan: E122 above).
+    if not _seconds(idle) and not (isinstance(idle, float) and math.isnan(idle)):
+        errors.append(_seconds_error("POOL_IDLE_SECONDS", idle, "a pool thread exits as soon as it is idle",
+                                     "or more", "execapp.E123"))
     for key in _POSITIVE_INTS:
         value = conf.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -50,7 +75,8 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     if policy not in OVERFLOW_POLICIES:
         errors.append(checks.Error(f"EXECAPP['OVERFLOW_POLICY'] is {policy!r}",
                                    hint=f"Use one of {', '.join(OVERFLOW_POLICIES)}.", id="execapp.E005"))
-    if conf.get("WORKER_DROP_SECONDS") < conf.get("WORKER_STALE_SECONDS"):
+    drop, stale = conf.get("WORKER_DROP_SECONDS"), conf.get("WORKER_STALE_SECONDS")
+    if _number(drop) and _number(stale) and drop < stale:  # another type: E004 names it (this compare raised)
         errors.append(checks.Warning("WORKER_DROP_SECONDS is below WORKER_STALE_SECONDS: workers are dropped before "
                                      "they are ever shown as stale", hint="Make WORKER_DROP_SECONDS the larger.",
                                      id="execapp.W001"))
@@ -76,6 +102,7 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     errors += _auth_throttle_checks()
     errors += _pending_body_checks()
     errors += _password_check_checks()
+    errors += _login_throttle_checks()
     return errors
 
 
@@ -94,6 +121,25 @@ def _password_check_checks() -> list[checks.CheckMessage]:
             hint=f"Use {_LIMITED_BACKEND!r} in its place (at most EXECAPP['MAX_PASSWORD_CHECKS'] at once per "
                  "worker).", id="execapp.W096")]
     return []
+
+
+def _login_throttle_checks() -> list[checks.CheckMessage]:
+    """Failed sign-ins per client network and username (execapp/login_throttle.py)."""
+    out: list[checks.CheckMessage] = []
+    burst = conf.get("LOGIN_FAILURES_BURST")
+    if not _number(burst, True) or burst < 0:
+        out.append(checks.Error(
+            f"EXECAPP['LOGIN_FAILURES_BURST'] is {burst!r}{_from('LOGIN_FAILURES_BURST')}, it must be a whole number "
+            "of at least 0", hint="Default 10: failed sign-ins per client network (and per username) before its "
+            "attempts are refused unhashed (0 turns that off, and a flood of wrong passwords refuses everyone).",
+            id="execapp.E120"))
+    rate = conf.get("LOGIN_FAILURES_PER_MINUTE")
+    if not _number(rate) or not 0 < rate < float("inf"):
+        out.append(checks.Error(
+            f"EXECAPP['LOGIN_FAILURES_PER_MINUTE'] is {rate!r}{_from('LOGIN_FAILURES_PER_MINUTE')}, it must be a "
+            "finite positive number", hint="Default 6.0: how many failed sign-ins a minute a throttled network or "
+            "username earns back.", id="execapp.E121"))
+    return out
 
 
 def _pending_body_checks() -> list[checks.CheckMessage]:

@@ -87,6 +87,13 @@ DEFAULTS: dict[str, Any] = {
     # no credentials to ask for; past it the attempt is refused before hashing ("try again in a
     # moment"), so a flood of them holds at most this many threads of CPU.
     "MAX_PASSWORD_CHECKS": 2,
+    # Failed sign-ins one client network, and one username from networks that never signed it in,
+    # may have on a worker process before further attempts are refused unhashed, and how fast they
+    # are earned back (execapp/login_throttle.py): so one client's flood of wrong passwords holds
+    # none of the check slots the others sign in with. 10 covers a person's typos; 6 a minute is a
+    # retry every 10 s. LOGIN_FAILURES_BURST 0 turns it off (then a flood refuses everyone).
+    "LOGIN_FAILURES_BURST": 10,
+    "LOGIN_FAILURES_PER_MINUTE": 6.0,
     # WebSocket protocol.
     "MAX_FRAME_BYTES": 64 * 1024,
     "MAX_IN_FLIGHT_PER_CONNECTION": 100,

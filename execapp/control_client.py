@@ -40,6 +40,10 @@ class ControlResult:
     gone: dict[str, int] = field(default_factory=dict)
     #: Expected workers whose process died while they were asked (killed mid-drain): no answer will come.
     died: dict[str, int] = field(default_factory=dict)
+    #: Workers that had stopped beating (within WORKER_DROP_SECONDS) when asked, process not provably
+    #: gone: seconds since their last beat. Asked and expected like the others: one that stays
+    #: silent is in ``missing``, so no command reports success without knowing what it did.
+    silent: dict[str, float] = field(default_factory=dict)
     expected: list[str] | None = None
     waited_seconds: float = 0.0
 
@@ -58,8 +62,16 @@ async def request(op: str, *, layer: Any, registry: Registry | None = None, work
     expected: set[str] | None = None
     gone: dict[str, int] = {}
     live: dict[str, dict[str, Any]] = {}
+    silent: dict[str, float] = {}
     if registry is not None:
         live = await asyncio.to_thread(registry.live)
+        # A worker that stopped beating a moment ago (its event loop stalled, its Redis connection
+        # lost while this command's works) may still be serving: before, it was simply not asked,
+        # and a drain reported every worker drained (exit 0) while it took events.
+        stale = await asyncio.to_thread(registry.silent, float(conf.get("WORKER_DROP_SECONDS")))
+        for wid, (age, info) in stale.items():
+            if wid not in live and not process_gone(info):
+                live[wid], silent[wid] = info, round(age, 1)
         # A worker killed a moment ago still looks live for LIVE_SECONDS: on this machine its
         # missing process says so, and nobody waits for it to answer (a drain right after a
         # SIGKILL said "did not answer" and failed, after waiting its whole timeout).
@@ -78,7 +90,8 @@ async def request(op: str, *, layer: Any, registry: Registry | None = None, work
         wait = (timeout or 0.0) + ANSWER_MARGIN_SECONDS if op == "drain" else ANSWER_MARGIN_SECONDS
     if expected is not None and not expected:  # nobody is registered: give stragglers the margin only
         wait = min(wait, ANSWER_MARGIN_SECONDS)
-    result = ControlResult(op, expected=sorted(expected) if expected is not None else None, gone=gone)
+    result = ControlResult(op, expected=sorted(expected) if expected is not None else None, gone=gone,
+                           silent={wid: age for wid, age in silent.items() if expected is None or wid in expected})
     started = time.monotonic()
     deadline = started + wait
     reply_to = await layer.new_channel()

@@ -42,7 +42,9 @@ async def handle(worker: WorkerLike, message: dict[str, Any]) -> dict[str, Any] 
     if op == "drain":
         timeout = message.get("timeout")
         timeout = float(conf.get("DRAIN_TIMEOUT_SECONDS") if timeout is None else timeout)
-        hold_drained(worker, True)  # a replacement of this worker starts drained too (until undrain)
+        # A replacement of this worker starts drained too (until undrain); after a drain of every
+        # worker, so does any worker that starts beside it (one restarting as the drain was sent).
+        hold_drained(worker, True, everyone=not target)
         return await asyncio.to_thread(drain_worker, worker, timeout)
     if op == "undrain":
         return await asyncio.to_thread(undrain_worker, worker)

@@ -54,6 +54,8 @@ class Registry(Protocol):
 
     def live(self) -> dict[str, dict[str, Any]]: ...
 
+    def silent(self, within: float) -> dict[str, tuple[float, dict[str, Any]]]: ...
+
 
 class RedisRegistry:
     """The registry in Redis (the deployment's): a sorted set of last beats plus an info hash."""
@@ -91,6 +93,16 @@ class RedisRegistry:
         infos = self.redis.hmget(self.info_key, ids) if ids else []
         return {i: (json.loads(raw) if raw else {}) for i, raw in zip(ids, infos)}
 
+    def silent(self, within: float) -> dict[str, tuple[float, dict[str, Any]]]:
+        """Workers whose last beat is older than the live window but at most ``within`` s old:
+        id -> (seconds since that beat, info)."""
+        now = time.time()
+        members = cast("list[tuple[bytes, float]]", self.redis.zrangebyscore(
+            self.key, now - within, f"({now - self.live_seconds}", withscores=True))
+        ids = [i.decode() for i, _ in members]
+        infos = self.redis.hmget(self.info_key, ids) if ids else []
+        return {i: (now - at, json.loads(raw) if raw else {}) for (i, (_, at), raw) in zip(ids, members, infos)}
+
 
 class LocalRegistry:
     """An in-process registry (tests, and workers sharing one process)."""
@@ -112,6 +124,13 @@ class LocalRegistry:
         cutoff = time.time() - self.live_seconds
         with self._lock:
             return {i: info for i, (at, info) in self._beats.items() if at >= cutoff}
+
+    def silent(self, within: float) -> dict[str, tuple[float, dict[str, Any]]]:
+        """As ``RedisRegistry.silent``."""
+        now = time.time()
+        with self._lock:
+            return {i: (now - at, info) for i, (at, info) in self._beats.items()
+                    if now - within <= at < now - self.live_seconds}
 
 
 def default_registry() -> Registry | None:

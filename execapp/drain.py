@@ -15,6 +15,7 @@ from . import conf
 from .engine.engine import running_handlers
 from .outbox import TerminalFrames
 from .seams import WorkerLike
+from .watchdog import HELD_ALL, HELD_ALONE
 
 log = logging.getLogger("execapp.drain")
 
@@ -128,15 +129,16 @@ def drain_pool(pool: Any, timeout: float) -> bool:
             return False
 
 
-def hold_drained(worker: WorkerLike, drained: bool) -> None:
+def hold_drained(worker: WorkerLike, drained: bool, everyone: bool = False) -> None:
     """Note in the worker's watchdog slot that an operator's drain holds it (``manage.py drain``;
     ``undrain`` lets go), so a process the supervisor starts in its place (after a crash, a SIGKILL,
     a watchdog kill, a recycle) starts drained too: a drained deployment stays drained until
-    ``undrain``. A SIGTERM drain is not held: it ends in the worker's exit, and the operator who
-    stops one worker wants its replacement to serve."""
+    ``undrain``. ``everyone``: the drain was of every worker (not ``--worker``), so any worker that
+    starts while this one is held starts drained as well (``execapp.server``). A SIGTERM drain is
+    not held: it ends in the worker's exit."""
     watch = getattr(worker, "watch", None)
     if watch is not None:
-        watch.slot.drained = int(drained)
+        watch.slot.drained = (HELD_ALL if everyone else HELD_ALONE) if drained else 0  # execapp.watchdog
 
 
 def undrain_worker(worker: WorkerLike) -> dict[str, Any]:

@@ -12,71 +12,147 @@ clients posting wrong passwords kept 40 threads busy on a 2-core machine, and ``
 refused before any hashing with a ``ValidationError`` (code ``login_busy``), which the login form
 shows as its error ("try again in a moment"). A flood of attempts then costs a worker at most that
 many threads of CPU, whatever its size; a legitimate sign-in waits a moment behind it at worst.
-Refusals are counted in ``execapp_password_checks_refused_total``.
+Alone, that cap was a lockout: one client's attempts on a few connections held every slot and
+staff signing in from anywhere else were refused while it lasted. So a client network that has a
+check running may not take the last free slot (it is kept for another network), and failed
+sign-ins are counted per client network and per username (``execapp/login_throttle.py``): past
+``LOGIN_FAILURES_BURST`` of them an attempt from that network, or for that username from a network
+that never signed it in, is refused before hashing (code ``login_throttled``, with the seconds to
+wait). Refusals are counted in ``execapp_password_checks_refused_total{reason}``.
 """
 from __future__ import annotations
 
 import logging
+import math
+import threading
 from typing import Any
 
+from django.contrib.auth import get_user_model
 from django.contrib.auth.backends import ModelBackend
 from django.core.exceptions import ValidationError
 
-from . import conf, metrics
+from . import conf, login_throttle, metrics
 from .engine.ratelog import RateLimitedLog
-from .running_cap import RunningCap
 
 log = logging.getLogger("execapp.login_limit")
 _rare = RateLimitedLog(log, 60.0)
 
 #: The ValidationError code of a sign-in refused because the worker checks enough passwords already.
 LOGIN_BUSY = "login_busy"
+#: The ValidationError code of a sign-in refused because its network or username failed too often.
+LOGIN_THROTTLED = "login_throttled"
 
 # Django runs each request's view in a thread of its own (and aauthenticate on the loop): one
-# count for both.
-_checks = RunningCap()
+# lock for the count of checks running, in all and per client network ("" for no address).
+_lock = threading.Lock()
+_running: dict[str, int] = {}
+_total = 0
 
 
-def _begin() -> None:
-    """Count one password check in, or raise the ``login_busy`` ValidationError when the worker is at the cap."""
-    limit = int(conf.get("MAX_PASSWORD_CHECKS"))
-    if _checks.acquire(limit):
-        return
-    metrics.PASSWORD_CHECKS_REFUSED.inc()
+def _refuse_busy(limit: int) -> None:
+    metrics.PASSWORD_CHECKS_REFUSED.labels("busy").inc()
     _rare.warning(LOGIN_BUSY, "refused a sign-in attempt: %d password checks already run on this worker "
                   "(EXECAPP['MAX_PASSWORD_CHECKS']); a flood of login attempts?", limit)
     raise ValidationError(f"This server is checking {limit} other sign-in attempts right now; try again in a "
                           "moment.", code=LOGIN_BUSY)
 
 
-def _end() -> None:
-    _checks.release()
+def _refuse_throttled(reason: str, wait: float, network: str | None) -> None:
+    metrics.PASSWORD_CHECKS_REFUSED.labels(reason).inc()
+    seconds = max(1, math.ceil(wait)) if math.isfinite(wait) else 60
+    _rare.warning(LOGIN_THROTTLED + reason, "refused a sign-in attempt unhashed: too many failed sign-ins %s "
+                  "(EXECAPP['LOGIN_FAILURES_BURST']); last from network %s", f"for its {reason}", network)
+    if reason == login_throttle.NETWORK:
+        text = f"Too many failed sign-ins from your network; try again in {seconds} s."
+    else:
+        text = (f"Too many failed sign-ins for this username; try again in {seconds} s, or from a network "
+                "it signed in from before.")
+    raise ValidationError(text, code=LOGIN_THROTTLED)
+
+
+def _begin(network: str | None) -> None:
+    """Count one password check in, or raise ``login_busy`` when the worker is at its cap (or at
+    its last slot, and this network already has a check running)."""
+    global _total
+    limit = int(conf.get("MAX_PASSWORD_CHECKS"))
+    key = network or ""
+    with _lock:
+        mine = _running.get(key, 0)
+        # No address (a Unix socket): every client would share one key, so the global cap alone.
+        if _total >= limit or (mine and network and _total >= limit - 1):
+            refused = True
+        else:
+            refused = False
+            _running[key] = mine + 1
+            _total += 1
+    if refused:
+        _refuse_busy(limit)
+
+
+def _end(network: str | None) -> None:
+    global _total
+    key = network or ""
+    with _lock:
+        _total -= 1
+        left = _running[key] - 1
+        if left:
+            _running[key] = left
+        else:
+            del _running[key]  # so the table holds only networks with a check running
 
 
 def running() -> int:
     """Password checks running now in this process."""
-    return _checks.now
+    return _total
+
+
+def _admit(request: Any, username: Any) -> tuple[Any, str | None, str | None]:
+    """Refuse an attempt whose network or username is throttled, then count its check in."""
+    throttle = login_throttle.current()
+    network, name = login_throttle.request_network(request), login_throttle.username_key(username)
+    refusal = throttle.refusal(network, name)
+    if refusal is not None:
+        _refuse_throttled(*refusal, network)
+    _begin(network)
+    return throttle, network, name
+
+
+def _judged(throttle: Any, network: str | None, name: str | None, user: Any) -> Any:
+    """Count a hashed attempt's outcome (no user: a failure)."""
+    if user is None:
+        throttle.failed(network, name)
+    else:
+        throttle.succeeded(network, name)
+    return user
+
+
+def _username(username: str | None, kwargs: dict[str, Any]) -> Any:
+    """The name an attempt signs in with (ModelBackend reads USERNAME_FIELD when ``username`` is not given)."""
+    return username if username is not None else kwargs.get(get_user_model().USERNAME_FIELD)
 
 
 class LimitedModelBackend(ModelBackend):
-    """Django's ModelBackend, at most MAX_PASSWORD_CHECKS at once per process (see the module)."""
+    """Django's ModelBackend, at most MAX_PASSWORD_CHECKS at once per process and failed sign-ins
+    throttled per network and username (see the module)."""
 
     def authenticate(self, request: Any, username: str | None = None, password: str | None = None,
                      **kwargs: Any) -> Any:
         if password is None:  # nothing to hash: ModelBackend returns at once
             return None
-        _begin()
+        throttle, network, name = _admit(request, _username(username, kwargs))
         try:
-            return super().authenticate(request, username, password, **kwargs)
+            user = super().authenticate(request, username, password, **kwargs)
         finally:
-            _end()
+            _end(network)  # an exception (the database) is no verdict on the password: not counted
+        return _judged(throttle, network, name, user)
 
     async def aauthenticate(self, request: Any, username: str | None = None, password: str | None = None,
                             **kwargs: Any) -> Any:
         if password is None:
             return None
-        _begin()
+        throttle, network, name = _admit(request, _username(username, kwargs))
         try:
-            return await super().aauthenticate(request, username, password, **kwargs)
+            user = await super().aauthenticate(request, username, password, **kwargs)
         finally:
-            _end()
+            _end(network)  # an exception (the database) is no verdict on the password: not counted
+        return _judged(throttle, network, name, user)

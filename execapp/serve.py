@@ -112,7 +112,7 @@ class Supervisor:
         self.signals.append(sig)
         self.should_exit.set()
 
-    def _spawn(self, replaces: Child | None = None, drained: bool = False) -> Child | None:
+    def _spawn(self, replaces: Child | None = None, drained: int = 0) -> Child | None:
         assert self.slots is not None and self._sock is not None and self.watch_dir is not None  # run() set them
         if not self._free:
             log.error("no free watchdog slot for a new worker process (%d in use); retrying", self.slots.count)
@@ -121,7 +121,7 @@ class Supervisor:
         # mark, for a post-mortem) is reused as late as possible.
         slot = self.slots.slot(self._free.popleft())
         slot.clear()
-        slot.drained = int(drained)  # the worker drains before it listens (execapp.drain.hold_drained)
+        slot.drained = int(drained)  # the worker drains before it listens (execapp.drain.hold_drained; its scope kept)
         target = functools.partial(run_worker_process, self.config, self.grace, self.reuse_port, self.watch_dir,
                                    slot.index)
         process = get_subprocess(self.config, target, [] if self.reuse_port else [self._sock])
@@ -195,7 +195,7 @@ class Supervisor:
                     and self.backoff.may_start(now)):
                 log.warning("worker process [%s] asks to be recycled (%d pool threads stuck past their deadline): "
                             "starting its replacement", child.pid, child.slot.stuck)
-                child.replacement = self._spawn(replaces=child, drained=bool(child.slot.drained))
+                child.replacement = self._spawn(replaces=child, drained=child.slot.drained)
             new = child.replacement
             if new is not None and not child.retiring and new.slot.state == watchdog.STATE_READY:
                 log.warning("worker process [%s] listens: draining worker process [%s] (SIGTERM)", new.pid,
@@ -227,7 +227,7 @@ class Supervisor:
         # Held drained by an operator and gone without its own shutdown (a crash, a SIGKILL, the
         # watchdog): whatever takes its place starts drained. A SIGTERMed worker exits cleanly and
         # its replacement serves (the operator restarted it).
-        drained = bool(child.slot.drained) and child.slot.state != watchdog.STATE_EXITING
+        drained = child.slot.drained if child.slot.state != watchdog.STATE_EXITING else 0
         if child.replaces is not None:  # a replacement died before taking over: the original serves on
             delay = self.backoff.failed(now)
             log.warning("replacement worker process [%s] died with exit code %s before it listened (%d failed "
@@ -372,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the default where SO_REUSEPORT exists: connections spread evenly)")
     p.add_argument("--forwarded-allow-ips", default=env.get("FORWARDED_ALLOW_IPS"),
                    help="proxies whose X-Forwarded-* headers are trusted (env FORWARDED_ALLOW_IPS)")
+    p.add_argument("--skip-checks", action="store_true",
+                   help="start even if `manage.py check` reports errors (by default the server does not start)")
     return p
 
 
@@ -421,22 +423,45 @@ def make_config(args: argparse.Namespace) -> uvicorn.Config:
     )
 
 
+def settings_pass_checks() -> bool:
+    """Django's system checks, as ``manage.py check`` runs them (the EXECAPP settings' among them),
+    before any worker starts: False, with every error and its hint logged, when one fails."""
+    from django.conf import settings
+    from django.core import checks
+
+    # Without this a mistake reached the workers: a value their code refused crashed each start
+    # (the supervisor restarted them for ever, a traceback each), one it did not (a negative
+    # threshold, nan) served silently wrong. Warnings are logged and the server starts.
+    silenced = set(getattr(settings, "SILENCED_SYSTEM_CHECKS", ()))
+    issues = [m for m in checks.run_checks() if m.id not in silenced and m.level >= checks.WARNING]
+    for issue in issues:  # one record each: the plain log format keeps a record on one line
+        log.log(logging.ERROR if issue.is_serious() else logging.WARNING, "%s: %s%s", issue.id, issue.msg,
+                f" (hint: {issue.hint})" if issue.hint else "")
+    errors = sum(1 for issue in issues if issue.is_serious())
+    if errors:
+        log.error("not starting: %d error(s) in the settings above (`manage.py check` lists them too; "
+                  "--skip-checks starts anyway)", errors)
+    return not errors
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server: a Supervisor (the watchdog) over ``--workers`` spawned worker processes, one included."""
     args = build_parser().parse_args(argv)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
     sys.path.insert(0, os.getcwd())
-    config = make_config(args)
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Several processes (a recycle runs a replacement beside its predecessor even with one
         # worker): /metrics must add them up (prometheus_client's multiprocess mode,
         # docs/observability.md). Set before the workers start, as prometheus_client requires.
-        path = os.path.join(tempfile.gettempdir(), f"execapp-prometheus-{config.port}")
+        path = os.path.join(tempfile.gettempdir(), f"execapp-prometheus-{args.port}")
         os.makedirs(path, exist_ok=True)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
     import django
 
     django.setup()
+    if not args.skip_checks and not settings_pass_checks():
+        return STARTUP_FAILURE
+    config = make_config(args)
     from . import conf
 
     grace = args.grace if args.grace is not None else float(conf.get("SHUTDOWN_GRACE_SECONDS"))

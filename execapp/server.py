@@ -88,6 +88,14 @@ class ExecServer(uvicorn.Server):
                         STARTUP_READY_SECONDS)
         if self.watch is not None and self.watch.slot.drained:
             await self._start_drained()
+        elif self.watch is not None and self.watch.slots.drained_siblings(self.watch.slot.index, watchdog.HELD_ALL):
+            # It was starting (or dead, its replacement not yet up) when `manage.py drain` was sent
+            # to every worker, so the drain never reached it: before, `drain` said every worker
+            # drained (exit 0) and this one then served.
+            from .drain import hold_drained  # here: the supervisor imports this module, and no engine
+
+            hold_drained(self.worker, True, everyone=True)
+            await self._start_drained("a sibling worker is held drained by `manage.py drain` of every worker")
         await super().startup(sockets)
         if self.watch is not None and self.started and not self.should_exit:
             self.watch.slot.state = watchdog.STATE_READY  # listening: the supervisor may retire a predecessor
@@ -98,15 +106,17 @@ class ExecServer(uvicorn.Server):
                   "would watch or replace this worker and a new supervisor would serve beside it", os.getpid())
         self.handle_exit(signal.SIGTERM, None)
 
-    async def _start_drained(self) -> None:
-        """The supervisor started this worker in place of one an operator had drained: drain before
-        listening, so no event is accepted until ``manage.py undrain`` (execapp.drain.hold_drained)."""
+    async def _start_drained(self, why: str = "the worker it replaces was drained (manage.py drain) when it died"
+                             ) -> None:
+        """An operator's drain holds this worker (it replaces one that was drained, or a drain of every
+        worker holds a sibling): drain before listening, so no event is accepted until ``manage.py
+        undrain`` (execapp.drain.hold_drained)."""
         from .drain import drain_worker
 
         assert self.worker is not None
         await asyncio.to_thread(drain_worker, self.worker, 0.0, flush=False)
-        log.warning("worker %s starts drained: the worker it replaces was drained (manage.py drain) when it died; "
-                    "it refuses events with `draining` until `manage.py undrain`", self.worker.id)
+        log.warning("worker %s starts drained: %s; it refuses events with `draining` until `manage.py undrain`",
+                    self.worker.id, why)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # 1. New clients. If sibling workers serve (a recycle, or one worker stopped alone), close

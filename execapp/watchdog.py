@@ -40,6 +40,9 @@ from typing import Any
 ENV_DIR = "EXECAPP_WATCHDOG_DIR"
 ENV_SLOT = "EXECAPP_WATCHDOG_SLOT"
 SLOTS_FILE = "slots"
+#: A slot's ``drained``: held by a drain of its worker alone (``drain --worker``), or by a drain
+#: of every worker (``drain``), which a worker starting beside it follows too (execapp.drain).
+HELD_ALONE, HELD_ALL = 1, 2
 
 MAGIC = b"EXWD0001"
 HEADER_SIZE = 64
@@ -139,6 +142,12 @@ class SlotFile:
             if slot.state in (STATE_READY, STATE_RECYCLE) and now - slot.heartbeat < FRESH_SECONDS:
                 count += 1
         return count
+
+    def drained_siblings(self, own: int, held: int) -> int:
+        """How many other slots belong to a worker that serves now and whose ``drained`` is ``held``."""
+        now = time.monotonic()
+        return sum(1 for i in range(self.count) if i != own and (slot := self.slot(i)).drained == held
+                   and slot.state in (STATE_READY, STATE_RECYCLE) and now - slot.heartbeat < FRESH_SECONDS)
 
     def read(self) -> list[dict[str, Any]]:
         """Every non-empty slot as a dict (tests and post-mortems)."""

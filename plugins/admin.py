@@ -5,6 +5,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.db import transaction
+from django.utils import timezone
 from django.utils.html import format_html
 
 from execapp.history_admin import events_url
@@ -54,7 +55,7 @@ class PluginAdmin(admin.ModelAdmin):
     readonly_fields = ["version", "module_size", "kv_stored", "created_at", "updated_at", "failures_link"]
     actions = ["enable_plugins", "disable_plugins"]
     fieldsets = [
-        (None, {"fields": ["name", "description", "runtime", "enabled", "version"]}),
+        (None, {"fields": ["name", "description", "runtime", "enabled", "version", "loaded_at"]}),
         ("Code", {"fields": ["source", "upload", "module_size"],
                   "description": "Edit the source, or upload a file (a runtime's source text, or its binary, "
                                  "e.g. .wasm). Saving validates it in the sandbox."}),
@@ -108,7 +109,9 @@ class PluginAdmin(admin.ModelAdmin):
 
     def _set_enabled(self, request: Any, queryset: Any, enabled: bool) -> None:
         with transaction.atomic():
-            count = queryset.update(enabled=enabled)
+            # updated_at too (update() skips auto_now): a page opened before this is refused, not
+            # allowed to switch the plugin back unseen.
+            count = queryset.update(enabled=enabled, updated_at=timezone.now())
             RegistryState.bump()
             transaction.on_commit(refresh_tracked_engines)
         self.message_user(request, f"{count} plugin(s) {'enabled' if enabled else 'disabled'}.", messages.SUCCESS)

@@ -22,7 +22,7 @@ class PluginsConfig(AppConfig):
         """Connect the signals, give the runtimes' host API its KV store and allowed networks, and register with
         execapp what its workers run and report (execapp never imports this app)."""
         # Imported here, not at the top: Django imports apps.py before models can be loaded.
-        from . import kv, signals, sync  # noqa: F401  (signals: connects the receivers)
+        from . import checks, kv, signals, sync  # noqa: F401  (signals, checks: register themselves)
 
         kvstore.install(kv.ConfiguredKV())
         host.install_allowed_networks(http_allowed_networks)

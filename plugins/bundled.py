@@ -12,6 +12,7 @@ from django.db import transaction
 
 from . import spec as specs
 from .errors import PluginInvalid
+from .manifest import read_manifest
 from .models import QUOTA_FIELDS, Binding, Plugin
 
 EXAMPLES_DIR = Path(__file__).resolve().parent / "examples"
@@ -75,12 +76,11 @@ def load_directory(directory: Path = EXAMPLES_DIR, say: Callable[[str], None] = 
     one edited since (in the admin or anywhere else) is "skipped" and kept as it is, unless
     ``force``, which makes it exactly the manifest's (bindings it does not list are deleted).
     Unchanged plugins are not saved again (no registry bump). Raises PluginInvalid (nothing is
-    saved) if any plugin or binding fails validation."""
-    manifest = json.loads((directory / "manifest.json").read_text())
+    saved) if the manifest (plugins.manifest) or any plugin or binding fails validation."""
+    entries = read_manifest(directory)  # every entry checked before anything is saved
     results = []
     with transaction.atomic():
-        for entry in manifest["plugins"]:
-            source = (directory / entry["file"]).read_text()
+        for entry, source in entries:
             wanted = _defaults(entry, source)
             wanted_fp = fingerprint(wanted, _wanted_bindings(entry))
             plugin = Plugin.objects.filter(name=entry["name"]).first()

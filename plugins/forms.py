@@ -5,6 +5,7 @@ from typing import Any
 
 from django import forms
 from django.core.exceptions import ValidationError
+from django.db import transaction
 from django.forms.models import BaseInlineFormSet
 
 from .errors import PluginInvalid
@@ -26,6 +27,9 @@ class PluginForm(forms.ModelForm):
     permissions = forms.MultipleChoiceField(choices=[(p, p) for p in PERMISSIONS], required=False,
                                             widget=forms.CheckboxSelectMultiple,
                                             help_text="Host API calls this plugin may make.")
+    #: The plugin's updated_at when the page was opened: a save over a newer version is refused
+    #: (two operators editing one plugin: the later save silently undid the earlier one).
+    loaded_at = forms.CharField(widget=forms.HiddenInput, required=False)
 
     class Meta:
         model = Plugin
@@ -36,6 +40,8 @@ class PluginForm(forms.ModelForm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.instance.pk and self.instance.updated_at:
+            self.initial["loaded_at"] = self.instance.updated_at.isoformat()
         # A quota left empty takes its default (and forms posted before quotas existed still save).
         for name in QUOTA_FIELDS:
             if name in self.fields:
@@ -46,6 +52,7 @@ class PluginForm(forms.ModelForm):
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean()
+        self._refuse_stale_edit(cleaned.get("loaded_at") or "")
         for name in QUOTA_FIELDS:
             if cleaned.get(name) is None:
                 cleaned[name] = Plugin._meta.get_field(name).get_default()
@@ -77,6 +84,23 @@ class PluginForm(forms.ModelForm):
             self.instance.module = None  # recompiled from the text form on validation
         cleaned["permissions"] = list(cleaned.get("permissions") or [])
         return cleaned
+
+
+    def _refuse_stale_edit(self, loaded_at: str) -> None:
+        """Refuse (code ``plugin_changed``) a save of a page opened before the plugin's last save."""
+        if not self.instance.pk or not loaded_at:  # a new plugin, or a post that does not say (a script)
+            return
+        rows = Plugin.objects.filter(pk=self.instance.pk)
+        if transaction.get_connection().in_atomic_block:
+            # The admin validates and saves in one transaction: the row stays locked until this save
+            # commits, so of two concurrent saves of one page version the second sees the first's.
+            rows = rows.select_for_update()
+        current = rows.values_list("updated_at", flat=True).first()
+        if current is not None and current.isoformat() != loaded_at:
+            raise ValidationError(
+                f"plugin {self.instance.name!r} was changed by someone else at {current:%Y-%m-%d %H:%M:%S} UTC, "
+                "after you opened this page: nothing was saved. Reload the page to see the plugin as it is now, "
+                "then make your changes again.", code="plugin_changed")
 
 
 def _upload_kinds(runtime: registry.Runtime) -> str:

@@ -22,6 +22,12 @@ _now = time.monotonic
 _compiled: "collections.OrderedDict[tuple, Compiled]" = collections.OrderedDict()
 _compiled_lock = threading.Lock()
 COMPILED_CACHE_SIZE = 128
+#: How long a refusal of one exact spec is remembered: one admin save validates the code in the
+#: form, in the bindings' formset and at save, and a top level that ran past a 60 s timeout ran
+#: past it once for each (the page answered after 2x the budget). Long enough for the repeats
+#: of one request; short enough that saving again after a busy moment compiles again.
+REFUSAL_MEMORY_SECONDS = 5.0
+_refused: "collections.OrderedDict[tuple, tuple[float, CompileError]]" = collections.OrderedDict()
 
 #: Seconds the engine allows a plugin's handler beyond its ``timeout_ms`` before its pool
 #: watcher reports it ``timeout`` and counts the thread stuck. The sandbox stops a guest at
@@ -41,6 +47,7 @@ def _drop_compiled() -> None:
     # by their modules' exit hooks.)
     with _compiled_lock:
         _compiled.clear()
+        _refused.clear()
 
 
 def compiled_for(spec: PluginSpec) -> Compiled:
@@ -51,7 +58,20 @@ def compiled_for(spec: PluginSpec) -> Compiled:
         if compiled is not None:
             _compiled.move_to_end(key)
             return compiled
-    compiled = compile_plugin(spec)  # outside the lock: compiling may take milliseconds
+        refused = _refused.get(key)
+        if refused is not None and _now() - refused[0] < REFUSAL_MEMORY_SECONDS:
+            # The same spec, refused a moment ago: not run again (a new exception: one shared
+            # object would collect every raiser's traceback).
+            raise CompileError(str(refused[1]), code=refused[1].code)
+    try:
+        compiled = compile_plugin(spec)  # outside the lock: compiling may take milliseconds (a top level, seconds)
+    except CompileError as exc:
+        with _compiled_lock:
+            _refused[key] = (_now(), exc)
+            _refused.move_to_end(key)
+            while len(_refused) > COMPILED_CACHE_SIZE:
+                _refused.popitem(last=False)
+        raise
     with _compiled_lock:
         _compiled[key] = compiled
         while len(_compiled) > COMPILED_CACHE_SIZE:

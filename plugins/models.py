@@ -15,6 +15,7 @@ from . import spec as specs
 from .errors import CompileError, PluginInvalid
 from .loaded import validate
 from .runtimes import registry
+from .runtimes.host import allowlist_entry_problem
 
 NAME_VALIDATOR = RegexValidator(r"^[a-z0-9][a-z0-9_-]{0,62}$",
                                 "Use 1-63 lowercase letters, digits, '_' or '-', starting with a letter or digit.")
@@ -157,6 +158,10 @@ class Plugin(models.Model):
                 raise PluginInvalid(f"plugin {self.name!r}: {field} {getattr(self, field)} is above "
                                     f"{specs.MAX_INSTANCES}, the most instances or calls at once per worker "
                                     "process; lower it (each may hold memory_mb)")
+        for entry in self.allowlist():
+            problem = allowlist_entry_problem(entry)
+            if problem is not None:  # it would deny every http_get to the host meant, silently
+                raise PluginInvalid(f"plugin {self.name!r}: {problem}")
         longest = conf.get("MAX_HANDLER_TIMEOUT_SECONDS")
         if self.timeout_ms / 1000 > longest:
             raise PluginInvalid(f"plugin {self.name!r}: timeout_ms {self.timeout_ms} is above the longest handler "

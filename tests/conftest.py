@@ -325,3 +325,12 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Any:
     manual = ManualClock()
     monkeypatch.setattr(time, "monotonic", manual)
     return manual
+
+
+@pytest.fixture(autouse=True)
+def _fresh_login_throttle() -> None:
+    """Each test starts with no failed sign-ins counted (execapp/login_throttle.py keeps them per
+    process: one test's wrong passwords from 127.0.0.1 would throttle the next test's)."""
+    from execapp import login_throttle
+
+    login_throttle._current = None

@@ -323,6 +323,20 @@ def _ip_literal(host: str) -> deadline_net.Address | None:
         return None
 
 
+def allowlist_entry_problem(entry: str) -> str | None:
+    """Why an ``http_allowlist`` entry can never match a URL's host (what to write instead), or
+    None if it is a host name, a ``*.domain`` wildcard or an IP address (``host_allowed``'s forms)."""
+    host = entry.strip().lower()
+    if _ip_literal(host) is not None:
+        return None
+    name = host[2:] if host.startswith("*.") else host
+    if any(c in name for c in "/:@?#*[] \t") or not name or ".." in name or name[0] == "." or name[-1] == ".":
+        example = "; a wildcard is *.example.com" if "*" in host else " (no scheme, port, path, user or final dot)"
+        return (f"http_allowlist entry {entry.strip()!r} is not a host name and matches no URL: write the host "
+                f"alone, e.g. api.example.com{example}")
+    return None
+
+
 def host_allowed(hostname: str, allowlist: tuple[str, ...]) -> bool:
     """True if ``hostname`` is listed exactly, or is a name (not an address) matching a ``*.domain`` entry."""
     hostname = hostname.lower().rstrip(".")

@@ -180,6 +180,8 @@ def test_an_inline_binding_needs_change_binding(admin: Client) -> None:
     assert response.status_code == 302, response.content.decode()[-3000:]
     binding.refresh_from_db()
     assert (binding.pattern, binding.handler) == ("ping", "ping")
+    data = form_data(admin.get(_change_url(PLUGINS, plugin)))  # the page again: the one above is stale now
+    data[f"{prefix}-pattern"], data[f"{prefix}-handler"] = "hijack", "pong"
     staff("binder", VIEW_ONLY + ["plugins.change_plugin", "plugins.change_binding"]).post(
         _change_url(PLUGINS, plugin), data)
     binding.refresh_from_db()

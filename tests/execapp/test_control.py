@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -19,7 +20,7 @@ from execapp.control_thread import ControlThread
 from execapp.drain import drain_worker, undrain_worker
 from execapp.engine import Completion
 from execapp.engine.engine import running_handlers
-from execapp.management.commands._control import drain_line, status_lines
+from execapp.management.commands._control import drain_line, missing_lines, status_lines
 from execapp.status import worker_status
 from execapp.worker import Worker
 from tests.conftest import redis_test_prefix, wait_until_async
@@ -245,6 +246,45 @@ async def test_a_registered_worker_that_stays_silent_is_named(settings: Any) -> 
         assert list(result.answers) == ["alive"] and result.missing == ["hung"]
     finally:
         await stop_listeners(tasks)
+
+
+async def test_a_worker_that_stopped_beating_is_still_asked_and_a_silent_one_fails_the_drain(settings: Any) -> None:
+    # Its loop stalled, or its Redis connection lost while the command's works: it stops beating and
+    # may still serve. Before, it was not asked after LIVE_SECONDS, and a drain said all drained (exit 0).
+    settings.EXECAPP = {"WORKER_DROP_SECONDS": 60.0}
+    layer, registry = InMemoryChannelLayer(), LocalRegistry()
+    tasks = await start_listeners([Worker("alive")], layer, registry)
+    # "resumed" listens but its beats went elsewhere: it answers when asked, and counts.
+    tasks += await start_listeners([Worker("resumed")], layer, LocalRegistry())
+    now = time.time()
+    registry._beats.update({"stalled": (now - 20, {"pid": 0}), "resumed": (now - 30, {"pid": 0}),
+                            "forgotten": (now - 120, {"pid": 0})})  # past WORKER_DROP_SECONDS: not expected
+    try:
+        result = await control.request("drain", layer=layer, registry=registry, timeout=0.1, wait=1.0)
+        assert sorted(result.answers) == ["alive", "resumed"] and result.missing == ["stalled"]
+        assert set(result.silent) == {"stalled", "resumed"} and 19 <= result.silent["stalled"] <= 25
+        [line] = missing_lines(result)
+        assert line.startswith("worker stalled: did not answer within") and "silent for" in line
+        assert "it may still be serving" in line
+        assert (await control.request("status", layer=layer, registry=registry, worker="stalled", wait=0.3)
+                ).missing == ["stalled"]  # named alone too, not "no live worker"
+    finally:
+        await stop_listeners(tasks)
+
+
+@pytest.mark.redis
+def test_the_redis_registry_lists_workers_that_stopped_beating(redis_url: str) -> None:
+    registry = RedisRegistry(redis_url, redis_test_prefix("silent"))
+    try:
+        registry.beat("fresh", {"pid": 1})
+        registry.beat("stalled", {"pid": 2})
+        registry.redis.zadd(registry.key, {"stalled": time.time() - 20, "forgotten": time.time() - 120})
+        assert sorted(registry.live()) == ["fresh"]
+        silent = registry.silent(60.0)
+        assert list(silent) == ["stalled"] and 19 <= silent["stalled"][0] <= 25 and silent["stalled"][1] == {"pid": 2}
+    finally:
+        for wid in ("fresh", "stalled", "forgotten"):
+            registry.remove(wid)
 
 
 def test_commands_explain_that_the_in_memory_layer_cannot_reach_the_server(settings: Any) -> None:

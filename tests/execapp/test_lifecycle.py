@@ -206,6 +206,34 @@ async def test_a_drained_worker_killed_is_replaced_by_a_drained_one_until_undrai
     assert (await first_frame(server.ws_url, "/stall", "d"))["text"] == f"pid {newest}"
 
 
+async def test_a_worker_restarting_while_every_worker_is_drained_starts_drained(start: Any) -> None:
+    """A worker that died just before `manage.py drain` (its replacement still starting) was not
+    reached by it: the drain said every worker drained (exit 0) and the replacement then served."""
+    redis = {"REDIS_URL": require_service("Redis", REDIS_TEST_URL), "REDIS_PREFIX": redis_test_prefix("life")}
+    server = await asyncio.to_thread(start, env=redis, workers=2)
+    victim, other = sorted(worker_pids(server))
+    os.kill(victim, signal.SIGKILL)  # the drain below is sent while its replacement starts
+    drained = await asyncio.to_thread(manage, "drain", "--timeout", "5", env=server.env)
+    assert drained.returncode == 0, drained.stdout + drained.stderr
+    assert await asyncio.to_thread(wait_until, lambda: len(worker_pids(server) - {victim}) == 2, START_BOUND), \
+        server.log()
+    (new,) = worker_pids(server) - {victim, other}
+    status = await asyncio.to_thread(manage, "execstatus", "--json", env=server.env)
+    states = {a["pid"]: a["draining"] for a in json.loads(status.stdout)["workers"].values()}
+    assert states == {other: True, new: True}, f"the replacement {new} serves: {states}\n{server.log()}"
+    undrained = await asyncio.to_thread(manage, "undrain", env=server.env)
+    assert undrained.returncode == 0, undrained.stdout + undrained.stderr
+    # A drain of one worker (--worker) holds that one only: a sibling's replacement serves.
+    wid = next(w for w, a in json.loads(status.stdout)["workers"].items() if a["pid"] == other)
+    assert (await asyncio.to_thread(manage, "drain", "--worker", wid, "--timeout", "5", env=server.env)).returncode == 0
+    os.kill(new, signal.SIGKILL)
+    assert await asyncio.to_thread(wait_until, lambda: len(worker_pids(server) - {victim, new}) == 2, START_BOUND)
+    (newest,) = worker_pids(server) - {victim, new, other}
+    status = await asyncio.to_thread(manage, "execstatus", "--json", env=server.env)
+    states = {a["pid"]: a["draining"] for a in json.loads(status.stdout)["workers"].values()}
+    assert states == {other: True, newest: False}, states
+
+
 # -- a dead worker and the operator's commands ----------------------------------------------------
 
 async def test_a_worker_whose_process_is_gone_is_not_waited_for_nor_counted_as_silent(settings: Any) -> None:

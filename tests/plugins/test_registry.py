@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import html
+import re
 from typing import Any
 
 import pytest
@@ -66,6 +67,22 @@ def test_what_one_plugin_may_make_each_worker_hold_is_bounded(field: str, value:
     Plugin.objects.create(name="big", runtime="lua", source="function a(ev) return 'a' end", **{field: limit})
 
 
+@pytest.mark.parametrize("entry", ["https://api.example.com", "api.example.com:8443", "api.example.com/v1", "*",
+                                   "*.*", "*example.com", "user@api.example.com", "api..example.com",
+                                   "api.example.com."])
+def test_an_allowlist_entry_that_can_match_no_host_is_refused_naming_it(entry: str) -> None:
+    # host_allowed compares a URL's host name with each entry: these matched nothing, and every
+    # http_get to the host the operator meant was denied at run time instead.
+    from plugins.runtimes.host import host_allowed
+
+    assert not host_allowed("api.example.com", (entry,))
+    with pytest.raises(PluginInvalid, match=re.escape(f"http_allowlist entry '{entry}' is not a host name")):
+        Plugin.objects.create(name="h", runtime="lua", source="function a(ev) return 'a' end",
+                              http_allowlist=f"ok.example.com\n{entry}")
+    good = "api.example.com\n*.example.org, 203.0.113.5\n[2001:db8::1]\nbücher.de"
+    Plugin.objects.create(name="h", runtime="lua", source="function a(ev) return 'a' end", http_allowlist=good)
+
+
 def test_editing_code_away_from_a_bound_handler_is_refused() -> None:
     plugin = Plugin.objects.create(name="p", runtime="lua", source="function a(ev) return 'a' end")
     Binding.objects.create(plugin=plugin, pattern="a", handler="a")
@@ -120,6 +137,42 @@ def test_admin_shows_the_runtime_message_for_a_syntax_error(admin_client) -> Non
     assert not Plugin.objects.filter(name="up").exists()
 
 
+def test_one_admin_save_runs_a_refused_top_level_once(admin_client, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The form, the bindings' formset and the save each validate the code: a top level that ran
+    # past its budget ran past it once for each, and the page answered after 2x timeout_ms.
+    from plugins import loaded
+
+    runs: list[str] = []
+    real = loaded.compile_plugin
+    monkeypatch.setattr(loaded, "compile_plugin", lambda spec: runs.append(spec.name) or real(spec))
+    response = admin_client.post("/admin/plugins/plugin/add/", _form(
+        source="while true do end\nfunction up(ev) return 'x' end", timeout_ms="200"))
+    body = html.unescape(response.content.decode())
+    assert response.status_code == 200 and "the top level ran past the plugin's timeout of 200 ms" in body
+    assert "plugin 'up' (handlers up): the lua runtime refused" in body  # still names the bound handler
+    assert runs == ["up"], "the same refused code ran in the sandbox again within one save"
+    # Once the refusal is no longer fresh, saving again runs it again (a busy moment is not remembered).
+    monkeypatch.setattr(loaded, "REFUSAL_MEMORY_SECONDS", 0.0)
+    admin_client.post("/admin/plugins/plugin/add/", _form(source="while true do end\nfunction up(ev) end",
+                                                          timeout_ms="200"))
+    assert runs == ["up", "up", "up"]
+
+
+def test_admin_takes_a_source_up_to_the_code_limit_and_names_the_limit_past_it(admin_client, settings) -> None:
+    # Django read at most 2.5 MiB of form data: a source between that and the 4 MiB code limit
+    # was a bare "Bad Request (400)", no reason given.
+    from plugins.checks import check_the_admin_takes_the_largest_code
+
+    source = "function up(ev) return 'x' end\n" + "-- padding line\n" * (3 * 1_048_576 // 16)
+    response = admin_client.post("/admin/plugins/plugin/add/", _form(source=source))
+    assert response.status_code == 302 and len(Plugin.objects.get(name="up").source) > 3 * 1_048_576
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 2_621_440  # Django's default
+    assert [m.id for m in check_the_admin_takes_the_largest_code()] == ["plugins.W001"]
+    response = admin_client.post("/admin/plugins/plugin/add/", _form(name="up2", source=source))
+    body = response.content.decode()
+    assert response.status_code == 400 and "DATA_UPLOAD_MAX_MEMORY_SIZE = 2621440" in body
+
+
 def test_admin_refuses_a_binding_to_a_missing_handler(admin_client) -> None:
     response = admin_client.post("/admin/plugins/plugin/add/",
                                  _form(source="function other(ev) return 'x' end"))
@@ -163,6 +216,36 @@ def test_admin_enable_disable_actions(admin_client) -> None:
     admin_client.post("/admin/plugins/plugin/", {"action": "enable_plugins", "_selected_action": [pk]})
     assert Plugin.objects.get(pk=pk).enabled
     assert RegistryState.current() == v0 + 2
+
+
+def _opened(admin_client, pk: int) -> dict[str, Any]:
+    """The change form of plugin ``pk`` as a browser would post it back unchanged."""
+    page = admin_client.get(f"/admin/plugins/plugin/{pk}/change/").content.decode()
+    binding = Binding.objects.get(plugin_id=pk)
+    return _form(**{"loaded_at": html.unescape(re.search(r'name="loaded_at" value="([^"]+)"', page).group(1)),
+                    "source": "function up(ev) return 'a' end", "bindings-INITIAL_FORMS": "1",
+                    "bindings-0-id": str(binding.pk), "bindings-0-plugin": str(pk)})
+
+
+def test_a_save_from_a_page_opened_before_anothers_save_is_refused_not_lost(admin_client) -> None:
+    # Two operators open the same plugin; the second to save silently undid the first's change.
+    plugin = Plugin.objects.create(name="up", runtime="lua", source="function up(ev) return 'a' end")
+    Binding.objects.create(plugin=plugin, kind="command", pattern="up", handler="up")
+    first, second = _opened(admin_client, plugin.pk), _opened(admin_client, plugin.pk)
+    url = f"/admin/plugins/plugin/{plugin.pk}/change/"
+    assert admin_client.post(url, {**first, "timeout_ms": "2000"}).status_code == 302
+    response = admin_client.post(url, {**second, "description": "from an old page"})
+    body = html.unescape(response.content.decode())
+    assert response.status_code == 200 and "plugin 'up' was changed by someone else" in body
+    assert "nothing was saved. Reload the page" in body
+    plugin.refresh_from_db()
+    assert plugin.timeout_ms == 2000 and plugin.description == ""  # the first save stands, nothing half-applied
+    # Reopened, the same change saves; and the enable/disable action counts as a change too.
+    assert admin_client.post(url, {**_opened(admin_client, plugin.pk), "description": "again"}).status_code == 302
+    stale = _opened(admin_client, plugin.pk)
+    admin_client.post("/admin/plugins/plugin/", {"action": "disable_plugins", "_selected_action": [plugin.pk]})
+    assert admin_client.post(url, stale).status_code == 200  # would have re-enabled it unseen
+    assert not Plugin.objects.get(pk=plugin.pk).enabled
 
 
 @override_settings(EXECAPP={"MAX_BINDINGS_PER_PLUGIN": 4, "MAX_REGEX_BINDINGS_PER_PLUGIN": 2})

@@ -56,8 +56,20 @@ class ControlCommand(BaseCommand):
 
     def print_json(self, result: ControlResult) -> None:
         self.stdout.write(json.dumps({"op": result.op, "workers": result.answers, "missing": result.missing,
-                                      "gone": result.gone, "died": result.died,
+                                      "gone": result.gone, "died": result.died, "silent": result.silent,
                                       "waited_seconds": result.waited_seconds}, indent=2, sort_keys=True))
+
+
+def missing_lines(result: ControlResult) -> list[str]:
+    """One line per expected worker that did not answer (with how long it had been silent, if it had)."""
+    lines = []
+    for wid in result.missing:
+        line = f"worker {wid}: did not answer within {result.waited_seconds:.1f} s"
+        if wid in result.silent:
+            line += (f"; silent for {result.silent[wid]:g} s before it was asked (its event loop is stalled, or it "
+                     "cannot reach Redis: it may still be serving; see its /healthz and log)")
+        lines.append(line)
+    return lines
 
 
 def gone_lines(result: ControlResult) -> list[str]:

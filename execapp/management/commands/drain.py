@@ -8,7 +8,7 @@ from django.core.management.base import CommandError, CommandParser
 
 from execapp import conf
 
-from ._control import ControlCommand, counted, drain_line, gone_lines
+from ._control import ControlCommand, counted, drain_line, gone_lines, missing_lines
 
 
 class Command(ControlCommand):
@@ -34,8 +34,8 @@ class Command(ControlCommand):
         else:
             for wid in sorted(result.answers):
                 self.stdout.write(drain_line(result.answers[wid]))
-            for wid in result.missing:
-                self.stdout.write(f"worker {wid}: did not answer within {result.waited_seconds:.1f} s")
+            for line in missing_lines(result):
+                self.stdout.write(line)
             for line in gone_lines(result):
                 self.stdout.write(line)
         failed = [f"{wid} (still running: {counted(a.get('still_running') or [])}; "

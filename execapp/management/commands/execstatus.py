@@ -5,7 +5,7 @@ from typing import Any
 
 from django.core.management.base import CommandError
 
-from ._control import ControlCommand, gone_lines, status_lines
+from ._control import ControlCommand, gone_lines, missing_lines, status_lines
 
 
 class Command(ControlCommand):
@@ -21,8 +21,8 @@ class Command(ControlCommand):
             for wid in sorted(result.answers):
                 for line in status_lines(result.answers[wid]):
                     self.stdout.write(line)
-            for wid in result.missing:
-                self.stdout.write(f"worker {wid}: did not answer within {result.waited_seconds:.1f} s")
+            for line in missing_lines(result):
+                self.stdout.write(line)
             for line in gone_lines(result):
                 self.stdout.write(line)
             self.stdout.write(f"{len(result.answers)} workers answered" +

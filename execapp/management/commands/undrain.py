@@ -5,7 +5,7 @@ from typing import Any
 
 from django.core.management.base import CommandError
 
-from ._control import ControlCommand, gone_lines
+from ._control import ControlCommand, gone_lines, missing_lines
 
 
 class Command(ControlCommand):
@@ -21,8 +21,8 @@ class Command(ControlCommand):
                 state = "resumed" if answer.get("was_draining") else "was not draining"
                 self.stdout.write(f"worker {wid}: {state}" if answer.get("ok") else
                                   f"worker {wid}: FAILED: {answer.get('error')}")
-            for wid in result.missing:
-                self.stdout.write(f"worker {wid}: did not answer within {result.waited_seconds:.1f} s")
+            for line in missing_lines(result):
+                self.stdout.write(line)
             for line in gone_lines(result):
                 self.stdout.write(line)
         failed = [wid for wid, a in result.answers.items() if not a.get("ok")] + result.missing + list(result.died)

@@ -1,0 +1,91 @@
+"""Every EXECAPP number is checked for nan, inf and waits too long for a thread, whatever its own
+check; settings of the wrong type never crash the checks (execapp/checks.py)."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from execapp import conf
+from execapp.checks import check_execapp_settings
+
+NUMERIC = sorted(k for k, v in conf.DEFAULTS.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _found(settings: Any, **values: Any) -> dict[str, list[Any]]:
+    settings.EXECAPP = values
+    found: dict[str, list[Any]] = {}
+    for message in check_execapp_settings():
+        found.setdefault(message.id, []).append(message)
+    return found
+
+
+@pytest.mark.parametrize("key", NUMERIC)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_number_is_an_error_naming_the_setting(settings: Any, key: str, value: float) -> None:
+    # nan passed every range check (nan <= 0 is false): a threshold that never fired, silently.
+    errors = _found(settings, **{key: value}).get("execapp.E122", [])
+    assert any(key in e.msg and "must be a finite number" in e.msg and "default" in e.hint for e in errors)
+
+
+def test_from_the_environment_too(settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EXECAPP_SLOW_THRESHOLD_SECONDS", "nan")
+    [error] = _found(settings)["execapp.E122"]
+    assert "SLOW_THRESHOLD_SECONDS" in error.msg and "environment" in error.msg
+
+
+def test_seconds_past_what_a_thread_can_wait_are_refused(settings: Any) -> None:
+    [error] = _found(settings, SNAPSHOT_SECONDS=1e12)["execapp.E122"]
+    assert "SNAPSHOT_SECONDS" in error.msg and "at most 1e+09 seconds" in error.msg
+    assert "execapp.E122" not in _found(settings, SNAPSHOT_SECONDS=86400.0, POOL_MAX_WORKERS=10**6)
+
+
+@pytest.mark.parametrize("value", ["2", -1, None, True])
+def test_pool_idle_seconds_is_checked(settings: Any, value: Any) -> None:
+    # Unchecked before: ExecPool refused it at every worker start and the supervisor restarted
+    # workers for ever, a traceback each time.
+    [error] = _found(settings, POOL_IDLE_SECONDS=value)["execapp.E123"]
+    assert "POOL_IDLE_SECONDS" in error.msg and repr(value) in error.msg
+    assert "execapp.E123" not in _found(settings, POOL_IDLE_SECONDS=0)
+
+
+@pytest.mark.parametrize("key", ["WORKER_STALE_SECONDS", "WORKER_DROP_SECONDS"])
+@pytest.mark.parametrize("value", ["10", None, [10]])
+def test_a_wrong_type_is_named_not_a_crash_of_the_checks(settings: Any, key: str, value: Any) -> None:
+    # The W001 comparison of the two raised TypeError: `manage.py check` printed a traceback.
+    errors = _found(settings, **{key: value})["execapp.E004"]
+    assert any(key in e.msg for e in errors)
+
+
+def test_the_defaults_pass(settings: Any) -> None:
+    found = _found(settings)
+    assert not {i for i in found if i.startswith("execapp.E")}
+
+
+def test_the_server_does_not_start_with_a_settings_error_and_names_it(tmp_path: Any) -> None:
+    # `python -m execapp.serve` ran no checks: a negative threshold served silently wrong, and a
+    # value the workers' code refused crashed every start, restarted for ever.
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "EXECAPP_SLOW_THRESHOLD_SECONDS": "-1", "EXECAPP_POOL_IDLE_SECONDS": "later",
+           "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "REDIS_URL": ""}
+    done = subprocess.run([sys.executable, "-m", "execapp.serve", "--port", str(port)], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "EXECAPP['SLOW_THRESHOLD_SECONDS'] is -1.0" in done.stderr and "POOL_IDLE_SECONDS" in done.stderr
+    assert "not starting: 3 error(s)" in done.stderr and "started worker process" not in done.stderr  # E007 too
+
+
+def test_warnings_alone_do_not_stop_the_server(settings: Any) -> None:
+    from execapp.serve import settings_pass_checks
+
+    settings.EXECAPP = {"WORKER_START_TIMEOUT_SECONDS": 2.0}  # a warning (W046)
+    assert settings_pass_checks()
+    settings.EXECAPP = {"SNAPSHOT_SECONDS": 0}
+    assert not settings_pass_checks()
