@@ -12,7 +12,7 @@
   const ITER = Symbol.iterator, reflectSet = Reflect.set, ownKeys = Reflect.ownKeys;
   const getOwnDescriptor = Reflect.getOwnPropertyDescriptor;
   const NativeRegExp = RegExp, rxReplace = RegExp.prototype[REPLACE];
-  const AP = Array.prototype, SP = String.prototype, MAX_LENGTH = 1 << 22, SEARCH_MAX = 1 << 22;
+  const AP = Array.prototype, SP = String.prototype, MAX_LENGTH = 1 << 22, SEARCH_MAX = 1 << 22, SHORT = 8;
   const tooLong = (what, n) => new RangeError(what + " on a length of " + n + ": the sandbox allows at most " +
                                               MAX_LENGTH);
   const toLength = (v) => { v = +v; return v > 0 ? (v < 2 ** 53 ? trunc(v) : 2 ** 53 - 1) : 0; };
@@ -81,8 +81,25 @@
     }
     return slow().view(native, self, args, nameOf(native));
   }};
+  // indexOf, lastIndexOf and includes compare their search value with each element natively: a
+  // string costs up to its length at every element, and one string may fill a whole array
+  // (`new Array(2e5).fill(x).indexOf(y)`, x and y 2 MB strings that differ at their ends, ran 7 s
+  // past a 0.3 s deadline at the default 16 MiB). On a genuine array, past SEARCH_MAX character
+  // comparisons with a string over SHORT characters, the search runs in bytecode, polled at each
+  // element (any other receiver is read through the view's traps: a polled call per element).
+  const searchTraps = {__proto__: null, apply(native, self, args) {
+    const v = args.length > 0 ? args[0] : undefined;
+    if (typeof v === "string" && v.length > SHORT && genuine(self) && self.length <= MAX_LENGTH &&
+        v.length * self.length > SEARCH_MAX)
+      return slow().search(nameOf(native), self, v, args);
+    return arrayTraps.apply(native, self, args);
+  }};
   // Set, not defined: each property stays writable, configurable and not enumerable.
-  for (let i = 0; i < names.length; i++) AP[names[i]] = new NativeProxy(original[i], arrayTraps);
+  for (let i = 0; i < names.length; i++) {
+    const n = names[i];
+    AP[n] = new NativeProxy(original[i], n === "indexOf" || n === "lastIndexOf" || n === "includes" ?
+                                         searchTraps : arrayTraps);
+  }
   // concat also walks its arguments, and flat/flatMap the arrays nested in their receiver: their
   // lengths are not the receiver's. concat runs natively on genuine arrays (and primitives) whose
   // lengths add up to at most MAX_LENGTH, in bytecode otherwise; flat and flatMap in bytecode.
@@ -266,7 +283,6 @@
   // SEARCH_MAX comparisons a search runs on slices of at most SEARCH_MAX comparisons each, unless
   // its needle is short (up to SHORT characters): then its cost is linear in a string the memory
   // cap bounds, like any other linear built-in's (s.split(",") on a long text stays native).
-  const SHORT = 8;
   const big = (s, n) => n.length > SHORT && s.length * n.length > SEARCH_MAX;
   const subject = (self, name) => {
     if (self == null) throw new TypeError("String.prototype." + name + " called on null or undefined");

@@ -27,6 +27,9 @@ ESCAPES = {  # each ran for minutes (natively, with no interrupt poll) before it
     "split": QUADRATIC + "s.split(n)",
     "replace": QUADRATIC + "s.replace(n, 'x')",
     "replaceAll": QUADRATIC + "s.replaceAll(n, 'x')",
+    # a string search value compared with every element (one 2 MB string fills the array): 7-9 s each
+    **{f"Array {m} of a long string": "const p = 'a'.repeat(1 << 21), x = p + 'b';"
+       f" new Array(2e5).fill(x).{m}(p + 'c')" for m in ("indexOf", "lastIndexOf", "includes")},
     "a length getter that changes":
         "Array.prototype.join.call({n: 0, get length() { return this.n++ ? 2 ** 31 : 1; }})",
     "a proxy's length": "new Proxy([], {get: (t, k) => k === 'length' ? 2 ** 31 : t[k]}).forEach(x => x)",
@@ -251,6 +254,16 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     " Object.keys(o)]; })()", "Object.getPrototypeOf(Object.create(null)) === null",
     "(() => { try { Object.create(5); } catch (e) { return e.name; } })()",
     "Object.defineProperties({}, Object.create({inherited: {value: 1}}))",
+    # the array searches of a string, in bytecode past the (lowered) threshold
+    *(f"(() => {{ const a = ['ab', , 'b', 'ab', undefined, 'ab'], f = (...r) => a.{m}('ab', ...r);"
+      " return [f(), f(undefined), f('b'), f(-2), f(2), f(99), f(-99), f(NaN), f(Infinity), f(-Infinity), f('1.7'),"
+      " f({valueOf() { return 1; }})]; })()" for m in ("indexOf", "lastIndexOf", "includes")),
+    "[['a', 'bb'].indexOf('bb'), ['a', 'bb'].includes('a'), [,'xx'].lastIndexOf('xx', 0), [].indexOf('abc')]",
+    "(() => { Array.prototype[1] = 'hole'; try { return [['x', , 'hole'].indexOf('hole'),"
+    " ['x', , 'y'].includes('hole'), ['hole', , 'y'].lastIndexOf('hole')]; } finally { delete Array.prototype[1]; } })()",
+    "(() => { try { return ['ab'].indexOf('ab', 1n); } catch (e) { return e.name; } })()",
+    "(() => { try { return ['ab'].includes('ab', Symbol()); } catch (e) { return e.name; } })()",
+    "Array.prototype.indexOf.call({length: 3, 2: 'abc'}, 'abc')",
     "/a+(b)/.exec('caab')", "[...'a1b2'.matchAll(/\\d/g)].map(m => m[0] + m.index)", "/x/y.test('ax')",
     "(() => { const r = /a/g; r.exec('aa'); return [r.lastIndex, r.exec('aa').index, r.lastIndex]; })()",
 ])
