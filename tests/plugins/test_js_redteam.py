@@ -302,3 +302,24 @@ def test_a_reply_nested_too_deep_for_python_is_a_handler_error(worker: Worker, b
 
     outcome, took = outcome_within_budget(worker, f"function f(e) {{ {body}; }} function ok(e) {{ return 'fine'; }}")
     assert isinstance(outcome, HandlerError) and "nests too deep" in str(outcome), repr(outcome)
+
+
+ROPES = """
+function sync(e) { const s = 'a'.repeat(600); return s + s; }
+async function later(e) { await null; const s = 'b'.repeat(600); return s + s; }
+function logged(e) { log('x'); const s = 'c'.repeat(600); return s + s; }
+const long = 'd'.repeat(600);
+long + long;
+"""
+
+
+@pytest.mark.parametrize("strategy", ["per_request", "pooled", "sharded"])
+def test_strings_concatenated_past_512_characters_cross_to_python(strategy: str) -> None:
+    # QuickJS-NG makes a rope of a `+` past 512 characters, a value the binding cannot read
+    # ("Unknown quickjs tag: -6"): such a reply was "the plugin broke the host protocol" (the
+    # instance discarded), and a top level ending with one failed its load with a raw TypeError.
+    plugin = make(strategy, code=ROPES, timeout=1.0)
+    try:
+        assert [plugin.call(h, event()) for h in ("sync", "later", "logged")] == ["a" * 1200, "b" * 1200, "c" * 1200]
+    finally:
+        plugin.close()
