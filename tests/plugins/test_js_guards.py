@@ -260,7 +260,8 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
       " f({valueOf() { return 1; }})]; })()" for m in ("indexOf", "lastIndexOf", "includes")),
     "[['a', 'bb'].indexOf('bb'), ['a', 'bb'].includes('a'), [,'xx'].lastIndexOf('xx', 0), [].indexOf('abc')]",
     "(() => { Array.prototype[1] = 'hole'; try { return [['x', , 'hole'].indexOf('hole'),"
-    " ['x', , 'y'].includes('hole'), ['hole', , 'y'].lastIndexOf('hole')]; } finally { delete Array.prototype[1]; } })()",
+    " ['x', , 'y'].includes('hole'), ['hole', , 'y'].lastIndexOf('hole')]; }"
+    " finally { delete Array.prototype[1]; } })()",
     "(() => { try { return ['ab'].indexOf('ab', 1n); } catch (e) { return e.name; } })()",
     "(() => { try { return ['ab'].includes('ab', Symbol()); } catch (e) { return e.name; } })()",
     "Array.prototype.indexOf.call({length: 3, 2: 'abc'}, 'abc')",
