@@ -47,7 +47,7 @@ import quickjs
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from . import js_deadline
 from .base import MAX_ERROR_CHARS, MAX_REPLY_BYTES, FreshInstanceIsolation, scan_json, to_json, to_reply
-from .host import MAX_LOG_CHARS, Host
+from .host import MAX_LOG_CHARS, MAX_URL_CHARS, Host
 from .kvstore import MAX_KEY_CHARS, MAX_VALUE_CHARS
 
 if not quickjs._quickjs.__file__.endswith(".abi3.so"):
@@ -61,6 +61,11 @@ MAX_STEPS = 10_000
 #: Characters of JSON one step may hand to Python (its reply, error and queued host calls): what
 #: crosses is copied into Python, outside the memory cap, before any check there.
 MAX_STEP_CHARS = 8 << 20
+#: Characters of host calls one step hands over, and of host results one resume hands back: past
+#: it, the rest wait for the next step (each side takes at least one). Python holds what crosses in
+#: one step outside the memory cap: 2,000 kv_get of a 64 KiB value queued at once held 128M
+#: characters of results (~440 MB of RSS) for a plugin capped at 16 MiB.
+MAX_BATCH_CHARS = 1 << 20
 #: Wall-clock deadlines inside JS through the js_deadline watchdog (read when a Context is made).
 #: False gives the binding's CPU-time limit per step instead: only for the benchmark comparing
 #: the hot path guarded and unguarded; the checks after jobs and before host calls stay.
@@ -74,10 +79,15 @@ _PRELUDE = r"""
   const g = globalThis;
   // Captured before the plugin's code runs: a guest that replaces JSON or Object.assign
   // cannot break the protocol with the host.
-  const stringify = JSON.stringify, parse = JSON.parse, assign = Object.assign;
-  // dirty: a host request or log line was queued since the last reset (one check per call
-  // instead of reading queue.length and the Map's size getter).
-  let queue = [], seq = 0, waiting = new Map(), done = null, loading = true, dirty = false, value = null;
+  const stringify = JSON.stringify, parse = JSON.parse, assign = Object.assign, NativePromise = Promise;
+  const reject = Promise.reject;
+  // The host calls queued since the last step, each as its JSON text (queued[head..tail)), and the
+  // promises waiting on them by id: objects without a prototype, written and read with no guest
+  // code on the way (a guest's Array.prototype.push, a setter on an index or Object.prototype.toJSON
+  // saw the queue itself, and could hand the host any value). dirty: a call was queued since the
+  // last reset.
+  let queued = {__proto__: null}, head = 0, tail = 0, seq = 0, waiting = {__proto__: null};
+  let done = null, loading = true, dirty = false, value = null;
   // Every string that leaves JS is copied into Python, outside the memory cap: a 4M-character
   // reply, error or log line made Python allocate 76-137 MB for a plugin capped at 64 MiB. So
   // each is bounded here, before it crosses: a reply refused past its limit (it would be
@@ -129,41 +139,80 @@ _PRELUDE = r"""
   // handler). Not offered: undefined, and no setter left to install a hook with.
   Object.defineProperty(Error, "prepareStackTrace", {value: undefined, writable: false, configurable: false});
 __NATIVE_GUARDS__
+  // A host call's argument as the JSON of what the host reads: a primitive (an object's own JSON
+  // when that is one: a Date's string, a Number's number), a string past the limit `n` cut to a
+  // length the host still refuses (2n + 2 UTF-16 units hold more than n code points), or an empty
+  // array or object for any other value, which the host refuses by its type. A whole nested value
+  // crossed before: its JSON cost Python ~30 bytes a character, outside the memory cap.
+  const arg = (v, n) => {
+    if (v !== null && (typeof v === "object" || typeof v === "function" || typeof v === "bigint")) {
+      const s = stringify(v);  // (the guest's toJSON: under the deadline, its errors reject the call)
+      if (s === undefined) return "null";
+      if (s[0] === "{" || s[0] === "[") return s[0] === "{" ? "{}" : "[]";
+      v = parse(s);
+    }
+    if (typeof v === "string") return stringify(v.length > 2 * n + 2 ? apply(sSlice, v, [0, 2 * n + 2]) : v);
+    return typeof v === "number" || typeof v === "boolean" ? stringify(v) : "null";
+  };
+  const enqueue = (id, op, args) => {
+    queued[tail++] = "[" + id + ",\"" + op + "\"," + args + "]";
+    dirty = true;
+  };
+  // `args()` gives the arguments' JSON text (a guest's toJSON may throw: the call's promise rejects).
   const request = (op, args) => {
     if (loading)
       throw new Error(op + ": the host API is not available while the plugin's top level runs; call it from a handler");
-    return new Promise((resolve, reject) => {
+    let text;
+    try { text = "[" + args() + "]"; } catch (e) { return apply(reject, NativePromise, [e]); }
+    return new NativePromise((resolve, reject) => {
       const id = ++seq;
-      waiting.set(id, [resolve, reject]);
-      queue.push([id, op, args]);
-      dirty = true;
+      waiting[id] = [resolve, reject];
+      enqueue(id, op, text);
     });
   };
   // Read-only, not enumerable, not configurable: a new property's attributes default to false.
   const define = (name, value) => Object.defineProperty(g, name, {value});
   define("log", (msg) => {
-    if (loading) request("log", []);
-    const s = String(msg);
-    queue.push([0, "log", [s.length > 2 * __MAX_LOG__ ? apply(sSlice, s, [0, 2 * __MAX_LOG__]) : s]]);
-    dirty = true;
+    if (loading) request("log", null);
+    const s = String(msg);  // (cut to what the host can keep)
+    enqueue(0, "log", "[" + stringify(s.length > 2 * __MAX_LOG__ ? apply(sSlice, s, [0, 2 * __MAX_LOG__]) : s) + "]");
   });
-  // A key or value past its limit is refused by the host: cut to a length that still is (2n + 2
-  // UTF-16 units hold more than n code points), so the whole of it never crosses.
-  const cut = (v, n) => typeof v === "string" && v.length > 2 * n + 2 ? apply(sSlice, v, [0, 2 * n + 2]) : v;
-  define("kv_get", (key) => request("kv_get", [cut(key, __MAX_KEY__)]));
-  define("kv_set", (key, value) => request("kv_set", [cut(key, __MAX_KEY__), cut(value, __MAX_VALUE__)]));
-  define("sleep", (ms) => request("sleep", [ms]));
-  define("http_get", (url) => request("http_get", [url]));
+  define("kv_get", (key) => request("kv_get", () => arg(key, __MAX_KEY__)));
+  define("kv_set", (key, value) => request("kv_set", () => arg(key, __MAX_KEY__) + "," + arg(value, __MAX_VALUE__)));
+  define("sleep", (ms) => request("sleep", () => arg(ms, 16)));
+  define("http_get", (url) => request("http_get", () => arg(url, __MAX_URL__)));
+  // One step's JSON, written here from texts (no guest code but a reply's toJSON): the state and the
+  // host calls queued first, up to __MAX_BATCH__ characters of them (at least one; each counted 64
+  // more, for the objects Python makes of it); with calls left over it says "wait" and "more",
+  // whatever the handler's outcome, until all have crossed.
   const step = () => {
-    const q = queue; queue = [];
-    let out;
-    try {
-      out = stringify(done ? assign({q}, done) : {s: "wait", q});
-    } catch (e) {  // a value's toJSON threw (the reply's, or a host call argument's)
-      return stringify({s: "err", e: errstr(e), q: []});
+    let q = "", more = 0, size = 0;
+    while (head < tail) {
+      const entry = queued[head];
+      size += entry.length + 64;
+      if (q.length > 0 && size > __MAX_BATCH__) { more = 1; break; }
+      delete queued[head++];
+      q = q.length > 0 ? q + "," + entry : entry;
     }
-    return out.length <= __MAX_STEP__ ? out : stringify({s: "err", q: [], e: "one step of the handler (its reply, " +
-      "error and queued host calls) is " + out.length + " characters of JSON, over the limit of __MAX_STEP__"});
+    let state = '{"s":"wait","more":' + more;
+    if (done && !more) {
+      let s = done.s, json;
+      try {
+        json = s === "ok" ? stringify(done.v) ?? "null" : stringify(done.e);  // (a function's JSON: null)
+        if (s === "ok" && json.length > MAX_REPLY) {
+          s = "err";
+          json = stringify(tooLarge("the reply's JSON", json.length).e);
+        }
+      } catch (e) {  // the reply's toJSON threw
+        s = "err"; json = stringify(errstr(e));
+      }
+      state = '{"s":"' + s + '","' + (s === "ok" ? "v" : "e") + '":' + json;
+    }
+    const out = state + ',"q":[' + q + "]}";
+    // (flat: the binding cannot read a rope, the string `+` builds past ~1,000 characters)
+    return out.length <= __MAX_STEP__ ? apply(sSlice, out, [0]) : stringify({s: "err", q: [], e: "one step of the " +
+      "handler (its reply, error and queued host calls) is " + out.length + " characters of JSON, over the limit " +
+      "of __MAX_STEP__"});
   };
   // One call: `event` is the event's JSON, or (fields) an object whose `data` is its JSON.
   // What it returns, for the common case of a plain value and no host call queued: a string
@@ -178,7 +227,7 @@ __NATIVE_GUARDS__
     try {
       // Reset only what a previous call left (this runs on every call).
       loading = false; done = null; value = null;
-      if (dirty) { queue = []; waiting.clear(); dirty = false; }
+      if (dirty) { queued = {__proto__: null}; head = tail = 0; waiting = {__proto__: null}; dirty = false; }
       const f = g[name];
       if (typeof f !== "function") { done = {s: "err", e: "no handler function '" + name + "'"}; return 0; }
       if (fields) event.data = parse(event.data); else event = parse(event);
@@ -217,15 +266,18 @@ __NATIVE_GUARDS__
   // The engine's event with its strings as arguments: only `data` crosses as JSON.
   define("__execapp_call", (name, id, type, text, data, session, tenant, args) =>
     run(name, {id, type, text, data, session, tenant, args}, true));
+  // The host's results ([id, ok, value] each), handed to the promises waiting on them (settled as
+  // jobs: the host runs those, then takes the next step).
   define("__execapp_resume", (results) => {
-    try {  // array iteration, Map methods and Error can all be the guest's by now
-      for (const [id, ok, v] of parse(results)) {
-        const w = waiting.get(id);
-        waiting.delete(id);
-        if (w) { if (ok) w[0](v); else w[1](new Error(v)); }
+    try {  // (index loops over arrays JSON.parse made: no iterator; Error can be the guest's by now)
+      const r = parse(results);
+      for (let i = 0; i < r.length; i++) {
+        const id = r[i][0], w = waiting[id];
+        delete waiting[id];
+        if (w) { if (r[i][1]) w[0](r[i][2]); else w[1](new Error(r[i][2])); }
       }
     } catch (e) { done = {s: "err", e: errstr(e)}; }
-    return step();
+    return 0;
   });
   define("__execapp_step", step);
 })();
@@ -255,7 +307,8 @@ def _template(text: str) -> str:
 # body (a template literal) that a Context compiles when it first needs one.
 _PRELUDE = (_PRELUDE.replace("__MAX_REPLY__", str(MAX_REPLY_BYTES)).replace("__MAX_ERROR__", str(MAX_ERROR_CHARS))
             .replace("__MAX_LOG__", str(MAX_LOG_CHARS)).replace("__MAX_STEP__", str(MAX_STEP_CHARS))
-            .replace("__MAX_KEY__", str(MAX_KEY_CHARS)).replace("__MAX_VALUE__", str(MAX_VALUE_CHARS)))
+            .replace("__MAX_KEY__", str(MAX_KEY_CHARS)).replace("__MAX_VALUE__", str(MAX_VALUE_CHARS))
+            .replace("__MAX_URL__", str(MAX_URL_CHARS)).replace("__MAX_BATCH__", str(MAX_BATCH_CHARS)))
 _PRELUDE = _PRELUDE.replace("__NATIVE_GUARDS__", (Path(__file__).with_name("js_guards.js").read_text()
     .replace("__GUARDS_SLOW__", _template(_code_lines(Path(__file__).with_name("js_guards_slow.js"))))
     .replace("__GUARDED_ORIGINALS__", "[" + ", ".join(f"AP.{name}" for name in _GUARDED_METHODS) + "]")
@@ -564,15 +617,17 @@ class JsInstance:
         ctx = self.ctx
         now = time.monotonic
         host: Host | None = None  # one per guest call, made at its first host call
+        backlog: list = []  # host calls queued but not yet run (past one resume's MAX_BATCH_CHARS)
         try:
             for _ in range(MAX_STEPS):
                 state = json.loads(out)
-                queued = state["q"]
+                status = state["s"]
+                queued = backlog + state["q"] if backlog else state["q"]
                 results: list = []
                 if queued:
                     host = host or Host(self.spec, deadline)
-                    results = self._host_requests(queued, host, deadline)
-                status = state["s"]
+                    # Once the outcome is known the calls run for their effects, their results dropped.
+                    results, backlog = self._host_requests(queued, host, deadline, status == "wait")
                 if status == "ok":
                     return to_reply(state.get("v"))
                 if status == "err":
@@ -594,18 +649,23 @@ class JsInstance:
                     if now() >= deadline:
                         raise GuestTimeout(_timeout_message(self.spec, "running promise jobs"))
                 out = (self._step or self._entry("_step", "__execapp_step"))()
-                if not results and not ran:
+                if not results and not ran and not backlog and not state.get("more"):
                     raise GuestError("the handler's promise never settled")
             raise GuestError(f"the handler did not finish within {MAX_STEPS} host round trips")
         finally:
             if host is not None:
                 host.close()  # the call's end: the host logs its summary (dropped lines, denied calls)
 
-    def _host_requests(self, queue: list, host: Host, deadline: float) -> list:
-        """Run the guest's queued host calls in order, the deadline checked before each one."""
+    def _host_requests(self, queue: list, host: Host, deadline: float, keep: bool) -> tuple[list, list]:
+        """Run the guest's queued host calls in order, the deadline checked before each one:
+        ``(results, calls not run)``. With ``keep`` the results are kept for the guest, and the calls
+        stop once they hold MAX_BATCH_CHARS characters (the rest wait for the next resume)."""
         now = time.monotonic
-        results = []
+        results: list = []
+        held = 0
         for done, (req_id, op, args) in enumerate(queue):
+            if held > MAX_BATCH_CHARS:
+                return results, queue[done:]
             if now() >= deadline:
                 raise GuestTimeout(_timeout_message(self.spec, f"in host calls ({len(queue) - done} of "
                                                                f"{len(queue)} queued calls not run)"))
@@ -613,8 +673,10 @@ class JsInstance:
                 raise GuestError(f"the plugin broke the host protocol (unknown host call {op!r})", poison=True)
             try:
                 value = getattr(host, op)(*args)
-                if req_id:
+                if req_id and keep:
                     results.append([req_id, True, value])
+                    if value.__class__ is str:  # (as JSON: up to 12 characters a code point when not ASCII)
+                        held += len(value) if value.isascii() else 12 * len(value)
             except GuestQuota:  # a quota ends the call, like a timeout: the guest cannot catch it
                 raise
             except GuestTimeout as exc:
@@ -622,8 +684,10 @@ class JsInstance:
             except Exception as exc:  # a denied or failing call rejects the guest's promise
                 if not req_id:
                     raise GuestError(str(exc)) from None
-                results.append([req_id, False, str(exc)])
-        return results
+                if keep:
+                    results.append([req_id, False, message := str(exc)])
+                    held += len(message)
+        return results, []
 
     def _entry(self, attr: str, name: str) -> Any:
         """Fetch the prelude's entry point ``name`` into ``self.<attr>`` (once per Context)."""
