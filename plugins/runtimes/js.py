@@ -111,7 +111,8 @@ _PRELUDE = r"""
         s = String(e);
       }
     } catch (_) {
-      return "an error value that cannot be turned into text";
+      return "the handler threw a value that cannot be turned into text (converting it failed: a stack overflow, " +
+             "out of memory or its own error); throw an Error with a short message";
     }
     // (cut as base.clip_error cuts, short enough that it leaves this text alone)
     return s.length <= MAX_ERROR ? s :
@@ -721,6 +722,10 @@ def _js_error(exc: Exception, spec: Any, where: str = "") -> GuestError:
     """A JSException out of the binding, classified (timeout, memory) or kept as the guest's error."""
     message = str(exc).strip()
     first = message.splitlines()[0] if message else "error"
+    if first.startswith("(Failed obtaining QuickJS error string"):  # the binding's words for it
+        return GuestError(f"the plugin threw a value that cannot be turned into text {where}".rstrip() +
+                          " (converting it failed: a stack overflow, out of memory or its own error); throw an "
+                          "Error with a short message", poison=True)
     if "interrupted" in first:
         return GuestTimeout(_timeout_message(spec, where))
     if "out of memory" in first or first in ("null", "[uninitialized]"):

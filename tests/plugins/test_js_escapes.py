@@ -113,3 +113,23 @@ def test_wrapped_microtasks_still_work_and_finalization_registries_are_not_offer
 def test_the_interrupt_handler_can_be_held_on_this_binding():
     # Otherwise hold() silently does nothing (logged) and a top level's throw can hang again.
     assert js_deadline.available() and js_deadline._binding_handler
+
+
+def test_a_thrown_value_that_cannot_become_text_is_refused_with_a_message_that_says_so():
+    # String() of a proxy 20,000 deep overflows the stack: the binding's own words were
+    # "(Failed obtaining QuickJS error string. Concurrency issue?)", and the prelude's "an error
+    # value that cannot be turned into text", neither saying what to do.
+    from plugins.errors import CompileError
+    from plugins.runtimes.js import JsCompiled
+
+    deep = "let p = {}; for (let i = 0; i < 20000; i++) p = new Proxy(p, {});"
+    with pytest.raises(CompileError, match="cannot be turned into text in its top level .* throw an Error"):
+        JsCompiled(PluginSpec(name="t-text", runtime="js", code=deep + " throw p;", timeout=1.0))
+    plugin = LoadedPlugin(PluginSpec(name="t-text", runtime="js", code=f"function h(e) {{ {deep} throw p; }}",
+                                     timeout=1.0))
+    event = {"id": "1", "type": "m", "text": "", "data": {}, "session": None, "args": ""}
+    try:
+        with pytest.raises(HandlerError, match="cannot be turned into text .* throw an Error with a short message"):
+            plugin.call("h", event)
+    finally:
+        plugin.close()
