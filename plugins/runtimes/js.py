@@ -87,7 +87,11 @@ _PRELUDE = r"""
   // saw the queue itself, and could hand the host any value). dirty: a call was queued since the
   // last reset.
   let queued = {__proto__: null}, head = 0, tail = 0, seq = 0, waiting = {__proto__: null};
-  let done = null, loading = true, dirty = false, value = null;
+  // calls: this Context's calls so far. A job belongs to the call that queued it: one a call left
+  // pending (a sync reply returns before any job runs) runs in a later call, where its error or its
+  // settlement must not become that call's outcome (a microtask's error naming tenant A's event was
+  // tenant B's next reply).
+  let done = null, loading = true, dirty = false, value = null, calls = 0;
   // Every string that leaves JS is copied into Python, outside the memory cap: a 4M-character
   // reply, error or log line made Python allocate 76-137 MB for a plugin capped at 64 MiB. So
   // each is bounded here, before it crosses: a reply refused past its limit (it would be
@@ -130,9 +134,12 @@ _PRELUDE = r"""
   // callbacks run whenever the GC decides and whose original constructor any instance leads
   // back to, is not offered.
   const microtask = queueMicrotask;
-  g.queueMicrotask = (f) => microtask(typeof f !== "function" ? f : () => {
-    try { f(); } catch (e) { done = {s: "err", e: errstr(e)}; }
-  });
+  g.queueMicrotask = (f) => {
+    const mine = calls;
+    return microtask(typeof f !== "function" ? f : () => {
+      try { f(); } catch (e) { if (mine === calls) done = {s: "err", e: errstr(e)}; }
+    });
+  };
   delete g.FinalizationRegistry;
   // Error.prepareStackTrace (QuickJS-NG has V8's hook) runs guest code whenever an error is made,
   // QuickJS's own "interrupted" InternalError included, with that error in hand: a hook that gave
@@ -227,7 +234,7 @@ __NATIVE_GUARDS__
     // guest code (a getter on globalThis, a replaced Map or String method).
     try {
       // Reset only what a previous call left (this runs on every call).
-      loading = false; done = null; value = null;
+      loading = false; done = null; value = null; calls++;
       if (dirty) { queued = {__proto__: null}; head = tail = 0; waiting = {__proto__: null}; dirty = false; }
       const f = g[name];
       if (typeof f !== "function") { done = {s: "err", e: "no handler function '" + name + "'"}; return 0; }
@@ -235,8 +242,9 @@ __NATIVE_GUARDS__
       const r = f(event);
       if (r !== null && typeof r === "object" && typeof r.then === "function") {
         // A job's error (set first) wins, as it did when it failed the call from outside.
-        r.then(v => { done ??= {s: "ok", v: v === undefined ? null : v}; },
-               e => { done ??= {s: "err", e: errstr(e)}; });
+        const mine = calls;
+        r.then(v => { if (mine === calls) done ??= {s: "ok", v: v === undefined ? null : v}; },
+               e => { if (mine === calls) done ??= {s: "err", e: errstr(e)}; });
         return 0;
       }
       if (dirty) { done = {s: "ok", v: r === undefined ? null : r}; return 0; }

@@ -133,3 +133,30 @@ def test_a_thrown_value_that_cannot_become_text_is_refused_with_a_message_that_s
             plugin.call("h", event)
     finally:
         plugin.close()
+
+
+@pytest.mark.parametrize("strategy", ["pooled", "sharded"])
+def test_a_job_left_by_one_call_never_becomes_the_outcome_of_the_next(strategy: str):
+    # A sync reply returns before any job runs: the microtask it queued ran in the next call on the
+    # same Context, whose outcome its error became (tenant A's card number in tenant B's error).
+    code = """
+    function audit(e) { throw new Error("audit failed for " + e.tenant + ": " + e.text); }
+    function note(e) { queueMicrotask(() => audit(e)); return "noted"; }
+    function promised(e) {
+      Promise.resolve().then(() => Promise.resolve()).then(() => { throw "late"; });
+      return "done";
+    }
+    async function ask(e) { await null; await null; return "answer for " + e.tenant; }
+    """
+    plugin = LoadedPlugin(PluginSpec(name="t-jobs-left", runtime="js", code=code, timeout=1.0, strategy=strategy,
+                                     pool_size=1, shard_count=1))
+
+    def event(tenant: str, text: str) -> dict:
+        return {"id": "1", "type": "m", "text": text, "data": {}, "session": "s", "args": "", "tenant": tenant}
+    try:
+        assert plugin.call("note", event("tenant-a", "card 4111")) == "noted"
+        assert plugin.call("ask", event("tenant-b", "hi")) == "answer for tenant-b"
+        assert plugin.call("promised", event("tenant-a", "x")) == "done"
+        assert plugin.call("ask", event("tenant-b", "hi")) == "answer for tenant-b"
+    finally:
+        plugin.close()
