@@ -47,7 +47,7 @@ import quickjs
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from . import js_deadline
 from .base import MAX_ERROR_CHARS, MAX_REPLY_BYTES, FreshInstanceIsolation, scan_json, to_json, to_reply
-from .host import MAX_LOG_CHARS, Host
+from .host import MAX_LOG_CHARS, MAX_URL_CHARS, Host
 from .kvstore import MAX_KEY_CHARS, MAX_VALUE_CHARS
 
 if not quickjs._quickjs.__file__.endswith(".abi3.so"):
@@ -61,6 +61,11 @@ MAX_STEPS = 10_000
 #: Characters of JSON one step may hand to Python (its reply, error and queued host calls): what
 #: crosses is copied into Python, outside the memory cap, before any check there.
 MAX_STEP_CHARS = 8 << 20
+#: Characters of host calls one step hands over, and of host results one resume hands back: past
+#: it, the rest wait for the next step (each side takes at least one). Python holds what crosses in
+#: one step outside the memory cap: 2,000 kv_get of a 64 KiB value queued at once held 128M
+#: characters of results (~440 MB of RSS) for a plugin capped at 16 MiB.
+MAX_BATCH_CHARS = 1 << 20
 #: Wall-clock deadlines inside JS through the js_deadline watchdog (read when a Context is made).
 #: False gives the binding's CPU-time limit per step instead: only for the benchmark comparing
 #: the hot path guarded and unguarded; the checks after jobs and before host calls stay.
@@ -74,10 +79,19 @@ _PRELUDE = r"""
   const g = globalThis;
   // Captured before the plugin's code runs: a guest that replaces JSON or Object.assign
   // cannot break the protocol with the host.
-  const stringify = JSON.stringify, parse = JSON.parse, assign = Object.assign;
-  // dirty: a host request or log line was queued since the last reset (one check per call
-  // instead of reading queue.length and the Map's size getter).
-  let queue = [], seq = 0, waiting = new Map(), done = null, loading = true, dirty = false, value = null;
+  const stringify = JSON.stringify, parse = JSON.parse, assign = Object.assign, NativePromise = Promise;
+  const reject = Promise.reject;
+  // The host calls queued since the last step, each as its JSON text (queued[head..tail)), and the
+  // promises waiting on them by id: objects without a prototype, written and read with no guest
+  // code on the way (a guest's Array.prototype.push, a setter on an index or Object.prototype.toJSON
+  // saw the queue itself, and could hand the host any value). dirty: a call was queued since the
+  // last reset.
+  let queued = {__proto__: null}, head = 0, tail = 0, seq = 0, waiting = {__proto__: null};
+  // calls: this Context's calls so far. A job belongs to the call that queued it: one a call left
+  // pending (a sync reply returns before any job runs) runs in a later call, where its error or its
+  // settlement must not become that call's outcome (a microtask's error naming tenant A's event was
+  // tenant B's next reply).
+  let done = null, loading = true, dirty = false, value = null, calls = 0;
   // Every string that leaves JS is copied into Python, outside the memory cap: a 4M-character
   // reply, error or log line made Python allocate 76-137 MB for a plugin capped at 64 MiB. So
   // each is bounded here, before it crosses: a reply refused past its limit (it would be
@@ -101,7 +115,8 @@ _PRELUDE = r"""
         s = String(e);
       }
     } catch (_) {
-      return "an error value that cannot be turned into text";
+      return "the handler threw a value that cannot be turned into text (converting it failed: a stack overflow, " +
+             "out of memory or its own error); throw an Error with a short message";
     }
     // (cut as base.clip_error cuts, short enough that it leaves this text alone)
     return s.length <= MAX_ERROR ? s :
@@ -119,9 +134,12 @@ _PRELUDE = r"""
   // callbacks run whenever the GC decides and whose original constructor any instance leads
   // back to, is not offered.
   const microtask = queueMicrotask;
-  g.queueMicrotask = (f) => microtask(typeof f !== "function" ? f : () => {
-    try { f(); } catch (e) { done = {s: "err", e: errstr(e)}; }
-  });
+  g.queueMicrotask = (f) => {
+    const mine = calls;
+    return microtask(typeof f !== "function" ? f : () => {
+      try { f(); } catch (e) { if (mine === calls) done = {s: "err", e: errstr(e)}; }
+    });
+  };
   delete g.FinalizationRegistry;
   // Error.prepareStackTrace (QuickJS-NG has V8's hook) runs guest code whenever an error is made,
   // QuickJS's own "interrupted" InternalError included, with that error in hand: a hook that gave
@@ -129,41 +147,80 @@ _PRELUDE = r"""
   // handler). Not offered: undefined, and no setter left to install a hook with.
   Object.defineProperty(Error, "prepareStackTrace", {value: undefined, writable: false, configurable: false});
 __NATIVE_GUARDS__
+  // A host call's argument as the JSON of what the host reads: a primitive (an object's own JSON
+  // when that is one: a Date's string, a Number's number), a string past the limit `n` cut to a
+  // length the host still refuses (2n + 2 UTF-16 units hold more than n code points), or an empty
+  // array or object for any other value, which the host refuses by its type. A whole nested value
+  // crossed before: its JSON cost Python ~30 bytes a character, outside the memory cap.
+  const arg = (v, n) => {
+    if (v !== null && (typeof v === "object" || typeof v === "function" || typeof v === "bigint")) {
+      const s = stringify(v);  // (the guest's toJSON: under the deadline, its errors reject the call)
+      if (s === undefined) return "null";
+      if (s[0] === "{" || s[0] === "[") return s[0] === "{" ? "{}" : "[]";
+      v = parse(s);
+    }
+    if (typeof v === "string") return stringify(v.length > 2 * n + 2 ? apply(sSlice, v, [0, 2 * n + 2]) : v);
+    return typeof v === "number" || typeof v === "boolean" ? stringify(v) : "null";
+  };
+  const enqueue = (id, op, args) => {
+    queued[tail++] = "[" + id + ",\"" + op + "\"," + args + "]";
+    dirty = true;
+  };
+  // `args()` gives the arguments' JSON text (a guest's toJSON may throw: the call's promise rejects).
   const request = (op, args) => {
     if (loading)
       throw new Error(op + ": the host API is not available while the plugin's top level runs; call it from a handler");
-    return new Promise((resolve, reject) => {
+    let text;
+    try { text = "[" + args() + "]"; } catch (e) { return apply(reject, NativePromise, [e]); }
+    return new NativePromise((resolve, reject) => {
       const id = ++seq;
-      waiting.set(id, [resolve, reject]);
-      queue.push([id, op, args]);
-      dirty = true;
+      waiting[id] = [resolve, reject];
+      enqueue(id, op, text);
     });
   };
   // Read-only, not enumerable, not configurable: a new property's attributes default to false.
   const define = (name, value) => Object.defineProperty(g, name, {value});
   define("log", (msg) => {
-    if (loading) request("log", []);
-    const s = String(msg);
-    queue.push([0, "log", [s.length > 2 * __MAX_LOG__ ? apply(sSlice, s, [0, 2 * __MAX_LOG__]) : s]]);
-    dirty = true;
+    if (loading) request("log", null);
+    const s = String(msg);  // (cut to what the host can keep)
+    enqueue(0, "log", "[" + stringify(s.length > 2 * __MAX_LOG__ ? apply(sSlice, s, [0, 2 * __MAX_LOG__]) : s) + "]");
   });
-  // A key or value past its limit is refused by the host: cut to a length that still is (2n + 2
-  // UTF-16 units hold more than n code points), so the whole of it never crosses.
-  const cut = (v, n) => typeof v === "string" && v.length > 2 * n + 2 ? apply(sSlice, v, [0, 2 * n + 2]) : v;
-  define("kv_get", (key) => request("kv_get", [cut(key, __MAX_KEY__)]));
-  define("kv_set", (key, value) => request("kv_set", [cut(key, __MAX_KEY__), cut(value, __MAX_VALUE__)]));
-  define("sleep", (ms) => request("sleep", [ms]));
-  define("http_get", (url) => request("http_get", [url]));
+  define("kv_get", (key) => request("kv_get", () => arg(key, __MAX_KEY__)));
+  define("kv_set", (key, value) => request("kv_set", () => arg(key, __MAX_KEY__) + "," + arg(value, __MAX_VALUE__)));
+  define("sleep", (ms) => request("sleep", () => arg(ms, 16)));
+  define("http_get", (url) => request("http_get", () => arg(url, __MAX_URL__)));
+  // One step's JSON, written here from texts (no guest code but a reply's toJSON): the state and the
+  // host calls queued first, up to __MAX_BATCH__ characters of them (at least one; each counted 64
+  // more, for the objects Python makes of it); with calls left over it says "wait" and "more",
+  // whatever the handler's outcome, until all have crossed.
   const step = () => {
-    const q = queue; queue = [];
-    let out;
-    try {
-      out = stringify(done ? assign({q}, done) : {s: "wait", q});
-    } catch (e) {  // a value's toJSON threw (the reply's, or a host call argument's)
-      return stringify({s: "err", e: errstr(e), q: []});
+    let q = "", more = 0, size = 0;
+    while (head < tail) {
+      const entry = queued[head];
+      size += entry.length + 64;
+      if (q.length > 0 && size > __MAX_BATCH__) { more = 1; break; }
+      delete queued[head++];
+      q = q.length > 0 ? q + "," + entry : entry;
     }
-    return out.length <= __MAX_STEP__ ? out : stringify({s: "err", q: [], e: "one step of the handler (its reply, " +
-      "error and queued host calls) is " + out.length + " characters of JSON, over the limit of __MAX_STEP__"});
+    let state = '{"s":"wait","more":' + more;
+    if (done && !more) {
+      let s = done.s, json;
+      try {
+        json = s === "ok" ? stringify(done.v) ?? "null" : stringify(done.e);  // (a function's JSON: null)
+        if (s === "ok" && json.length > MAX_REPLY) {
+          s = "err";
+          json = stringify(tooLarge("the reply's JSON", json.length).e);
+        }
+      } catch (e) {  // the reply's toJSON threw
+        s = "err"; json = stringify(errstr(e));
+      }
+      state = '{"s":"' + s + '","' + (s === "ok" ? "v" : "e") + '":' + json;
+    }
+    const out = state + ',"q":[' + q + "]}";
+    // (flat: the binding cannot read a rope, the string `+` builds past ~1,000 characters)
+    return out.length <= __MAX_STEP__ ? apply(sSlice, out, [0]) : stringify({s: "err", q: [], e: "one step of the " +
+      "handler (its reply, error and queued host calls) is " + out.length + " characters of JSON, over the limit " +
+      "of __MAX_STEP__"});
   };
   // One call: `event` is the event's JSON, or (fields) an object whose `data` is its JSON.
   // What it returns, for the common case of a plain value and no host call queued: a string
@@ -177,16 +234,17 @@ __NATIVE_GUARDS__
     // guest code (a getter on globalThis, a replaced Map or String method).
     try {
       // Reset only what a previous call left (this runs on every call).
-      loading = false; done = null; value = null;
-      if (dirty) { queue = []; waiting.clear(); dirty = false; }
+      loading = false; done = null; value = null; calls++;
+      if (dirty) { queued = {__proto__: null}; head = tail = 0; waiting = {__proto__: null}; dirty = false; }
       const f = g[name];
       if (typeof f !== "function") { done = {s: "err", e: "no handler function '" + name + "'"}; return 0; }
       if (fields) event.data = parse(event.data); else event = parse(event);
       const r = f(event);
       if (r !== null && typeof r === "object" && typeof r.then === "function") {
         // A job's error (set first) wins, as it did when it failed the call from outside.
-        r.then(v => { done ??= {s: "ok", v: v === undefined ? null : v}; },
-               e => { done ??= {s: "err", e: errstr(e)}; });
+        const mine = calls;
+        r.then(v => { if (mine === calls) done ??= {s: "ok", v: v === undefined ? null : v}; },
+               e => { if (mine === calls) done ??= {s: "err", e: errstr(e)}; });
         return 0;
       }
       if (dirty) { done = {s: "ok", v: r === undefined ? null : r}; return 0; }
@@ -195,7 +253,8 @@ __NATIVE_GUARDS__
       // (includes: the native one; the guest's sees the wrapper of js_guards.js, ~0.5 us more)
       if (typeof r === "string") {
         if (r.length > MAX_REPLY) { done = tooLarge("the reply", r.length); return 0; }  // (at least as many bytes)
-        if (r.isWellFormed() && !apply(sIncludes, r, ["\0"])) return r;
+        // (flat: the binding cannot read a rope, which `+` makes of strings past 512 characters)
+        if (r.isWellFormed() && !apply(sIncludes, r, ["\0"])) return r.length > 256 ? apply(sSlice, r, [0]) : r;
       }
       if (r === undefined || r === null) return null;
       value = r;
@@ -216,15 +275,18 @@ __NATIVE_GUARDS__
   // The engine's event with its strings as arguments: only `data` crosses as JSON.
   define("__execapp_call", (name, id, type, text, data, session, tenant, args) =>
     run(name, {id, type, text, data, session, tenant, args}, true));
+  // The host's results ([id, ok, value] each), handed to the promises waiting on them (settled as
+  // jobs: the host runs those, then takes the next step).
   define("__execapp_resume", (results) => {
-    try {  // array iteration, Map methods and Error can all be the guest's by now
-      for (const [id, ok, v] of parse(results)) {
-        const w = waiting.get(id);
-        waiting.delete(id);
-        if (w) { if (ok) w[0](v); else w[1](new Error(v)); }
+    try {  // (index loops over arrays JSON.parse made: no iterator; Error can be the guest's by now)
+      const r = parse(results);
+      for (let i = 0; i < r.length; i++) {
+        const id = r[i][0], w = waiting[id];
+        delete waiting[id];
+        if (w) { if (r[i][1]) w[0](r[i][2]); else w[1](new Error(r[i][2])); }
       }
     } catch (e) { done = {s: "err", e: errstr(e)}; }
-    return step();
+    return 0;
   });
   define("__execapp_step", step);
 })();
@@ -254,7 +316,8 @@ def _template(text: str) -> str:
 # body (a template literal) that a Context compiles when it first needs one.
 _PRELUDE = (_PRELUDE.replace("__MAX_REPLY__", str(MAX_REPLY_BYTES)).replace("__MAX_ERROR__", str(MAX_ERROR_CHARS))
             .replace("__MAX_LOG__", str(MAX_LOG_CHARS)).replace("__MAX_STEP__", str(MAX_STEP_CHARS))
-            .replace("__MAX_KEY__", str(MAX_KEY_CHARS)).replace("__MAX_VALUE__", str(MAX_VALUE_CHARS)))
+            .replace("__MAX_KEY__", str(MAX_KEY_CHARS)).replace("__MAX_VALUE__", str(MAX_VALUE_CHARS))
+            .replace("__MAX_URL__", str(MAX_URL_CHARS)).replace("__MAX_BATCH__", str(MAX_BATCH_CHARS)))
 _PRELUDE = _PRELUDE.replace("__NATIVE_GUARDS__", (Path(__file__).with_name("js_guards.js").read_text()
     .replace("__GUARDS_SLOW__", _template(_code_lines(Path(__file__).with_name("js_guards_slow.js"))))
     .replace("__GUARDED_ORIGINALS__", "[" + ", ".join(f"AP.{name}" for name in _GUARDED_METHODS) + "]")
@@ -455,7 +518,9 @@ class JsInstance:
             if list_functions:
                 ctx.eval(_LIST_FUNCTIONS)
                 before = ctx.eval("JSON.stringify(Object.getOwnPropertyNames(globalThis))")
-            ctx.eval(spec.code)
+            # The top level's completion value is dropped: the binding cannot read a rope (a string
+            # `+` made past 512 characters: a plugin ending with `s + s;` failed with a raw TypeError).
+            ctx.eval(spec.code + "\n;void 0")
             if time.monotonic() >= deadline:  # the top level ended, but past its budget
                 raise GuestTimeout(_timeout_message(spec, "in its top level"))
             self.functions = frozenset(json.loads(ctx.get("__execapp_functions")(before))) if before else frozenset()
@@ -561,15 +626,17 @@ class JsInstance:
         ctx = self.ctx
         now = time.monotonic
         host: Host | None = None  # one per guest call, made at its first host call
+        backlog: list = []  # host calls queued but not yet run (past one resume's MAX_BATCH_CHARS)
         try:
             for _ in range(MAX_STEPS):
                 state = json.loads(out)
-                queued = state["q"]
+                status = state["s"]
+                queued = backlog + state["q"] if backlog else state["q"]
                 results: list = []
                 if queued:
                     host = host or Host(self.spec, deadline)
-                    results = self._host_requests(queued, host, deadline)
-                status = state["s"]
+                    # Once the outcome is known the calls run for their effects, their results dropped.
+                    results, backlog = self._host_requests(queued, host, deadline, status == "wait")
                 if status == "ok":
                     return to_reply(state.get("v"))
                 if status == "err":
@@ -591,18 +658,23 @@ class JsInstance:
                     if now() >= deadline:
                         raise GuestTimeout(_timeout_message(self.spec, "running promise jobs"))
                 out = (self._step or self._entry("_step", "__execapp_step"))()
-                if not results and not ran:
+                if not results and not ran and not backlog and not state.get("more"):
                     raise GuestError("the handler's promise never settled")
             raise GuestError(f"the handler did not finish within {MAX_STEPS} host round trips")
         finally:
             if host is not None:
                 host.close()  # the call's end: the host logs its summary (dropped lines, denied calls)
 
-    def _host_requests(self, queue: list, host: Host, deadline: float) -> list:
-        """Run the guest's queued host calls in order, the deadline checked before each one."""
+    def _host_requests(self, queue: list, host: Host, deadline: float, keep: bool) -> tuple[list, list]:
+        """Run the guest's queued host calls in order, the deadline checked before each one:
+        ``(results, calls not run)``. With ``keep`` the results are kept for the guest, and the calls
+        stop once they hold MAX_BATCH_CHARS characters (the rest wait for the next resume)."""
         now = time.monotonic
-        results = []
+        results: list = []
+        held = 0
         for done, (req_id, op, args) in enumerate(queue):
+            if held > MAX_BATCH_CHARS:
+                return results, queue[done:]
             if now() >= deadline:
                 raise GuestTimeout(_timeout_message(self.spec, f"in host calls ({len(queue) - done} of "
                                                                f"{len(queue)} queued calls not run)"))
@@ -610,8 +682,10 @@ class JsInstance:
                 raise GuestError(f"the plugin broke the host protocol (unknown host call {op!r})", poison=True)
             try:
                 value = getattr(host, op)(*args)
-                if req_id:
+                if req_id and keep:
                     results.append([req_id, True, value])
+                    if value.__class__ is str:  # (as JSON: up to 12 characters a code point when not ASCII)
+                        held += len(value) if value.isascii() else 12 * len(value)
             except GuestQuota:  # a quota ends the call, like a timeout: the guest cannot catch it
                 raise
             except GuestTimeout as exc:
@@ -619,8 +693,10 @@ class JsInstance:
             except Exception as exc:  # a denied or failing call rejects the guest's promise
                 if not req_id:
                     raise GuestError(str(exc)) from None
-                results.append([req_id, False, str(exc)])
-        return results
+                if keep:
+                    results.append([req_id, False, message := str(exc)])
+                    held += len(message)
+        return results, []
 
     def _entry(self, attr: str, name: str) -> Any:
         """Fetch the prelude's entry point ``name`` into ``self.<attr>`` (once per Context)."""
@@ -654,6 +730,10 @@ def _js_error(exc: Exception, spec: Any, where: str = "") -> GuestError:
     """A JSException out of the binding, classified (timeout, memory) or kept as the guest's error."""
     message = str(exc).strip()
     first = message.splitlines()[0] if message else "error"
+    if first.startswith("(Failed obtaining QuickJS error string"):  # the binding's words for it
+        return GuestError(f"the plugin threw a value that cannot be turned into text {where}".rstrip() +
+                          " (converting it failed: a stack overflow, out of memory or its own error); throw an "
+                          "Error with a short message", poison=True)
     if "interrupted" in first:
         return GuestTimeout(_timeout_message(spec, where))
     if "out of memory" in first or first in ("null", "[uninitialized]"):

@@ -12,7 +12,7 @@
   const ITER = Symbol.iterator, reflectSet = Reflect.set, ownKeys = Reflect.ownKeys;
   const getOwnDescriptor = Reflect.getOwnPropertyDescriptor;
   const NativeRegExp = RegExp, rxReplace = RegExp.prototype[REPLACE];
-  const AP = Array.prototype, SP = String.prototype, MAX_LENGTH = 1 << 22, SEARCH_MAX = 1 << 22;
+  const AP = Array.prototype, SP = String.prototype, MAX_LENGTH = 1 << 22, SEARCH_MAX = 1 << 22, SHORT = 8;
   const tooLong = (what, n) => new RangeError(what + " on a length of " + n + ": the sandbox allows at most " +
                                               MAX_LENGTH);
   const toLength = (v) => { v = +v; return v > 0 ? (v < 2 ** 53 ? trunc(v) : 2 ** 53 - 1) : 0; };
@@ -81,8 +81,49 @@
     }
     return slow().view(native, self, args, nameOf(native));
   }};
+  // indexOf, lastIndexOf and includes compare their search value with each element natively: a
+  // string costs up to its length at every element, and one string may fill a whole array
+  // (`new Array(2e5).fill(x).indexOf(y)`, x and y 2 MB strings that differ at their ends, ran 7 s
+  // past a 0.3 s deadline at the default 16 MiB). On a genuine array, past SEARCH_MAX character
+  // comparisons with a string over SHORT characters, the search runs in bytecode, polled at each
+  // element (any other receiver is read through the view's traps: a polled call per element).
+  const searchTraps = {__proto__: null, apply(native, self, args) {
+    const v = args.length > 0 ? args[0] : undefined;
+    if (typeof v === "string" && v.length > SHORT && genuine(self) && self.length <= MAX_LENGTH &&
+        v.length * self.length > SEARCH_MAX)
+      return slow().search(nameOf(native), self, v, args);
+    return arrayTraps.apply(native, self, args);
+  }};
+  // One string of millions of characters can also fill a list whose every element a native converts
+  // or compares, paying that length at each one (ToNumber copies the whole string): a typed array
+  // made of `new Array(2e5).fill(x)`, x a 2 MB string, ran over 30 s at 16 MiB, and a default sort
+  // of 2,000 such strings (differing at their ends) 1.07 s. mass(a): the characters of a genuine
+  // array's strings, each counted at every element that holds it, summed in bytecode (polled) up to
+  // past `max` (a typed array's source of at most FEW elements is not read: milliseconds at most).
+  const FEW = 64, MASS_MAX = 1 << 30;
+  const mass = (a, max) => {
+    let m = 0;
+    for (let i = 0, n = a.length; i < n && m <= max; i++) { const v = a[i]; if (typeof v === "string") m += v.length; }
+    return m;
+  };
+  // sort and toSorted without a comparator: past MASS_MAX characters compared (mass times log2 of
+  // the length) the native sorts with a comparator that compares as the default order does (each
+  // comparison a polled call; undefined and holes still go last, never compared).
+  const byText = (x, y) => { const s = text(x), t = text(y); return s < t ? -1 : s > t ? 1 : 0; };
+  const sortTraps = {__proto__: null, apply(native, self, args) {
+    if ((args.length === 0 || args[0] === undefined) && genuine(self) && self.length > 1 &&
+        self.length <= MAX_LENGTH) {
+      const log2 = 32 - Math.clz32(self.length);
+      if (mass(self, MASS_MAX / log2) > MASS_MAX / log2) return apply(native, self, [byText]);
+    }
+    return arrayTraps.apply(native, self, args);
+  }};
   // Set, not defined: each property stays writable, configurable and not enumerable.
-  for (let i = 0; i < names.length; i++) AP[names[i]] = new NativeProxy(original[i], arrayTraps);
+  for (let i = 0; i < names.length; i++) {
+    const n = names[i];
+    AP[n] = new NativeProxy(original[i], n === "indexOf" || n === "lastIndexOf" || n === "includes" ? searchTraps :
+                                         n === "sort" || n === "toSorted" ? sortTraps : arrayTraps);
+  }
   // concat also walks its arguments, and flat/flatMap the arrays nested in their receiver: their
   // lengths are not the receiver's. concat runs natively on genuine arrays (and primitives) whose
   // lengths add up to at most MAX_LENGTH, in bytecode otherwise; flat and flatMap in bytecode.
@@ -176,8 +217,23 @@
     // An array-like without an iterator is read by index; one with an iterator goes through it.
     const source = (v) => primitive(v) || shortChain(v) || typeof v[ITER] === "function" ? v : slow().list(v);
     assign(Array, {from(items, ...rest) { return apply(nFrom, this, [source(items), ...rest]); }});
-    const TA = getProto(Int8Array), TAP = TA.prototype, nTAFrom = TA.from, nSet = TAP.set;
-    assign(TA, {from(items, ...rest) { return apply(nTAFrom, this, [source(items), ...rest]); }});
+    const TA = getProto(Int8Array), TAP = TA.prototype, nTAFrom = TA.from, nSet = TAP.set, nOf = TA.of;
+    // What a typed array converts element by element (mass() above): a genuine array whose strings
+    // pass MASS_MAX characters is refused, an array-like copied first (its length and elements read
+    // once, in bytecode) and then checked; an iterable's steps are calls, polled.
+    const converted = (a, what) => {
+      if (a.length > FEW && mass(a, MASS_MAX) > MASS_MAX)
+        throw new RangeError(what + " of " + a.length + " elements holds strings of more than " + MASS_MAX +
+                             " characters in all (each counted at every element that holds it): the sandbox " +
+                             "allows at most " + MASS_MAX);
+      return a;
+    };
+    const taSource = (v, what) => primitive(v) ? v : genuine(v) ? converted(v, what) :
+      typeof v[ITER] === "function" ? v : converted(slow().list(v), what);
+    assign(TA, {
+      from(items, ...rest) { return apply(nTAFrom, this, [taSource(items, "a typed array's source"), ...rest]); },
+      of(...items) { return apply(nOf, this, converted(items, "a typed array's values")); },
+    });
     // A typed array's length is bounded by the memory cap only (up to 1 GiB), and some of its
     // methods cost tens of ns per element in C: at that cap, sorting 28M doubles took 4.8 s,
     // joining 50M bytes 2.2 s, converting 300M bytes to 16 bits (set, a constructor) 7.3 s. Past
@@ -191,7 +247,7 @@
                        buffer: getOwnDescriptor(TAP, "buffer").get, offset: getOwnDescriptor(TAP, "byteOffset").get});
     assign(TAP, {
       set(items, ...rest) {
-        if (!isView(items)) return apply(nSet, this, [source(items), ...rest]);
+        if (!isView(items)) return apply(nSet, this, [taSource(items, "a typed array's source"), ...rest]);
         return taLen(items) > TA_CHUNK ? slow().taSet(this, items, rest[0]) : apply(nSet, this, [items, ...rest]);
       },
       sort(cmp) {
@@ -245,7 +301,7 @@
     const taTraps = {__proto__: null, construct(N, args, nt) {
       const a = args.length > 0 ? args[0] : undefined;
       if (isView(a) && taLen(a) > TA_CHUNK) return slow().taCopy(N, a, nt);  // a typed array: set's chunks
-      if (!primitive(a) && !isView(a) && !isBuffer(a)) args[0] = source(a);
+      if (!primitive(a) && !isView(a) && !isBuffer(a)) args[0] = taSource(a, "a typed array's source");
       return nConstruct(N, args, nt);
     }};
     const taNames = ["Int8Array", "Uint8Array", "Uint8ClampedArray", "Int16Array", "Uint16Array", "Int32Array",
@@ -266,7 +322,6 @@
   // SEARCH_MAX comparisons a search runs on slices of at most SEARCH_MAX comparisons each, unless
   // its needle is short (up to SHORT characters): then its cost is linear in a string the memory
   // cap bounds, like any other linear built-in's (s.split(",") on a long text stays native).
-  const SHORT = 8;
   const big = (s, n) => n.length > SHORT && s.length * n.length > SEARCH_MAX;
   const subject = (self, name) => {
     if (self == null) throw new TypeError("String.prototype." + name + " called on null or undefined");

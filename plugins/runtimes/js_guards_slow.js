@@ -39,6 +39,8 @@ const finder = (s, needle) => {
     return -1;
   };
 };
+// ToIntegerOrInfinity (a BigInt or a Symbol throws its TypeError, as in the natives).
+const integer = (v) => { const p = +v; return p !== p ? 0 : trunc(p); };
 const start = (pos, len) => {
   let p = +pos;
   p = p !== p ? 0 : trunc(p);
@@ -183,6 +185,22 @@ return {
     const a = [];
     flatten(a, o, toLength(o.length), 0, depth, mapper, thisArg);
     return a;
+  },
+  // Array.prototype.indexOf, lastIndexOf or includes of the string `v` on the genuine array `a`,
+  // with the natives' steps (fromIndex read once, after the length; holes skipped by indexOf and
+  // lastIndexOf, read as undefined by includes), one polled comparison per element.
+  search(name, a, v, args) {
+    const len = a.length;
+    if (name === "lastIndexOf") {
+      const n = args.length > 1 ? integer(args[1]) : len - 1;
+      for (let k = n >= 0 ? (n < len - 1 ? n : len - 1) : len + n; k >= 0; k--) if (k in a && a[k] === v) return k;
+      return -1;
+    }
+    const n = integer(args.length > 1 ? args[1] : undefined), includes = name === "includes";
+    for (let k = n >= 0 ? n : (len + n > 0 ? len + n : 0); k < len; k++) {
+      if (includes ? a[k] === v : k in a && a[k] === v) return includes ? true : k;
+    }
+    return includes ? false : -1;
   },
   indexOf: (s, n, pos) => finder(s, n)(start(pos, s.length)),
   lastIndexOf(s, n, pos) {  // the last `n` at or before pos, on slices from the end

@@ -113,3 +113,50 @@ def test_wrapped_microtasks_still_work_and_finalization_registries_are_not_offer
 def test_the_interrupt_handler_can_be_held_on_this_binding():
     # Otherwise hold() silently does nothing (logged) and a top level's throw can hang again.
     assert js_deadline.available() and js_deadline._binding_handler
+
+
+def test_a_thrown_value_that_cannot_become_text_is_refused_with_a_message_that_says_so():
+    # String() of a proxy 20,000 deep overflows the stack: the binding's own words were
+    # "(Failed obtaining QuickJS error string. Concurrency issue?)", and the prelude's "an error
+    # value that cannot be turned into text", neither saying what to do.
+    from plugins.errors import CompileError
+    from plugins.runtimes.js import JsCompiled
+
+    deep = "let p = {}; for (let i = 0; i < 20000; i++) p = new Proxy(p, {});"
+    with pytest.raises(CompileError, match="cannot be turned into text in its top level .* throw an Error"):
+        JsCompiled(PluginSpec(name="t-text", runtime="js", code=deep + " throw p;", timeout=1.0))
+    plugin = LoadedPlugin(PluginSpec(name="t-text", runtime="js", code=f"function h(e) {{ {deep} throw p; }}",
+                                     timeout=1.0))
+    event = {"id": "1", "type": "m", "text": "", "data": {}, "session": None, "args": ""}
+    try:
+        with pytest.raises(HandlerError, match="cannot be turned into text .* throw an Error with a short message"):
+            plugin.call("h", event)
+    finally:
+        plugin.close()
+
+
+@pytest.mark.parametrize("strategy", ["pooled", "sharded"])
+def test_a_job_left_by_one_call_never_becomes_the_outcome_of_the_next(strategy: str):
+    # A sync reply returns before any job runs: the microtask it queued ran in the next call on the
+    # same Context, whose outcome its error became (tenant A's card number in tenant B's error).
+    code = """
+    function audit(e) { throw new Error("audit failed for " + e.tenant + ": " + e.text); }
+    function note(e) { queueMicrotask(() => audit(e)); return "noted"; }
+    function promised(e) {
+      Promise.resolve().then(() => Promise.resolve()).then(() => { throw "late"; });
+      return "done";
+    }
+    async function ask(e) { await null; await null; return "answer for " + e.tenant; }
+    """
+    plugin = LoadedPlugin(PluginSpec(name="t-jobs-left", runtime="js", code=code, timeout=1.0, strategy=strategy,
+                                     pool_size=1, shard_count=1))
+
+    def event(tenant: str, text: str) -> dict:
+        return {"id": "1", "type": "m", "text": text, "data": {}, "session": "s", "args": "", "tenant": tenant}
+    try:
+        assert plugin.call("note", event("tenant-a", "card 4111")) == "noted"
+        assert plugin.call("ask", event("tenant-b", "hi")) == "answer for tenant-b"
+        assert plugin.call("promised", event("tenant-a", "x")) == "done"
+        assert plugin.call("ask", event("tenant-b", "hi")) == "answer for tenant-b"
+    finally:
+        plugin.close()

@@ -27,6 +27,21 @@ ESCAPES = {  # each ran for minutes (natively, with no interrupt poll) before it
     "split": QUADRATIC + "s.split(n)",
     "replace": QUADRATIC + "s.replace(n, 'x')",
     "replaceAll": QUADRATIC + "s.replaceAll(n, 'x')",
+    # a string search value compared with every element (one 2 MB string fills the array): 7-9 s each
+    **{f"Array {m} of a long string": "const p = 'a'.repeat(1 << 21), x = p + 'b';"
+       f" new Array(2e5).fill(x).{m}(p + 'c')" for m in ("indexOf", "lastIndexOf", "includes")},
+    # one 2 MB string at every element of a list a native converts or compares: 2.4-5 s each
+    **{f"a long string at every element: {name}": "const x = 'a'.repeat(1 << 21) + 'b', y = 'a'.repeat(1 << 21) + 'c';"
+       + expr for name, expr in {
+           "a typed array of an array": "new Float64Array(new Array(2e4).fill(x))",
+           "a typed array's from": "Float64Array.from(new Array(2e4).fill(x))",
+           "a typed array's set": "new Float64Array(2e4).set(new Array(2e4).fill(x))",
+           "a typed array's of": "Float64Array.of(...new Array(2e4).fill(x))",
+           "a typed array of an array-like": "const o = {length: 2e4}; for (let i = 0; i < 2e4; i++) o[i] = x;"
+                                             " new Uint8Array(o)",
+           "sort": "const a = []; for (let i = 0; i < 4e3; i++) a.push(i & 1 ? x : y); a.sort()",
+           "toSorted": "const a = []; for (let i = 0; i < 4e3; i++) a.push(i & 1 ? x : y); a.toSorted()",
+       }.items()},
     "a length getter that changes":
         "Array.prototype.join.call({n: 0, get length() { return this.n++ ? 2 ** 31 : 1; }})",
     "a proxy's length": "new Proxy([], {get: (t, k) => k === 'length' ? 2 ** 31 : t[k]}).forEach(x => x)",
@@ -127,7 +142,8 @@ def _contexts() -> tuple[Any, Any]:
     short enough to search natively regardless; a plain one)."""
     guarded, plain = quickjs.Context(), quickjs.Context()
     prelude = js._PRELUDE.replace("SEARCH_MAX = 1 << 22", "SEARCH_MAX = 3").replace("SHORT = 8", "SHORT = 0")
-    assert "SEARCH_MAX = 3" in prelude and "SHORT = 0" in prelude
+    prelude = prelude.replace("FEW = 64, MASS_MAX = 1 << 30", "FEW = 0, MASS_MAX = 4")
+    assert "SEARCH_MAX = 3" in prelude and "SHORT = 0" in prelude and "FEW = 0" in prelude
     guarded.eval(prelude)
     return guarded, plain
 
@@ -251,6 +267,27 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     " Object.keys(o)]; })()", "Object.getPrototypeOf(Object.create(null)) === null",
     "(() => { try { Object.create(5); } catch (e) { return e.name; } })()",
     "Object.defineProperties({}, Object.create({inherited: {value: 1}}))",
+    # the array searches of a string, in bytecode past the (lowered) threshold
+    *(f"(() => {{ const a = ['ab', , 'b', 'ab', undefined, 'ab'], f = (...r) => a.{m}('ab', ...r);"
+      " return [f(), f(undefined), f('b'), f(-2), f(2), f(99), f(-99), f(NaN), f(Infinity), f(-Infinity), f('1.7'),"
+      " f({valueOf() { return 1; }})]; })()" for m in ("indexOf", "lastIndexOf", "includes")),
+    "[['a', 'bb'].indexOf('bb'), ['a', 'bb'].includes('a'), [,'xx'].lastIndexOf('xx', 0), [].indexOf('abc')]",
+    "(() => { Array.prototype[1] = 'hole'; try { return [['x', , 'hole'].indexOf('hole'),"
+    " ['x', , 'y'].includes('hole'), ['hole', , 'y'].lastIndexOf('hole')]; }"
+    " finally { delete Array.prototype[1]; } })()",
+    "(() => { try { return ['ab'].indexOf('ab', 1n); } catch (e) { return e.name; } })()",
+    "(() => { try { return ['ab'].includes('ab', Symbol()); } catch (e) { return e.name; } })()",
+    "Array.prototype.indexOf.call({length: 3, 2: 'abc'}, 'abc')",
+    # a default sort past the (lowered) mass of strings: a comparator in the native's default order
+    "['b', undefined, 'a', , 10, 9, 'aa', null, {toString() { return 'ab'; }}, 1e21, -0, 'B'].sort().map(String)",
+    "['bb', 'a', 'ba', 'ab', 'b', 'aa'].toSorted()", "[[2, 1], [1, 2], 'zz', 'z', true, 'true'].sort().map(String)",
+    "(() => { const a = ['yy', 'xx']; return [a.sort() === a, a]; })()",
+    "(() => { try { return ['aa', Symbol(), 'bb'].sort(); } catch (e) { return e.name; } })()",
+    # typed arrays of strings within the (lowered) mass: converted as by the natives, whichever way in
+    *(f"(() => {{ try {{ return {expr}; }} catch (e) {{ return e.name; }} }})()" for expr in (
+        "new Float64Array(['1', '2', '3']).length", "Float64Array.from(['1', '2', '3']).length",
+        "Float64Array.of('1', '2', '3').length", "new Float64Array(3).set(['1', '2', '3'])",
+        "new Float64Array({length: 3, 0: '1', 1: '2', 2: '3'}).length", "new Float64Array(['1', 2]).length")),
     "/a+(b)/.exec('caab')", "[...'a1b2'.matchAll(/\\d/g)].map(m => m[0] + m.index)", "/x/y.test('ax')",
     "(() => { const r = /a/g; r.exec('aa'); return [r.lastIndex, r.exec('aa').index, r.lastIndex]; })()",
 ])
