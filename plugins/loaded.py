@@ -39,6 +39,13 @@ ENGINE_GRACE_SECONDS = 0.5
 _SHORT_REPLY_CHARS = MAX_REPLY_BYTES // 4
 
 
+def forget_refusals() -> None:
+    """Forget the specs refused lately, so that the next validation runs them again (tests that
+    change a runtime's limits between two validations of one spec)."""
+    with _compiled_lock:
+        _refused.clear()
+
+
 @atexit.register
 def _drop_compiled() -> None:
     # Free compiled plugins while their runtimes' libraries are still loaded: wasmtime objects

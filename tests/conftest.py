@@ -334,3 +334,13 @@ def _fresh_login_throttle() -> None:
     from execapp import login_throttle
 
     login_throttle._current = None
+
+
+@pytest.fixture(autouse=True)
+def _no_remembered_refusals() -> Iterator[None]:
+    """Each test validates its plugins afresh: a refusal is remembered for a few seconds per spec
+    (plugins.loaded), and a test that tightens a runtime's limits must not see the one before's."""
+    yield
+    from plugins import loaded
+
+    loaded.forget_refusals()
