@@ -180,7 +180,15 @@ local function host_call(name, ...)
   -- log line is diagnostics: its non-ASCII bytes become "?" instead.
   for i = 1, select("#", ...) do
     local a = select(i, ...)
-    if type(a) == "string" then
+    local ta = type(a)
+    if ta ~= "string" and ta ~= "number" and ta ~= "boolean" and ta ~= "nil" then
+      -- Only plain values cross: Python reading a table, function or coroutine (str() of a URL)
+      -- ran the guest's __tostring inside lupa with the GIL held, freezing every thread of the
+      -- worker, the event loop included, for the rest of the call's budget.
+      error(name .. ": argument " .. i .. " is a " .. ta .. "; host calls take strings and numbers (convert it "
+            .. "with tostring() first)", 3)
+    end
+    if ta == "string" then
       if name == "log" and #a > LOG_MAX then
         a = arg_sub(a, 1, LOG_MAX)
         local n, bad = utf8_ok(a)
