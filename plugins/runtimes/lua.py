@@ -23,8 +23,9 @@ Sandbox (built once per lupa runtime, in Lua, while the standard library is stil
 - a deadline watchdog (``lua_interrupt.py``) makes the count hook fire at the next instruction
   once a call is past its deadline, so a loop of O(n) instructions (``s .. "x"`` on a 30 MB
   string) cannot run for seconds between two hooks.
-- weak tables are off (``lua_interrupt.disable_weak_tables``: an ephemeron chain makes one GC step
-  quadratic, seconds in one C call); ``setmetatable`` refuses ``__mode`` and ``__gc``;
+- weak tables and ``__call`` are off (``lua_interrupt.retire_events``: an ephemeron chain makes one
+  GC step quadratic, a chain of callable tables one call instruction, seconds to minutes in one C
+  call); ``setmetatable`` refuses ``__mode``, ``__gc`` and ``__call``;
 - what crosses into Python after the deadline runs no guest code and is bounded: an error
   object's ``__tostring`` runs in the sandbox under the call's deadline, its text is cut to
   4 KiB of valid UTF-8; a table reply is read raw, at most ``MAX_REPLY_VALUES`` values (a
@@ -54,7 +55,7 @@ from ..spec import PluginSpec
 from .base import MAX_REPLY_BYTES, to_reply
 from .host import MAX_LOG_CHARS, Host, HostCallError
 from .kvstore import MAX_VALUE_CHARS
-from .lua_interrupt import MODE_NAME, Interrupts, disable_weak_tables
+from .lua_interrupt import CALL_NAME, MODE_NAME, Interrupts, retire_events
 
 #: Instructions between two deadline checks (a check calls time.monotonic through lupa: ~1 us;
 #: 10k Lua instructions take ~50-100 us, so the check costs ~1-2% and a timeout lands within
@@ -208,7 +209,8 @@ class _LuaVM:
             self.rt = lupa.LuaRuntime(register_eval=False, register_builtins=False, unpack_returned_tuples=True,
                                       attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
             limits = self.rt.table_from({**GUARD_LIMITS, "memory": spec.memory_bytes, "MEM_MARK": MEMORY_MARK,
-                                         "MODE_NAME": MODE_NAME, "MAX_REPLY_BYTES": MAX_REPLY_BYTES,
+                                         "MODE_NAME": MODE_NAME, "CALL_NAME": CALL_NAME,
+                                         "MAX_REPLY_BYTES": MAX_REPLY_BYTES,
                                          "MAX_REPLY_VALUES": MAX_REPLY_VALUES, "MAX_DEPTH": MAX_DEPTH,
                                          "HOST_ARG_MAX": HOST_ARG_MAX, "LOG_MAX": 4 * MAX_LOG_CHARS})
             # The deadline watchdog's view of this VM's states (no reference back to the VM).
@@ -217,7 +219,7 @@ class _LuaVM:
                 _SANDBOX, time.monotonic, self.gate, HOOK_COUNT, TIMEOUT_MSG,
                 _GUARDS_BYTECODE if guards else None, _PATTERNS_BYTECODE, limits,
                 irq.register if guards else None)
-            disable_weak_tables(main)  # before any guest code runs here (lua_interrupt.py)
+            retire_events(main)  # before any guest code runs here (lua_interrupt.py)
             if guards:
                 irq.attach(main, HOOK_COUNT)
         except lupa.LuaMemoryError:

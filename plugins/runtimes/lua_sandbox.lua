@@ -3,7 +3,8 @@
 -- deadline, the guarded standard library, fresh environments and the call entry points.
 local clock, py_host, COUNT, TIMEOUT, GUARDS_BC, PATTERNS_BC, LIMITS, REGISTER = ...
 local B = {deadline = math.huge, expired = false, loading = false, cos = {}, ncos = 0}
-B.mode_name = LIMITS.MODE_NAME -- kept alive here: the collector's weak-mode name (lua_interrupt.py)
+-- Kept alive here: the names the VM reads weak modes and __call under (lua_interrupt.retire_events).
+B.mode_name, B.call_name = LIMITS.MODE_NAME, LIMITS.CALL_NAME
 local error, pcall, xpcall, type, tostring, next, select = error, pcall, xpcall, type, tostring, next, select
 local setmetatable, getmetatable, rawget = setmetatable, getmetatable, rawget
 local sethook, co_create, co_resume = debug.sethook, coroutine.create, coroutine.resume
@@ -39,6 +40,11 @@ do
   local hooks = debug.getregistry()._HOOKKEY
   local mt = hooks and getmetatable(hooks)
   if mt then mt[LIMITS.MODE_NAME] = mt.__mode end
+  -- The VM calls a non-function by its metatable's __call read under CALL_NAME in this runtime:
+  -- Python objects (clock, py_host, the watchdog's register) keep theirs there. No guest reaches
+  -- this metatable (guests never hold a Python object).
+  local py = debug.getregistry().POBJECT
+  if type(py) == "table" then py[LIMITS.CALL_NAME] = rawget(py, "__call") end
 end
 
 -- Once the budget is spent every protected call re-raises: pcall cannot swallow the timeout.
@@ -157,6 +163,11 @@ local function safe_setmetatable(t, mt)
     -- collector quadratic); say so rather than let a weak cache silently keep everything.
     if rawget(mt, "__mode") ~= nil then
       error("weak tables (__mode) are not available in plugins; drop entries explicitly (t[k] = nil)", 2)
+    end
+    -- Off in the sandbox too (lua_interrupt.retire_events): Lua follows a chain of callable tables
+    -- (mt.__call = t) in one call instruction, quadratic in its length, minutes no hook can stop.
+    if rawget(mt, "__call") ~= nil then
+      error("__call metamethods are not available in plugins; call a function (e.g. a field of the table) instead", 2)
     end
   end
   return setmetatable(t, mt)
