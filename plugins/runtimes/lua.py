@@ -73,6 +73,9 @@ MAX_REPLY_VALUES = MAX_REPLY_BYTES // 2
 HOST_ARG_MAX = 4 * MAX_VALUE_CHARS
 #: Tables converted between two checks of the call's deadline (~1-2 ms of conversion).
 TABLES_PER_CHECK = 1024
+#: Bytes of Lua memory a per_request call may leave behind in its thread's runtime (the sandbox
+#: itself is ~100 KB): past this the call's garbage is collected as it ends (lua_sandbox.lua).
+ISOLATED_KEEP_BYTES = 1 << 20
 
 #: Build sandboxes with the library guards (lua_guards.lua). Off only to measure what they cost.
 GUARDS = True
@@ -210,6 +213,7 @@ class _LuaVM:
                                       attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
             limits = self.rt.table_from({**GUARD_LIMITS, "memory": spec.memory_bytes, "MEM_MARK": MEMORY_MARK,
                                          "MODE_NAME": MODE_NAME, "CALL_NAME": CALL_NAME,
+                                         "ISOLATED_KEEP": ISOLATED_KEEP_BYTES,
                                          "MAX_REPLY_BYTES": MAX_REPLY_BYTES,
                                          "MAX_REPLY_VALUES": MAX_REPLY_VALUES, "MAX_DEPTH": MAX_DEPTH,
                                          "HOST_ARG_MAX": HOST_ARG_MAX, "LOG_MAX": 4 * MAX_LOG_CHARS})

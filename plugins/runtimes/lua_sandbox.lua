@@ -350,13 +350,22 @@ end
 -- capped allocator directly, without the emergency collection Lua runs before it fails one of its
 -- own allocations: the previous call's garbage would fail this call's large string with
 -- memory_limit. Between two isolated calls only the sandbox is alive, so this collection is cheap.
-local gc, GC_AT = collectgarbage, LIMITS.memory / 2048 -- half the cap, in KB
+-- An isolated call also leaves at most KEEP of garbage behind: its runtime stays with its thread
+-- (one per pool thread and plugin), so a call that built 700 MB under a 1 GiB cap kept them in
+-- every thread that had run it, 2.6 GB for 4 threads of a plugin limited to one call at a time.
+-- The collection marks only the sandbox (the call's environment is garbage by then, its reply
+-- still referenced) and frees what the call allocated: work the call's own budget paid to build.
+local gc, GC_AT, KEEP = collectgarbage, LIMITS.memory / 2048, LIMITS.ISOLATED_KEEP / 1024 -- in KB
 local function fresh_call(bytecode, name, handler, event, deadline)
   if gc("count") > GC_AT then gc() end
   if B.seeded then B.seeded = false; native_seed(math_tointeger(clock() * 1e9 // 1)) end
-  local env, status, err = new_env(bytecode, name, deadline)
-  if not env then return status, err end
-  return call(env, handler, event, deadline, true)
+  local env, status, v = new_env(bytecode, name, deadline)
+  if env then
+    status, v = call(env, handler, event, deadline, true)
+    env = nil
+  end
+  if gc("count") > KEEP then gc() end
+  return status, v
 end
 
 for _, f in next, {new_env, call, fresh_call, outcome, error_text, release} do OWN[f] = true end
