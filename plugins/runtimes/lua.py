@@ -219,7 +219,7 @@ class _LuaVM:
                                          "HOST_ARG_MAX": HOST_ARG_MAX, "LOG_MAX": 4 * MAX_LOG_CHARS})
             # The deadline watchdog's view of this VM's states (no reference back to the VM).
             self._irq = irq = Interrupts()
-            self._new_env, self._call, self._fresh, self._functions, main = self.rt.execute(
+            self._new_env, self._call, self._fresh, self._functions, main, self._settle = self.rt.execute(
                 _SANDBOX, time.monotonic, self.gate, HOOK_COUNT, TIMEOUT_MSG,
                 _GUARDS_BYTECODE if guards else None, _PATTERNS_BYTECODE, limits,
                 irq.register if guards else None)
@@ -290,7 +290,7 @@ class _LuaVM:
         except OverflowError:  # an integer past Lua's 64 bits (see _fit_ints)
             table = self._table_from(_fit_ints(event), recursive=True)
         try:
-            status, value = self._fresh(self.bytecode, self.chunkname, handler, table, deadline)
+            status, value, held = self._fresh(self.bytecode, self.chunkname, handler, table, deadline)
         except lupa.LuaError as exc:
             raise self._lua_error(exc, deadline) from None
         except UnicodeDecodeError:
@@ -299,6 +299,8 @@ class _LuaVM:
             irq.running = None
             if irq.coroutines:
                 irq.end_call()
+        if held:  # coroutines the call resumed, and what they hold: freed now, not at this thread's next call
+            self._settle()
         if status:
             _raise(status, value, self.spec)
         return value if value.__class__ is str else to_reply(_to_python(value, self._reply_chars, deadline))
@@ -458,7 +460,7 @@ class LuaInstance(_LuaVM):
     def close(self) -> None:
         self._irq.forget()  # before the runtime can be freed
         self.env = None
-        self._new_env = self._call = self._fresh = self._functions = self._table_from = None
+        self._new_env = self._call = self._fresh = self._functions = self._table_from = self._settle = None
         self.rt = None
 
 

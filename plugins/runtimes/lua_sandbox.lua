@@ -364,11 +364,18 @@ local function fresh_call(bytecode, name, handler, event, deadline)
     status, v = call(env, handler, event, deadline, true)
     env = nil
   end
+  -- (the coroutines the call resumed are still referenced, for the watchdog: settle, next)
+  if B.ncos == 0 and gc("count") > KEEP then gc() end
+  return status, v, B.ncos > 0
+end
+-- After an isolated call that resumed coroutines, once the VM has stopped writing to them
+-- (lua.py): let them go, and what they hold (a suspended one keeps its locals), then collect.
+local function settle()
+  release()
   if gc("count") > KEEP then gc() end
-  return status, v
 end
 
-for _, f in next, {new_env, call, fresh_call, outcome, error_text, release} do OWN[f] = true end
+for _, f in next, {new_env, call, fresh_call, outcome, error_text, release, settle} do OWN[f] = true end
 
 local function functions(env)
   local names = {}
@@ -378,4 +385,4 @@ local function functions(env)
   return names
 end
 
-return new_env, call, fresh_call, functions, tostring((coroutine.running()))
+return new_env, call, fresh_call, functions, tostring((coroutine.running())), settle
