@@ -8,7 +8,8 @@ Sandbox (built once per lupa runtime, in Lua, while the standard library is stil
 - library tables (string, table, math, utf8, coroutine) are read-only proxies and the string
   metatable is protected, so no call can change what the next one sees;
 - plugin source is compiled once per version with ``load(src, name, "t")`` (text only: a
-  plugin can never hand us bytecode) and dumped; only that bytecode of ours is ever loaded;
+  plugin can never hand us bytecode) and dumped, a large source in a child process bounded in
+  time (``lua_compile.py``); only that bytecode of ours is ever loaded;
 - a count hook checks the wall-clock deadline every ``HOOK_COUNT`` instructions and raises;
   once the budget is spent ``pcall``/``xpcall``/``coroutine.resume``/``wrap`` re-raise and
   new coroutines get the hook too, so neither pcall nor coroutines can swallow the timeout;
@@ -55,6 +56,7 @@ from ..spec import PluginSpec
 from .base import MAX_REPLY_BYTES, to_reply
 from .host import MAX_LOG_CHARS, Host, HostCallError
 from .kvstore import MAX_VALUE_CHARS
+from .lua_compile import compile_bytecode, refuse_attributes
 from .lua_interrupt import CALL_NAME, MODE_NAME, Interrupts, retire_events
 
 #: Instructions between two deadline checks (a check calls time.monotonic through lupa: ~1 us;
@@ -111,42 +113,6 @@ _PATTERNS_BYTECODE = _stripped_chunk("lua_patterns.lua")
 
 #: The sandbox chunk (lua_sandbox.lua), run once per runtime before any guest code.
 _SANDBOX = Path(__file__).with_name("lua_sandbox.lua").read_text()
-
-
-def _refuse_attributes(obj: Any, name: Any, is_setting: bool) -> Any:
-    raise AttributeError(f"plugins cannot access Python attributes (tried {name!r})")
-
-
-def compile_bytecode(spec: PluginSpec) -> bytes:
-    """Compile plugin source once (text mode only) and return its Lua 5.4 bytecode."""
-    if not isinstance(spec.code, str):
-        raise CompileError("Lua plugins are source text, not bytes")
-    if spec.code.startswith("\x1bLua"):
-        raise CompileError("Lua bytecode is refused: upload the plugin's source text")
-    # Under the plugin's memory cap: the parser's tables and the bytecode (up to ~3x the source)
-    # were allocated without one, and the bytecode must fit the cap to be loaded anyway.
-    rt = lupa.LuaRuntime(encoding=None, register_eval=False, register_builtins=False,
-                         attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
-    try:
-        fn, err = _load_text(rt, spec)
-        if fn is None:
-            message = (err or b"syntax error").decode("utf-8", "replace")
-            if message == "not enough memory":
-                raise lupa.LuaMemoryError(message)
-            raise CompileError(message)
-        return rt.execute("local f = ...; return string.dump(f)", fn)
-    except lupa.LuaMemoryError:
-        raise CompileError(f"compiling the source needs more than the plugin's memory cap of {spec.memory_bytes} "
-                           "bytes; make the code smaller, or raise the plugin's memory_mb",
-                           code="memory_limit") from None
-
-
-def _load_text(rt: Any, spec: PluginSpec) -> tuple[Any, bytes | None]:
-    code = spec.code  # source text (a str) for a source runtime
-    result = rt.execute("local src, name = ...; local f, e = load(src, name, 't'); return f or false, e",
-                        code.encode() if isinstance(code, str) else code, f"={spec.name}".encode())
-    fn, err = result if isinstance(result, tuple) else (result, None)
-    return (fn or None), err
 
 
 class _HostGate:
@@ -210,7 +176,7 @@ class _LuaVM:
             guards = GUARDS
         try:
             self.rt = lupa.LuaRuntime(register_eval=False, register_builtins=False, unpack_returned_tuples=True,
-                                      attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
+                                      attribute_filter=refuse_attributes, max_memory=spec.memory_bytes)
             limits = self.rt.table_from({**GUARD_LIMITS, "memory": spec.memory_bytes, "MEM_MARK": MEMORY_MARK,
                                          "MODE_NAME": MODE_NAME, "CALL_NAME": CALL_NAME,
                                          "ISOLATED_KEEP": ISOLATED_KEEP_BYTES,

@@ -15,7 +15,7 @@ import pytest
 
 from plugins.errors import CompileError
 from plugins.loaded import LoadedPlugin
-from plugins.runtimes import lua, lua_interrupt
+from plugins.runtimes import lua, lua_compile, lua_interrupt
 from plugins.spec import PluginSpec
 
 from .children import run_in_children
@@ -230,6 +230,29 @@ def test_compiling_the_source_stays_within_the_memory_cap() -> None:
         lua.compile_bytecode(spec)
     assert info.value.code == "memory_limit"
     assert lua.compile_bytecode(PluginSpec(name="big", runtime="lua", code=code, memory_bytes=16 << 20))
+
+
+def test_compiling_a_large_source_is_bounded_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lua's parser keeps every constant in one table whose growth reinserts each key with a lookup:
+    # 65,537 integer constants that collide (multiples of 2^17 - 1, 712 KB) took 11 s to compile, in
+    # one C call, on the thread saving or loading the plugin.
+    monkeypatch.setattr(lua_compile, "TIMEOUT_SECONDS", 0.5)
+    size = 1 << 17
+    code = ("local t = {" + ",".join(str(i * (size - 1)) for i in range(1, size // 2 + 2)) + "}\n"
+            "function h(e) return 'ok' end")
+    started = time.monotonic()
+    with pytest.raises(CompileError, match="compiling the source took more than 0.5 s") as info:
+        lua.compile_bytecode(PluginSpec(name="slow", runtime="lua", code=code))
+    assert info.value.code == "timeout" and time.monotonic() - started < 2
+
+
+def test_a_large_source_compiles_in_a_child_to_the_same_bytecode() -> None:
+    code = "local data = {" + ",".join(str(i) for i in range(20_000)) + "}\nfunction h(e) return tostring(#data) end"
+    spec = PluginSpec(name="big", runtime="lua", code=code)
+    assert len(code) > lua_compile.INPROCESS_BYTES
+    assert lua.compile_bytecode(spec) == lua_compile._compile_here(code.encode(), "=big", spec.memory_bytes)[1]
+    with pytest.raises(CompileError, match=r"^big:3: syntax error near <eof>$"):
+        lua.compile_bytecode(PluginSpec(name="big", runtime="lua", code=code + "\noops"))
 
 
 def test_weak_tables_still_work_in_a_plain_runtime() -> None:
