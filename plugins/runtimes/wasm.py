@@ -476,7 +476,8 @@ class WasmInstance:
         except wasmtime.Trap as exc:
             raise _trap_error(exc, self.spec, seconds) from None
         except wasmtime.WasmtimeError as exc:
-            raise GuestError(f"the module does not instantiate: {exc}", poison=True) from None
+            raise GuestError(f"the module does not instantiate: {exc}{_limits_hint(str(exc), self.spec)}",
+                             poison=True) from None
         except _HostTrap as exc:  # wasmtime-py re-raises a host function's exception as itself
             raise GuestError(f"the start function called the host: {exc}; make host calls from handlers",
                              poison=True) from None
@@ -572,6 +573,16 @@ class WasmInstance:
         self.compiled = None
         self.instance = None  # type: ignore[assignment]
         self.store = None
+
+
+def _limits_hint(message: str, spec: Any) -> str:
+    """What to change when wasmtime refused a declaration over the instance's limits ("" otherwise)."""
+    if "exceeds memory limits" in message:
+        return (f" (the plugin's memory cap is {spec.memory_bytes} bytes, {spec.memory_bytes // 65536} pages of "
+                "64 KiB; declare fewer initial pages, or raise the plugin's memory_mb)")
+    if "exceeds table limits" in message:
+        return f" (a table may hold at most {MAX_TABLE_ELEMENTS} elements; declare a smaller table)"
+    return ""
 
 
 def _ticks(seconds: float) -> int:
