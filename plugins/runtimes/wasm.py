@@ -505,6 +505,7 @@ class WasmInstance:
         ticker.enter()
         try:
             store.set_epoch_deadline(_ticks(seconds))
+            _tls.trap = None
             self.instance = _instantiate(compiled.pre, store)
         except wasmtime.Trap as exc:
             raise _trap_error(exc, self.spec, seconds) from None
@@ -546,7 +547,7 @@ class WasmInstance:
             raise GuestTimeout()
         ticker = _ticker
         ticker.enter()
-        _tls.call, _tls.host, _tls.host_error = (self.spec, deadline), None, None
+        _tls.call, _tls.host, _tls.host_error, _tls.trap = (self.spec, deadline), None, None, None
         try:
             store.set_epoch_deadline(_ticks(remaining))
             ptr = self.alloc(len(payload))
