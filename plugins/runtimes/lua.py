@@ -8,7 +8,8 @@ Sandbox (built once per lupa runtime, in Lua, while the standard library is stil
 - library tables (string, table, math, utf8, coroutine) are read-only proxies and the string
   metatable is protected, so no call can change what the next one sees;
 - plugin source is compiled once per version with ``load(src, name, "t")`` (text only: a
-  plugin can never hand us bytecode) and dumped; only that bytecode of ours is ever loaded;
+  plugin can never hand us bytecode) and dumped, a large source in a child process bounded in
+  time (``lua_compile.py``); only that bytecode of ours is ever loaded;
 - a count hook checks the wall-clock deadline every ``HOOK_COUNT`` instructions and raises;
   once the budget is spent ``pcall``/``xpcall``/``coroutine.resume``/``wrap`` re-raise and
   new coroutines get the hook too, so neither pcall nor coroutines can swallow the timeout;
@@ -23,8 +24,9 @@ Sandbox (built once per lupa runtime, in Lua, while the standard library is stil
 - a deadline watchdog (``lua_interrupt.py``) makes the count hook fire at the next instruction
   once a call is past its deadline, so a loop of O(n) instructions (``s .. "x"`` on a 30 MB
   string) cannot run for seconds between two hooks.
-- weak tables are off (``lua_interrupt.disable_weak_tables``: an ephemeron chain makes one GC step
-  quadratic, seconds in one C call); ``setmetatable`` refuses ``__mode`` and ``__gc``;
+- weak tables and ``__call`` are off (``lua_interrupt.retire_events``: an ephemeron chain makes one
+  GC step quadratic, a chain of callable tables one call instruction, seconds to minutes in one C
+  call); ``setmetatable`` refuses ``__mode``, ``__gc`` and ``__call``;
 - what crosses into Python after the deadline runs no guest code and is bounded: an error
   object's ``__tostring`` runs in the sandbox under the call's deadline, its text is cut to
   4 KiB of valid UTF-8; a table reply is read raw, at most ``MAX_REPLY_VALUES`` values (a
@@ -54,7 +56,8 @@ from ..spec import PluginSpec
 from .base import MAX_REPLY_BYTES, to_reply
 from .host import MAX_LOG_CHARS, Host, HostCallError
 from .kvstore import MAX_VALUE_CHARS
-from .lua_interrupt import MODE_NAME, Interrupts, disable_weak_tables
+from .lua_compile import compile_bytecode, refuse_attributes
+from .lua_interrupt import CALL_NAME, MODE_NAME, Interrupts, retire_events
 
 #: Instructions between two deadline checks (a check calls time.monotonic through lupa: ~1 us;
 #: 10k Lua instructions take ~50-100 us, so the check costs ~1-2% and a timeout lands within
@@ -72,6 +75,9 @@ MAX_REPLY_VALUES = MAX_REPLY_BYTES // 2
 HOST_ARG_MAX = 4 * MAX_VALUE_CHARS
 #: Tables converted between two checks of the call's deadline (~1-2 ms of conversion).
 TABLES_PER_CHECK = 1024
+#: Bytes of Lua memory a per_request call may leave behind in its thread's runtime (the sandbox
+#: itself is ~100 KB): past this the call's garbage is collected as it ends (lua_sandbox.lua).
+ISOLATED_KEEP_BYTES = 1 << 20
 
 #: Build sandboxes with the library guards (lua_guards.lua). Off only to measure what they cost.
 GUARDS = True
@@ -107,42 +113,6 @@ _PATTERNS_BYTECODE = _stripped_chunk("lua_patterns.lua")
 
 #: The sandbox chunk (lua_sandbox.lua), run once per runtime before any guest code.
 _SANDBOX = Path(__file__).with_name("lua_sandbox.lua").read_text()
-
-
-def _refuse_attributes(obj: Any, name: Any, is_setting: bool) -> Any:
-    raise AttributeError(f"plugins cannot access Python attributes (tried {name!r})")
-
-
-def compile_bytecode(spec: PluginSpec) -> bytes:
-    """Compile plugin source once (text mode only) and return its Lua 5.4 bytecode."""
-    if not isinstance(spec.code, str):
-        raise CompileError("Lua plugins are source text, not bytes")
-    if spec.code.startswith("\x1bLua"):
-        raise CompileError("Lua bytecode is refused: upload the plugin's source text")
-    # Under the plugin's memory cap: the parser's tables and the bytecode (up to ~3x the source)
-    # were allocated without one, and the bytecode must fit the cap to be loaded anyway.
-    rt = lupa.LuaRuntime(encoding=None, register_eval=False, register_builtins=False,
-                         attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
-    try:
-        fn, err = _load_text(rt, spec)
-        if fn is None:
-            message = (err or b"syntax error").decode("utf-8", "replace")
-            if message == "not enough memory":
-                raise lupa.LuaMemoryError(message)
-            raise CompileError(message)
-        return rt.execute("local f = ...; return string.dump(f)", fn)
-    except lupa.LuaMemoryError:
-        raise CompileError(f"compiling the source needs more than the plugin's memory cap of {spec.memory_bytes} "
-                           "bytes; make the code smaller, or raise the plugin's memory_mb",
-                           code="memory_limit") from None
-
-
-def _load_text(rt: Any, spec: PluginSpec) -> tuple[Any, bytes | None]:
-    code = spec.code  # source text (a str) for a source runtime
-    result = rt.execute("local src, name = ...; local f, e = load(src, name, 't'); return f or false, e",
-                        code.encode() if isinstance(code, str) else code, f"={spec.name}".encode())
-    fn, err = result if isinstance(result, tuple) else (result, None)
-    return (fn or None), err
 
 
 class _HostGate:
@@ -206,18 +176,20 @@ class _LuaVM:
             guards = GUARDS
         try:
             self.rt = lupa.LuaRuntime(register_eval=False, register_builtins=False, unpack_returned_tuples=True,
-                                      attribute_filter=_refuse_attributes, max_memory=spec.memory_bytes)
+                                      attribute_filter=refuse_attributes, max_memory=spec.memory_bytes)
             limits = self.rt.table_from({**GUARD_LIMITS, "memory": spec.memory_bytes, "MEM_MARK": MEMORY_MARK,
-                                         "MODE_NAME": MODE_NAME, "MAX_REPLY_BYTES": MAX_REPLY_BYTES,
+                                         "MODE_NAME": MODE_NAME, "CALL_NAME": CALL_NAME,
+                                         "ISOLATED_KEEP": ISOLATED_KEEP_BYTES,
+                                         "MAX_REPLY_BYTES": MAX_REPLY_BYTES,
                                          "MAX_REPLY_VALUES": MAX_REPLY_VALUES, "MAX_DEPTH": MAX_DEPTH,
                                          "HOST_ARG_MAX": HOST_ARG_MAX, "LOG_MAX": 4 * MAX_LOG_CHARS})
             # The deadline watchdog's view of this VM's states (no reference back to the VM).
             self._irq = irq = Interrupts()
-            self._new_env, self._call, self._fresh, self._functions, main = self.rt.execute(
+            self._new_env, self._call, self._fresh, self._functions, main, self._settle = self.rt.execute(
                 _SANDBOX, time.monotonic, self.gate, HOOK_COUNT, TIMEOUT_MSG,
                 _GUARDS_BYTECODE if guards else None, _PATTERNS_BYTECODE, limits,
                 irq.register if guards else None)
-            disable_weak_tables(main)  # before any guest code runs here (lua_interrupt.py)
+            retire_events(main)  # before any guest code runs here (lua_interrupt.py)
             if guards:
                 irq.attach(main, HOOK_COUNT)
         except lupa.LuaMemoryError:
@@ -284,7 +256,7 @@ class _LuaVM:
         except OverflowError:  # an integer past Lua's 64 bits (see _fit_ints)
             table = self._table_from(_fit_ints(event), recursive=True)
         try:
-            status, value = self._fresh(self.bytecode, self.chunkname, handler, table, deadline)
+            status, value, held = self._fresh(self.bytecode, self.chunkname, handler, table, deadline)
         except lupa.LuaError as exc:
             raise self._lua_error(exc, deadline) from None
         except UnicodeDecodeError:
@@ -293,6 +265,8 @@ class _LuaVM:
             irq.running = None
             if irq.coroutines:
                 irq.end_call()
+        if held:  # coroutines the call resumed, and what they hold: freed now, not at this thread's next call
+            self._settle()
         if status:
             _raise(status, value, self.spec)
         return value if value.__class__ is str else to_reply(_to_python(value, self._reply_chars, deadline))
@@ -452,7 +426,7 @@ class LuaInstance(_LuaVM):
     def close(self) -> None:
         self._irq.forget()  # before the runtime can be freed
         self.env = None
-        self._new_env = self._call = self._fresh = self._functions = self._table_from = None
+        self._new_env = self._call = self._fresh = self._functions = self._table_from = self._settle = None
         self.rt = None
 
 

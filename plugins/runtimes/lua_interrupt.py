@@ -27,15 +27,16 @@ before its runtime can be freed (``close`` and ``__del__``). A coroutine is writ
 registered for the current call, and the sandbox keeps every registered coroutine referenced
 until the next call starts, after the VM has unregistered it (``end_call``).
 
-Weak tables off (``disable_weak_tables``): Lua's collector converges ephemeron tables (``__mode``
-with ``k``) in passes over all of them, one link of a chain per pass in the worst case, inside one
-uninterruptible GC step: 40,000 single-entry ephemeron tables chained back and forth (3 MB) stall a
-16 MB sandbox for 5 s, quadratically more with a larger cap. The collector reads a table's mode
-from its metatable under the event name ``g->tmname[TM_MODE]``, not from the string ``"__mode"``,
-so each sandbox runtime gets that name replaced by a random one no guest can write: ``__mode`` is
-then an ordinary field, whenever it is set. The name array is found next to the main state
-(``LG`` holds the main ``lua_State`` and then the ``global_State``) as the 25 interned event
-names in order, each address checked; if they are not found nothing is written (logged once).
+Weak tables and ``__call`` off (``retire_events``; for ``__call`` see there): Lua's collector
+converges ephemeron tables (``__mode`` with ``k``) in passes over all of them, one link of a chain
+per pass in the worst case, inside one uninterruptible GC step: 40,000 single-entry ephemeron
+tables chained back and forth (3 MB) stall a 16 MB sandbox for 5 s, quadratically more with a
+larger cap. The collector reads a table's mode from its metatable under the event name
+``g->tmname[TM_MODE]``, not from the string ``"__mode"``, so each sandbox runtime gets that name
+replaced by a random one no guest can write: ``__mode`` is then an ordinary field, whenever it is
+set (and ``__call`` the same way). The name array is found next to the main state (``LG`` holds
+the main ``lua_State`` and then the ``global_State``) as the 25 interned event names in order,
+each address checked; if they are not found nothing is written (logged once).
 """
 from __future__ import annotations
 
@@ -120,24 +121,31 @@ def _disable(why: str) -> None:
                     "guards, and an expensive instruction in a loop (a long string concatenation) can overrun", why)
 
 
-#: Lua 5.4's metamethod event names in TMS order (ltm.h); TM_MODE is the fourth.
+#: Lua 5.4's metamethod event names in TMS order (ltm.h); TM_MODE is the fourth, TM_CALL the 24th.
 _EVENTS = tuple(b"__index __newindex __gc __mode __len __eq __add __sub __mul __mod __pow __div __idiv __band __bor "
                 b"__bxor __shl __shr __unm __bnot __lt __le __concat __call __close".split())
 _TM_MODE = 3
+_TM_CALL = 23
 #: Bytes after the main lua_State searched for tmname (it sits ~480 bytes in; LG is ~1.6 KB).
 _TMNAME_SCAN = 1024
 _weak_warned = False
-#: The name the collector reads a table's weak mode under in sandbox runtimes: random per
-#: process (39 bytes, so a short, interned string). The sandbox holds it (alive, and interned
-#: before we look it up, so the lookup allocates nothing: a failed allocation outside lupa's
+#: The names the VM reads a table's weak mode and its ``__call`` under in sandbox runtimes: random
+#: per process (39 bytes, so short, interned strings). The sandbox holds them (alive, and interned
+#: before we look them up, so the lookup allocates nothing: a failed allocation outside lupa's
 #: protected calls would abort the process).
 MODE_NAME = "__execapp_mode_" + os.urandom(12).hex()
+CALL_NAME = "__execapp_call_" + os.urandom(12).hex()
 
 
-def disable_weak_tables(main_text: str) -> bool:
-    """Make ``__mode`` an ordinary field in the runtime whose idle main state is ``main_text``
-    ("thread: 0x..."), which holds the string MODE_NAME, before any guest code runs in it; False
-    (logged once) if the layout is not confirmed and nothing was written."""
+def retire_events(main_text: str) -> bool:
+    """Make ``__mode`` and ``__call`` ordinary fields in the runtime whose idle main state is
+    ``main_text`` ("thread: 0x..."), which holds the strings MODE_NAME and CALL_NAME, before any
+    guest code runs in it; False (logged once) if the layout is not confirmed and nothing was written.
+
+    ``__call``: Lua 5.4 follows a chain of callable tables (``mt.__call = t`` on t's own metatable,
+    or any non-function ``__call``) inside one call instruction, shifting the arguments once per
+    link until the stack overflows: quadratic, minutes in one step no hook or watchdog reaches.
+    The sandbox calls Python objects (lupa's ``POBJECT`` metatable) under CALL_NAME instead."""
     global _weak_warned, _tmname_at
     state = thread_address(main_text)
     found = _tmname_at
@@ -151,11 +159,12 @@ def disable_weak_tables(main_text: str) -> bool:
     if found is None:
         if not _weak_warned:
             _weak_warned = True
-            log.warning("Lua weak tables stay on (the metamethod names were not found next to the main state): "
-                        "a __mode set after setmetatable can make the collector quadratic")
+            log.warning("Lua weak tables and __call stay on (the metamethod names were not found next to the main "
+                        "state): a __mode or __call set after setmetatable can run for minutes in one step")
         return False
     _tmname_at = i, header = found
-    ctypes.c_void_p.from_address(state + (i + _TM_MODE) * 8).value = _name(state, MODE_NAME.encode()) - header
+    for event, name in ((_TM_MODE, MODE_NAME), (_TM_CALL, CALL_NAME)):
+        ctypes.c_void_p.from_address(state + (i + event) * 8).value = _name(state, name.encode()) - header
     return True
 
 
@@ -168,7 +177,7 @@ def _word(state: int, i: int) -> int:
 
 def _name(state: int, name: bytes) -> int:
     """The address of the characters of the interned string ``name``, which must exist already
-    (event names are fixed, MODE_NAME is held by the sandbox): the address stays valid once popped."""
+    (event names are fixed, MODE_NAME and CALL_NAME are held by the sandbox): the address stays valid once popped."""
     top = _lib.lua_gettop(state)
     address = _lib.lua_pushlstring(state, name, len(name))
     _lib.lua_settop(state, top)

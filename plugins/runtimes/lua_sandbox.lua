@@ -3,7 +3,8 @@
 -- deadline, the guarded standard library, fresh environments and the call entry points.
 local clock, py_host, COUNT, TIMEOUT, GUARDS_BC, PATTERNS_BC, LIMITS, REGISTER = ...
 local B = {deadline = math.huge, expired = false, loading = false, cos = {}, ncos = 0}
-B.mode_name = LIMITS.MODE_NAME -- kept alive here: the collector's weak-mode name (lua_interrupt.py)
+-- Kept alive here: the names the VM reads weak modes and __call under (lua_interrupt.retire_events).
+B.mode_name, B.call_name = LIMITS.MODE_NAME, LIMITS.CALL_NAME
 local error, pcall, xpcall, type, tostring, next, select = error, pcall, xpcall, type, tostring, next, select
 local setmetatable, getmetatable, rawget = setmetatable, getmetatable, rawget
 local sethook, co_create, co_resume = debug.sethook, coroutine.create, coroutine.resume
@@ -39,6 +40,11 @@ do
   local hooks = debug.getregistry()._HOOKKEY
   local mt = hooks and getmetatable(hooks)
   if mt then mt[LIMITS.MODE_NAME] = mt.__mode end
+  -- The VM calls a non-function by its metatable's __call read under CALL_NAME in this runtime:
+  -- Python objects (clock, py_host, the watchdog's register) keep theirs there. No guest reaches
+  -- this metatable (guests never hold a Python object).
+  local py = debug.getregistry().POBJECT
+  if type(py) == "table" then py[LIMITS.CALL_NAME] = rawget(py, "__call") end
 end
 
 -- Once the budget is spent every protected call re-raises: pcall cannot swallow the timeout.
@@ -158,6 +164,11 @@ local function safe_setmetatable(t, mt)
     if rawget(mt, "__mode") ~= nil then
       error("weak tables (__mode) are not available in plugins; drop entries explicitly (t[k] = nil)", 2)
     end
+    -- Off in the sandbox too (lua_interrupt.retire_events): Lua follows a chain of callable tables
+    -- (mt.__call = t) in one call instruction, quadratic in its length, minutes no hook can stop.
+    if rawget(mt, "__call") ~= nil then
+      error("__call metamethods are not available in plugins; call a function (e.g. a field of the table) instead", 2)
+    end
   end
   return setmetatable(t, mt)
 end
@@ -180,7 +191,15 @@ local function host_call(name, ...)
   -- log line is diagnostics: its non-ASCII bytes become "?" instead.
   for i = 1, select("#", ...) do
     local a = select(i, ...)
-    if type(a) == "string" then
+    local ta = type(a)
+    if ta ~= "string" and ta ~= "number" and ta ~= "boolean" and ta ~= "nil" then
+      -- Only plain values cross: Python reading a table, function or coroutine (str() of a URL)
+      -- ran the guest's __tostring inside lupa with the GIL held, freezing every thread of the
+      -- worker, the event loop included, for the rest of the call's budget.
+      error(name .. ": argument " .. i .. " is a " .. ta .. "; host calls take strings and numbers (convert it "
+            .. "with tostring() first)", 3)
+    end
+    if ta == "string" then
       if name == "log" and #a > LOG_MAX then
         a = arg_sub(a, 1, LOG_MAX)
         local n, bad = utf8_ok(a)
@@ -331,16 +350,32 @@ end
 -- capped allocator directly, without the emergency collection Lua runs before it fails one of its
 -- own allocations: the previous call's garbage would fail this call's large string with
 -- memory_limit. Between two isolated calls only the sandbox is alive, so this collection is cheap.
-local gc, GC_AT = collectgarbage, LIMITS.memory / 2048 -- half the cap, in KB
+-- An isolated call also leaves at most KEEP of garbage behind: its runtime stays with its thread
+-- (one per pool thread and plugin), so a call that built 700 MB under a 1 GiB cap kept them in
+-- every thread that had run it, 2.6 GB for 4 threads of a plugin limited to one call at a time.
+-- The collection marks only the sandbox (the call's environment is garbage by then, its reply
+-- still referenced) and frees what the call allocated: work the call's own budget paid to build.
+local gc, GC_AT, KEEP = collectgarbage, LIMITS.memory / 2048, LIMITS.ISOLATED_KEEP / 1024 -- in KB
 local function fresh_call(bytecode, name, handler, event, deadline)
   if gc("count") > GC_AT then gc() end
   if B.seeded then B.seeded = false; native_seed(math_tointeger(clock() * 1e9 // 1)) end
-  local env, status, err = new_env(bytecode, name, deadline)
-  if not env then return status, err end
-  return call(env, handler, event, deadline, true)
+  local env, status, v = new_env(bytecode, name, deadline)
+  if env then
+    status, v = call(env, handler, event, deadline, true)
+    env = nil
+  end
+  -- (the coroutines the call resumed are still referenced, for the watchdog: settle, next)
+  if B.ncos == 0 and gc("count") > KEEP then gc() end
+  return status, v, B.ncos > 0
+end
+-- After an isolated call that resumed coroutines, once the VM has stopped writing to them
+-- (lua.py): let them go, and what they hold (a suspended one keeps its locals), then collect.
+local function settle()
+  release()
+  if gc("count") > KEEP then gc() end
 end
 
-for _, f in next, {new_env, call, fresh_call, outcome, error_text, release} do OWN[f] = true end
+for _, f in next, {new_env, call, fresh_call, outcome, error_text, release, settle} do OWN[f] = true end
 
 local function functions(env)
   local names = {}
@@ -350,4 +385,4 @@ local function functions(env)
   return names
 end
 
-return new_env, call, fresh_call, functions, tostring((coroutine.running()))
+return new_env, call, fresh_call, functions, tostring((coroutine.running())), settle

@@ -40,10 +40,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, NoReturn, TypeVar
 
 import wasmtime
 from wasmtime import _ffi as ffi
+from wasmtime import _func as _wasm_func
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from .base import MAX_REPLY_BYTES, FreshInstanceIsolation, to_json, to_reply
@@ -165,10 +166,30 @@ def _host() -> Host:
 
 
 def _fail(exc: BaseException) -> _HostTrap:
-    # wasmtime-py keeps the Python exception of a host function in one process-wide slot; the
-    # thread-local copy is what this thread's call reports (see WasmInstance.call).
+    # The host API's own exception, which this thread's call reports (see WasmInstance._failure).
     _tls.host_error = exc
     return _HostTrap(str(exc))
+
+
+def _raise_failed_entry(error: Any, trap: Any) -> NoReturn:
+    """Raise what ended a call into wasmtime that failed: this thread's host-function exception if
+    one trapped the guest, else wasmtime's error or trap.
+
+    Not wasmtime-py's ``enter_wasm``: its trampoline keeps a host function's exception in one
+    process-wide slot (``LAST_EXCEPTION``) and ``enter_wasm`` raises whatever is there on any trap,
+    so a call that trapped on its own (or timed out) while another thread's host call had just
+    failed reported that other call's error, another tenant's message included (18 of 72,000
+    trapping calls with two other threads failing host calls). The trampoline still writes the
+    slot: our own exception is taken back out of it, anyone else's left alone."""
+    own = getattr(_tls, "trap", None)
+    if own is not None:
+        _tls.trap = None
+        if _wasm_func.LAST_EXCEPTION is own:
+            _wasm_func.LAST_EXCEPTION = None
+    failure = wasmtime.WasmtimeError._from_ptr(error) if error else wasmtime.Trap._from_ptr(trap)
+    if own is not None:
+        raise own
+    raise failure
 
 
 def _mem(caller: wasmtime.Caller) -> wasmtime.Memory:
@@ -204,10 +225,12 @@ def _host_import(fn: Callable[..., _R]) -> Callable[..., _R]:
     def host_import(*args: Any) -> _R:
         try:
             return fn(*args)
-        except _HostTrap:
+        except _HostTrap as exc:
+            _tls.trap = exc  # this thread's (see _raise_failed_entry)
             raise
         except Exception as exc:
-            raise _fail(exc) from None
+            trap = _tls.trap = _fail(exc)
+            raise trap from None
 
     return host_import
 
@@ -432,13 +455,23 @@ class _Call:
             params[i].kind = _I32  # type: ignore[assignment]
             params[i].of.i32 = value
         results = (ffi.wasmtime_val_t * 1)()
-        from wasmtime._func import enter_wasm
-        with enter_wasm(self.store) as trap:
-            error = ffi.wasmtime_func_call(self.store._context(), ctypes.byref(self.func._func), params,
-                                           self.nparams, results, 1, trap)
-            if error:
-                raise wasmtime.WasmtimeError._from_ptr(error)
+        trap = ctypes.POINTER(ffi.wasm_trap_t)()
+        error = ffi.wasmtime_func_call(self.store._context(), ctypes.byref(self.func._func), params,
+                                       self.nparams, results, 1, ctypes.byref(trap))
+        if error or trap:
+            _raise_failed_entry(error, trap)
         return results[0].of.i64 if self.result == "i64" else results[0].of.i32
+
+
+def _instantiate(pre: wasmtime.InstancePre, store: wasmtime.Store) -> wasmtime.Instance:
+    """``pre.instantiate(store)``, failing with this thread's own error only (_raise_failed_entry)."""
+    instance = ffi.wasmtime_instance_t()
+    trap = ctypes.POINTER(ffi.wasm_trap_t)()
+    error = ffi.wasmtime_instance_pre_instantiate(pre.ptr(), store._context(), ctypes.byref(instance),
+                                                  ctypes.byref(trap))
+    if error or trap:
+        _raise_failed_entry(error, trap)
+    return wasmtime.Instance._from_raw(instance)
 
 
 def _signature(store: wasmtime.Store, func: wasmtime.Func) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -472,12 +505,14 @@ class WasmInstance:
         ticker.enter()
         try:
             store.set_epoch_deadline(_ticks(seconds))
-            self.instance = compiled.pre.instantiate(store)
+            _tls.trap = None
+            self.instance = _instantiate(compiled.pre, store)
         except wasmtime.Trap as exc:
             raise _trap_error(exc, self.spec, seconds) from None
         except wasmtime.WasmtimeError as exc:
-            raise GuestError(f"the module does not instantiate: {exc}", poison=True) from None
-        except _HostTrap as exc:  # wasmtime-py re-raises a host function's exception as itself
+            raise GuestError(f"the module does not instantiate: {exc}{_limits_hint(str(exc), self.spec)}",
+                             poison=True) from None
+        except _HostTrap as exc:  # this thread's host function trapped the start function
             raise GuestError(f"the start function called the host: {exc}; make host calls from handlers",
                              poison=True) from None
         finally:
@@ -512,7 +547,7 @@ class WasmInstance:
             raise GuestTimeout()
         ticker = _ticker
         ticker.enter()
-        _tls.call, _tls.host, _tls.host_error = (self.spec, deadline), None, None
+        _tls.call, _tls.host, _tls.host_error, _tls.trap = (self.spec, deadline), None, None, None
         try:
             store.set_epoch_deadline(_ticks(remaining))
             ptr = self.alloc(len(payload))
@@ -572,6 +607,16 @@ class WasmInstance:
         self.compiled = None
         self.instance = None  # type: ignore[assignment]
         self.store = None
+
+
+def _limits_hint(message: str, spec: Any) -> str:
+    """What to change when wasmtime refused a declaration over the instance's limits ("" otherwise)."""
+    if "exceeds memory limits" in message:
+        return (f" (the plugin's memory cap is {spec.memory_bytes} bytes, {spec.memory_bytes // 65536} pages of "
+                "64 KiB; declare fewer initial pages, or raise the plugin's memory_mb)")
+    if "exceeds table limits" in message:
+        return f" (a table may hold at most {MAX_TABLE_ELEMENTS} elements; declare a smaller table)"
+    return ""
 
 
 def _ticks(seconds: float) -> int:

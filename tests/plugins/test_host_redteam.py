@@ -231,6 +231,38 @@ def test_a_log_message_whose_tostring_loops_ends_at_the_budget() -> None:
     assert time.monotonic() - started < 2 * 0.3 + 0.5
 
 
+def test_a_table_argument_never_runs_guest_code_in_python() -> None:
+    # Found here: http_get's str(url) made lupa run the table's __tostring from Python, with the
+    # GIL held, so a looping one froze every other thread of the worker (the event loop included)
+    # for the rest of the call's budget. Only strings, numbers and booleans cross now.
+    plugin = LoadedPlugin(PluginSpec(name="grab", runtime="lua", timeout=0.5, permissions=frozenset({"http"}), code=(
+        "function h(e) local ok, err = pcall(http_get, setmetatable({}, {__tostring = function() "
+        "while true do end end})) return err end")))
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def ticker() -> None:
+        last = time.monotonic()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    try:
+        started = time.monotonic()
+        reply = plugin.call("h", EVENT)
+        elapsed = time.monotonic() - started
+    finally:
+        done.set()
+        thread.join()
+    assert reply == ("http_get: argument 1 is a table; host calls take strings and numbers (convert it with "
+                     "tostring() first)")
+    assert elapsed < 0.1 and max(gaps) < 0.1, (elapsed, max(gaps))
+
+
 @pytest.mark.django_db
 def test_kv_set_of_odd_values_stores_text_or_fails_catchably() -> None:
     plugin = LoadedPlugin(PluginSpec(name="odd", runtime="lua", timeout=5, permissions=frozenset({"kv"}), code="""

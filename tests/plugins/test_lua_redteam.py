@@ -7,7 +7,8 @@ Two groups:
   a text reply over MAX_REPLY_BYTES (copied into Python whole before plugins.loaded refused it),
   host-call arguments the sandbox checked natively and copied whole (a non-UTF-8 log line: one
   native gsub of seconds), ``string.format("%q")`` of a large string (~60 ns a byte in one C call),
-  and a timeout unwinding through thousands of looping ``__close`` handlers (10,000 instructions each);
+  a timeout unwinding through thousands of looping ``__close`` handlers (10,000 instructions each),
+  and a plain table's ``unpack`` over absent keys whose lookups walk a chain of colliding integer keys;
 - attacks already contained, kept so they stay so: each ends with the expected code within
   2x its budget + 0.5 s, the process alive and the next call fine.
 
@@ -147,6 +148,14 @@ FIXED: dict[str, tuple[str, int, float, tuple[str, ...], str | None]] = {
     # machine twice as fast.
     "format_q_large": ("local s = string.rep('\\0', 80e6) local x = string.format('%q', s) return #x", 640, BUDGET,
                        ("timeout",), None),
+    # a plain table's unpack ran natively over the whole range: integer keys hashed without a seed make
+    # the chain an absent key's lookup walks as long as the table, and 800,000 such lookups next to a
+    # chain of 16,382 colliding keys (built in ~0.3 s) ran 18 s in one native call on a 1.5 s budget
+    "unpack_colliding_keys": ("local S = 1 << 15 local t = {} "
+                              "for i = 1, S // 2 + 1 do t[i * 2 + 1000000] = true end "
+                              "for i = 1, S // 2 + 1 do t[i * 2 + 1000000] = nil end "
+                              "for i = 1, S // 2 - 2 do t[i * (S - 1)] = true end "
+                              "return select('#', table.unpack(t, S, S + 799999))", 16, 1.5, ("timeout",), None),
 }
 
 _CHILD = r"""

@@ -178,8 +178,13 @@ def test_wasm_unknown_imports_are_refused() -> None:
 
 def test_wasm_initial_memory_over_the_cap_is_refused() -> None:
     wat = '(module (memory (export "memory") 400) (func (export "alloc") (param i32) (result i32) (i32.const 0)))'
-    with pytest.raises(PluginInvalid, match="does not instantiate"):
+    with pytest.raises(PluginInvalid, match=r"does not instantiate: .* \(the plugin's memory cap is 16777216 bytes, "
+                                            r"256 pages of 64 KiB; declare fewer initial pages, or raise"):
         validate(PluginSpec(name="big", runtime="wasm", code=wat_to_wasm(wat), memory_bytes=16 << 20))
+    wat = ('(module (memory (export "memory") 1) (table 200000 funcref) '
+           '(func (export "alloc") (param i32) (result i32) (i32.const 0)))')
+    with pytest.raises(PluginInvalid, match=r"\(a table may hold at most 100000 elements; declare a smaller table\)"):
+        validate(PluginSpec(name="wide", runtime="wasm", code=wat_to_wasm(wat)))
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
