@@ -78,8 +78,9 @@ def _lua_bare(code: str) -> dict[str, Callable[[], Any]]:
         return value
 
     def fresh_env() -> Any:  # lupa + the sandbox's fresh environment + guarded call
-        status, value = fresh_call(bytecode, chunkname, "echo", sandbox_table_from(EVENT, recursive=True),
-                                   now() + 5.0)
+        # (its third value: coroutines to settle, none for echo)
+        status, value, _ = fresh_call(bytecode, chunkname, "echo", sandbox_table_from(EVENT, recursive=True),
+                                      now() + 5.0)
         if status:
             raise RuntimeError(value)
         return value
