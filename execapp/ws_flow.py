@@ -28,6 +28,18 @@ memory per connection of a client that sends them and reads nothing), ~8 GB for 
 ``MAX_QUEUED_MESSAGES`` wait for the app; the rest of the read is kept as bytes and parsed as the
 app takes the messages, before reading resumes. Same messages, same order.
 
+And how long one connection's task holds the loop: the app takes a message with ``await receive()``,
+which does not suspend while messages are queued (``asyncio.Queue.get`` returns at once), and a
+handler proven fast runs inline, so a connection whose client had sent a socket read's worth of
+small frames (up to 256 KiB: ~12,000 ``/ping`` frames) ran them all in one go, ~0.5 s, before the
+loop read any other socket. The owner's loop share (execapp.loop_share) only stops it once its bank
+is spent, and each owner has a bank of its own: ten tenants each writing 256 KiB of ``/ping``
+frames at once held a worker's loop for 4.3 s (measured; a /ping of another tenant waited as
+long, and past LOOP_STALL_SECONDS the watchdog kills the worker). ``receive`` now hands the loop
+back (``asyncio.sleep(0)``: every other ready task and socket runs first) once this connection has
+run ``LOOP_SLICE_SECONDS`` since it last waited: a task holds the loop for at most a slice (plus
+its last message), whatever its client queued, and the busy connections take turns.
+
 A connection closed for a protocol error (these limits, or uvicorn's own: bad UTF-8, a frame over
 the size limit) gets its close frame and then a *lingering* close: the server half-closes (FIN
 after the close frame) and reads on, dropping what comes, until the client closes its side too or
@@ -37,6 +49,7 @@ not read yet (the client saw 1006 and no reason: seen in CI with ``websockets``)
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -50,6 +63,9 @@ MAX_FRAGMENTS = 64
 PARSE_SLICE = 4096
 #: Messages waiting for the app past which the parser stops, the rest of the read kept as bytes.
 MAX_QUEUED_MESSAGES = 32
+#: Seconds of loop time one connection's task may run messages back to back before it lets the
+#: loop run everything else that is ready (a few hundred small frames; one loop turn is ~20 us).
+LOOP_SLICE_SECONDS = 0.005
 #: Seconds a connection closed for a protocol error keeps reading (and dropping) what the client sends.
 LINGER_SECONDS = 2.0
 #: The ``reason`` labels of execapp_connections_closed_total for these two closes.
@@ -69,6 +85,8 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
         self._unparsed = b""
         #: Closed for a protocol error and half-closed: what comes is dropped (see the module).
         self._lingering = False
+        #: loop.time() when the app's task last resumed from a wait (the start of its slice).
+        self._slice_started = 0.0
 
     def data_received(self, data: bytes) -> None:
         """Bytes from the client: parsed a slice at a time while the app keeps up (see the module)."""
@@ -112,8 +130,18 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
 
     async def receive(self) -> Any:
         """uvicorn's receive: the next message for the app. Once the app took every queued message, the
-        bytes kept back are parsed first; reading resumes after them, and not while writes are backed up."""
-        message = await self.queue.get()
+        bytes kept back are parsed first; reading resumes after them, and not while writes are backed up.
+        A task that ran LOOP_SLICE_SECONDS without waiting lets the loop run the others first."""
+        queue = self.queue
+        if queue.empty():  # the get below waits: the loop runs others, a new slice starts after it
+            message = await queue.get()
+            self._slice_started = self.loop.time()
+        else:
+            now = self.loop.time()
+            if now - self._slice_started >= LOOP_SLICE_SECONDS:
+                await asyncio.sleep(0)  # behind every task and callback ready now (sockets read meanwhile)
+                self._slice_started = self.loop.time()
+            message = queue.get_nowait()
         if self.read_paused and self.queue.empty():
             if self._unparsed:
                 rest, self._unparsed = self._unparsed, b""

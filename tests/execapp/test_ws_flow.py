@@ -247,3 +247,40 @@ def test_a_client_closed_for_a_limit_reads_the_close_frame_even_if_it_sends_on(s
                 time.sleep(0.2)
     finally:
         sock.close()
+
+
+def test_an_app_taking_a_backlog_of_messages_hands_the_loop_back_every_slice() -> None:
+    # The app's receive returns at once while messages are queued, and a handler proven fast runs
+    # inline: a client that had sent ~10,000 small frames had its connection's task run them all
+    # before the loop read any other socket (ten such clients stalled a worker for 4.3 s).
+    gaps: list[float] = []
+    taken: list[int] = [0]
+
+    async def probe() -> None:  # the loop's responsiveness, seen from another task of it
+        while True:
+            started = time.monotonic()
+            await asyncio.sleep(0.001)
+            gaps.append(time.monotonic() - started - 0.001)
+
+    async def busy_app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "websocket":
+            return
+        await receive()
+        await send({"type": "websocket.accept"})
+        task = asyncio.ensure_future(probe())
+        while (await receive())["type"] != "websocket.disconnect":
+            taken[0] += 1
+            until = time.perf_counter() + 0.0001  # 0.1 ms of the loop per message, never waiting
+            while time.perf_counter() < until:
+                pass
+        task.cancel()
+
+    with InProcess(busy_app) as server:
+        sock = _upgraded(server.port, "/")
+        try:
+            sock.setblocking(True)
+            sock.sendall(_text(b"{}") * 20_000)
+            assert wait_until(lambda: taken[0] == 20_000, 30), taken[0]
+        finally:
+            sock.close()
+    assert gaps and max(gaps) < ws_flow.LOOP_SLICE_SECONDS + 0.1, f"the loop came back after {max(gaps):.3f} s"
