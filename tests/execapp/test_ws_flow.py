@@ -284,3 +284,23 @@ def test_an_app_taking_a_backlog_of_messages_hands_the_loop_back_every_slice() -
         finally:
             sock.close()
     assert gaps and max(gaps) < ws_flow.LOOP_SLICE_SECONDS + 0.1, f"the loop came back after {max(gaps):.3f} s"
+
+
+@pytest.mark.parametrize("line, header", [("x" * 9000, ""), ("", "".join(f"X-H{i}: 1\r\n" for i in range(200)))])
+def test_a_handshake_the_parser_refuses_is_answered_431_and_closed(line: str, header: str) -> None:
+    # A request line or header line over the websockets parser's 8 KiB, or more than 128 headers
+    # (all within the server's 64 KiB), got no answer and held its connection open for ever.
+    with InProcess(silent_app) as server:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        try:
+            key = base64.b64encode(os.urandom(16)).decode()
+            sock.sendall((f"GET /?pad={line} HTTP/1.1\r\nHost: t\r\n{header}Upgrade: websocket\r\n"
+                          f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                          "Sec-WebSocket-Version: 13\r\n\r\n").encode())
+            answer = b""
+            while chunk := sock.recv(65536):  # to the server's close (a socket timeout fails the test)
+                answer += chunk
+        finally:
+            sock.close()
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b"at most 8192 bytes" in answer and b"128 headers" in answer, answer
