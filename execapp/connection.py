@@ -147,10 +147,11 @@ class Connection:
                 await pool.wait()
             # The owner spent its share of the loop while others wanted it: stop reading until it
             # refilled. Or it ran its part of this turn of the loop: wait until everything else that
-            # was ready ran (alone too: another owner's first frame is read only when the loop is free).
+            # was ready ran. (An owner alone is not held: its tasks hand the loop back every slice,
+            # execapp.ws_flow, so another owner's first frame is read.)
             share = self._decode_share
-            if share is not None and (share.level < 0 or share.turn_over):
-                if share.enforced and share.owed:
+            if share is not None and (share.level < 0 or share.turn_over) and share.enforced:
+                if share.owed:
                     metrics.LOOP_SHARE_WAITS.inc()
                     await share.wait()
                 if share.turn_over:

@@ -24,8 +24,9 @@ each, each sent 64 KB of ``/ping`` frames, made turns of 450 ms (90 slices of 5 
 tenant's /ping waited a turn or two (measured). So an owner's connections together also run at
 most ``TURN_SECONDS`` per turn of the loop (``turn_over``): past it they wait (``next_turn``) until
 the loop has run everything that was ready and read its sockets again. A turn then lasts about
-``TURN_SECONDS`` per busy owner, whatever their connections. This holds for an owner alone too
-(a few microseconds per turn): another owner is only seen active once the loop has read its frame.
+``TURN_SECONDS`` per busy owner, whatever their connections. Only while another owner is active,
+like the share: an owner alone is held by nothing here (its tasks still hand the loop back every
+slice, so another owner's first frame is read), and keeps its throughput.
 
 Used on the event loop only (``spend_since`` and ``wait`` run in ``Connection.receive``), so no lock.
 """
@@ -99,7 +100,7 @@ class ShareGroup(ActiveOwners):
         self.fair = 1.0 / len(self._active)
 
 
-#: Loop seconds one owner's connections may run in one turn of the loop.
+#: Loop seconds one owner's connections may run in one turn of the loop while another owner is active.
 TURN_SECONDS = 0.005
 
 

@@ -272,6 +272,8 @@ async def test_busy_owners_each_run_one_short_turn_before_the_loop_serves_the_ot
         for n in range(300):
             await conn.receive(json.dumps({"id": f"s{n}", "text": "/spin"}))
 
+    for share in shares:  # all six busy already (a server reads each one's first frame within a slice)
+        share.spend_since(time.monotonic())
     stop = asyncio.Event()
     gaps: list[float] = []
     probe = asyncio.ensure_future(_longest_gap(gaps, stop))
