@@ -145,11 +145,17 @@ class Connection:
             if pool is not None and pool.held >= pool.limit and pool.over:
                 metrics.POOL_SHARE_WAITS.inc()
                 await pool.wait()
-            # The owner spent its share of the loop while others wanted it: stop reading until it refilled.
+            # The owner spent its share of the loop while others wanted it: stop reading until it
+            # refilled. Or it ran its part of this turn of the loop: wait until everything else that
+            # was ready ran. (An owner alone is not held: its tasks hand the loop back every slice,
+            # execapp.ws_flow, so another owner's first frame is read.)
             share = self._decode_share
-            if share is not None and share.level < 0 and share.enforced and share.owed:
-                metrics.LOOP_SHARE_WAITS.inc()
-                await share.wait()
+            if share is not None and (share.level < 0 or share.turn_over) and share.enforced:
+                if share.owed:
+                    metrics.LOOP_SHARE_WAITS.inc()
+                    await share.wait()
+                if share.turn_over:
+                    await share.next_turn()
             try:
                 started = monotonic()
                 try:

@@ -15,6 +15,19 @@ whether more than one owner sent a frame within the last ``window``. An owner al
 each gets at least its share, and the whole loop split evenly when fewer than ``1 / share``
 owners are busy (work-conserving between heavy owners).
 
+A share bounds an owner's loop time over a second, not how long the others wait for their turn:
+each owner may spend its bank (a quarter of a second at the default share) before any of its
+connections waits, and past ``1 / share`` busy owners the shares add up to more than the loop, so
+nobody waits at all. Their connections' tasks each hand the loop back after a slice
+(execapp.ws_flow), but the loop runs every ready task once per turn: six tenants with 15 connections
+each, each sent 64 KB of ``/ping`` frames, made turns of 450 ms (90 slices of 5 ms), and another
+tenant's /ping waited a turn or two (measured). So an owner's connections together also run at
+most ``TURN_SECONDS`` per turn of the loop (``turn_over``): past it they wait (``next_turn``) until
+the loop has run everything that was ready and read its sockets again. A turn then lasts about
+``TURN_SECONDS`` per busy owner, whatever their connections. Only while another owner is active,
+like the share: an owner alone is held by nothing here (its tasks still hand the loop back every
+slice, so another owner's first frame is read), and keeps its throughput.
+
 Used on the event loop only (``spend_since`` and ``wait`` run in ``Connection.receive``), so no lock.
 """
 from __future__ import annotations
@@ -87,10 +100,15 @@ class ShareGroup(ActiveOwners):
         self.fair = 1.0 / len(self._active)
 
 
-class LoopShare:
-    """``share`` seconds of loop time per second (at most ``share`` seconds banked), spent by ``spend_since``."""
+#: Loop seconds one owner's connections may run in one turn of the loop while another owner is active.
+TURN_SECONDS = 0.005
 
-    __slots__ = ("share", "capacity", "level", "_at", "throttled", "group", "key")
+
+class LoopShare:
+    """``share`` seconds of loop time per second (at most ``share`` seconds banked), spent by
+    ``spend_since``; at most ``TURN_SECONDS`` of them per turn of the loop (``next_turn``)."""
+
+    __slots__ = ("share", "capacity", "level", "_at", "throttled", "group", "key", "turn_spent", "_turn")
 
     def __init__(self, share: float, burst_seconds: float = 1.0, group: ShareGroup | None = None,
                  owner: str | None = None) -> None:
@@ -106,6 +124,10 @@ class LoopShare:
         self.group = group
         #: Who this share is in its group: its owner, else the share itself.
         self.key: object = owner if owner is not None else self
+        #: Loop seconds spent since this owner's turn began (``next_turn`` starts the next).
+        self.turn_spent = 0.0
+        #: Set once the loop has run what was ready when this owner's turn ran out (None: not over).
+        self._turn: asyncio.Future[None] | None = None
 
     def spend_since(self, started: float) -> None:
         """Spend the loop time since ``started`` (a ``time.monotonic()`` reading); the level may go
@@ -122,6 +144,7 @@ class LoopShare:
                 level = 0.0
         self.level = level
         self._at = now
+        self.turn_spent += now - started
 
     @property
     def rate(self) -> float:
@@ -139,9 +162,35 @@ class LoopShare:
         """True while more was spent than the share allows: the next frame waits (``wait``)."""
         return self.level < 0 and self.level + (time.monotonic() - self._at) * self.rate < 0
 
+    @property
+    def turn_over(self) -> bool:
+        """True once this owner ran TURN_SECONDS in this turn of the loop: the next frame waits (``next_turn``)."""
+        return self.turn_spent >= TURN_SECONDS
+
+    async def next_turn(self) -> None:
+        """Wait until the loop has run every callback that is ready now (other owners' connections,
+        sockets read since), then start this owner's next turn. Every connection of the owner that
+        waits here wakes together, after them."""
+        turn = self._turn
+        if turn is None:
+            loop = asyncio.get_running_loop()
+            turn = self._turn = loop.create_future()
+            # call_soon: after everything ready now; the loop polls its sockets before the next turn.
+            loop.call_soon(self._new_turn, turn)
+        # Shielded: the future is every waiting connection's; one leaving (cancelled) must not end it.
+        await asyncio.shield(turn)
+
+    def _new_turn(self, turn: "asyncio.Future[None]") -> None:
+        if self._turn is turn:
+            self._turn = None
+            self.turn_spent = 0.0
+        if not turn.done():
+            turn.set_result(None)
+
     async def wait(self) -> None:
         """Sleep until the share is back to zero (what the owner overspent, at the share's rate)."""
         self.throttled += 1
         while self.owed:
             deficit = -(self.level + (time.monotonic() - self._at) * self.rate)
             await asyncio.sleep(deficit / self.rate)
+        self.turn_spent = 0.0  # it slept: the others had the loop

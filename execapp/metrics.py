@@ -99,7 +99,7 @@ CONNECTIONS_CLOSED = Counter("execapp_connections_closed_total", "Connections th
                              "EXECAPP['HANDSHAKE_TIMEOUT_SECONDS']), pending_cap (the oldest waiting past "
                              "EXECAPP['MAX_PENDING_CONNECTIONS']), header_too_large (request line and headers "
                              "over 64 KiB), body_too_large, body_timeout, body_pending_cap (execapp.http_limits), "
-                             "too_many_control_frames, too_many_fragments (execapp.ws_flow).",
+                             "too_many_control_frames, too_many_fragments, handshake_refused (execapp.ws_flow).",
                              ["reason"])
 PASSWORD_CHECKS_REFUSED = Counter("execapp_password_checks_refused_total", "Sign-in attempts refused before "
                                   "any password hashing, by reason: busy (the worker already ran "

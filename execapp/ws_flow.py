@@ -28,6 +28,27 @@ memory per connection of a client that sends them and reads nothing), ~8 GB for 
 ``MAX_QUEUED_MESSAGES`` wait for the app; the rest of the read is kept as bytes and parsed as the
 app takes the messages, before reading resumes. Same messages, same order.
 
+And how long one connection's task holds the loop: the app takes a message with ``await receive()``,
+which does not suspend while messages are queued (``asyncio.Queue.get`` returns at once), and a
+handler proven fast runs inline, so a connection whose client had sent a socket read's worth of
+small frames (up to 256 KiB: ~12,000 ``/ping`` frames) ran them all in one go, ~0.5 s, before the
+loop read any other socket. The owner's loop share (execapp.loop_share) only stops it once its bank
+is spent, and each owner has a bank of its own: ten tenants each writing 256 KiB of ``/ping``
+frames at once held a worker's loop for 4.3 s (measured; a /ping of another tenant waited as
+long, and past LOOP_STALL_SECONDS the watchdog kills the worker). ``receive`` now hands the loop
+back (``asyncio.sleep(0)``: every other ready task and socket runs first) once this connection has
+run ``LOOP_SLICE_SECONDS`` since it last waited: a task holds the loop for at most a slice (plus
+its last message), whatever its client queued, and the busy connections take turns.
+
+A WebSocket handshake the ``websockets`` parser refuses (a request line or header line over its 8 KiB,
+more than 128 headers: well within execapp.handshake's 64 KiB) got no answer at all: uvicorn hands the
+request to this protocol, whose parser sets its handshake error and queues an end of stream that
+uvicorn never writes, and the connection stayed open for ever (measured: a 20 KB URL, still open after
+40 s), past the header deadline, which ends at the hand-over, and outside the cap on pending
+connections: any client could hold sockets without a token. It is now answered ``431`` (a line or
+the headers past the parser's limits) or ``400`` (anything else it refuses) with what to fix, and
+closed, counted as ``handshake_refused``.
+
 A connection closed for a protocol error (these limits, or uvicorn's own: bad UTF-8, a frame over
 the size limit) gets its close frame and then a *lingering* close: the server half-closes (FIN
 after the close frame) and reads on, dropping what comes, until the client closes its side too or
@@ -44,10 +65,12 @@ nothing overtakes them; what parsing a read queues (pongs) finds them already wr
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets import http11
 from websockets.exceptions import InvalidState
 from websockets.frames import Frame
 
@@ -59,10 +82,17 @@ MAX_FRAGMENTS = 64
 PARSE_SLICE = 4096
 #: Messages waiting for the app past which the parser stops, the rest of the read kept as bytes.
 MAX_QUEUED_MESSAGES = 32
+#: Seconds of loop time one connection's task may run messages back to back before it lets the
+#: loop run everything else that is ready (a few hundred small frames; one loop turn is ~20 us).
+LOOP_SLICE_SECONDS = 0.005
+#: The websockets parser's limits on a handshake request (websockets.http11), named in the 431 answer.
+MAX_LINE_BYTES, MAX_HEADERS = http11.MAX_LINE_LENGTH, http11.MAX_NUM_HEADERS
 #: Seconds a connection closed for a protocol error keeps reading (and dropping) what the client sends.
 LINGER_SECONDS = 2.0
 #: The ``reason`` labels of execapp_connections_closed_total for these two closes.
 TOO_MANY_CONTROL_FRAMES, TOO_MANY_FRAGMENTS = "too_many_control_frames", "too_many_fragments"
+#: The ``reason`` label of a WebSocket handshake request the parser refused (answered 431 or 400).
+HANDSHAKE_REFUSED = "handshake_refused"
 
 
 class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -80,6 +110,8 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
         self._lingering = False
         #: App frames are encoded but not yet written: a flush is scheduled (see ``send``).
         self._flush_due = False
+        #: loop.time() when the app's task last resumed from a wait (the start of its slice).
+        self._slice_started = 0.0
 
     def data_received(self, data: bytes) -> None:
         """Bytes from the client: parsed a slice at a time while the app keeps up (see the module)."""
@@ -93,6 +125,29 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
             super().data_received(data)
         else:
             self._parse(data)
+        if not self.handshake_initiated and self.conn.handshake_exc is not None and not self.transport.is_closing():
+            self._refuse_handshake(self.conn.handshake_exc)
+
+    def _refuse_handshake(self, exc: Exception) -> None:
+        """Answer a handshake request the parser refused (431 or 400, saying why) and close the connection."""
+        from websockets.exceptions import SecurityError
+
+        from . import metrics  # here: the supervisor imports this module and stays light
+
+        cause = exc.__cause__ or exc
+        if isinstance(cause, SecurityError):
+            status, text = "431 Request Header Fields Too Large", (
+                f"WebSocket handshake refused: {cause}; a request line or header line may be at most "
+                f"{MAX_LINE_BYTES} bytes and a request at most {MAX_HEADERS} headers; send a shorter URL "
+                "(the token in an Authorization header) or fewer headers\n")
+        else:
+            status, text = "400 Bad Request", f"WebSocket handshake refused: {exc}: {cause}\n"
+        body = text.encode("utf-8", "replace")
+        metrics.CONNECTIONS_CLOSED.labels(HANDSHAKE_REFUSED).inc()
+        self.handshake_initiated = self.handshake_complete = self.close_sent = True
+        self.transport.write(f"HTTP/1.1 {status}\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close"
+                             f"\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+        self.transport.close()
 
     def _parse(self, data: bytes) -> None:
         """Parse ``data`` slice by slice; once the app has MAX_QUEUED_MESSAGES waiting keep the rest."""
@@ -156,8 +211,18 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
 
     async def receive(self) -> Any:
         """uvicorn's receive: the next message for the app. Once the app took every queued message, the
-        bytes kept back are parsed first; reading resumes after them, and not while writes are backed up."""
-        message = await self.queue.get()
+        bytes kept back are parsed first; reading resumes after them, and not while writes are backed up.
+        A task that ran LOOP_SLICE_SECONDS without waiting lets the loop run the others first."""
+        queue = self.queue
+        if queue.empty():  # the get below waits: the loop runs others, a new slice starts after it
+            message = await queue.get()
+            self._slice_started = self.loop.time()
+        else:
+            now = self.loop.time()
+            if now - self._slice_started >= LOOP_SLICE_SECONDS:
+                await asyncio.sleep(0)  # behind every task and callback ready now (sockets read meanwhile)
+                self._slice_started = self.loop.time()
+            message = queue.get_nowait()
         if self.read_paused and self.queue.empty():
             if self._unparsed:
                 rest, self._unparsed = self._unparsed, b""

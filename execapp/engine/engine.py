@@ -31,6 +31,12 @@ _rlog = RateLimitedLog(log)
 #: default promote-at-once bound (2 x SLOW_THRESHOLD_SECONDS): a run it stops would have been
 #: promoted anyway.
 INLINE_TIMEOUT = 0.1
+#: How far past its inline budget an inline run may end before its matcher is quarantined (pool
+#: only for good, as the watchdog's stall quarantine): a sandbox stops a guest within a few ms to
+#: a few tens of ms of the deadline, so a run this late did something no deadline reaches (a
+#: QuickJS BigInt turned into text held a real worker's loop 3.4 s, and 46 fast runs later the
+#: handler was inline again, to do it again). Also the target: no /ping waits longer than this.
+INLINE_ESCAPE_SECONDS = 0.25
 #: The default longest wait for a pool slot under the ``wait`` overflow policy (seconds),
 #: EXECAPP['OVERFLOW_WAIT_SECONDS']: it bounds how long a client can wait before `overloaded`.
 OVERFLOW_WAIT = 1.0
@@ -554,6 +560,8 @@ class Engine:
             elapsed = ended - started
             if slot is not None:
                 slot[0] = 0
+            if budget is not None and elapsed > budget + INLINE_ESCAPE_SECONDS:
+                self._escaped(m, elapsed, budget)
             self._failed(run, m, exc, _SYNC, elapsed, budget is not None and elapsed > budget)
             return
         run._ended = ended = _clock()
@@ -563,6 +571,8 @@ class Engine:
         if budget is not None and elapsed > budget:
             # An inline run past its budget (a Python handler cannot be stopped) moves to the
             # pool at once; its result still counts: it ran to the end.
+            if elapsed > budget + INLINE_ESCAPE_SECONDS:
+                self._escaped(m, elapsed, budget)
             m.profile.record(elapsed, overrun=True)
         else:
             m.profile.record(elapsed, size)
@@ -574,6 +584,18 @@ class Engine:
                     observe(m, _SYNC, elapsed, "ok", run.event)
                 except Exception:  # metrics must never break dispatch
                     _rlog.exception(("observer", id(observe)), "run observer %r failed", observe)
+
+    @staticmethod
+    def _escaped(m: Matcher, elapsed: float, budget: float) -> None:
+        """``m`` ran inline ``elapsed`` s, past its ``budget`` by more than INLINE_ESCAPE_SECONDS:
+        quarantine it (never inline again until an operator releases it), and say so once."""
+        if m.profile.quarantined is not None:
+            return
+        reason = (f"held the event loop {elapsed:.2f} s running inline, past the inline budget of {budget:g} s by "
+                  f"more than {INLINE_ESCAPE_SECONDS:g} s: something in it is out of reach of its deadline")
+        m.profile.quarantine(reason)
+        _rlog.log(logging.ERROR, ("escaped", m.name), "matcher %s %s; quarantined: it runs in the pool only from "
+                  "now on (docs/operations.md, \"Releasing a quarantine\")", m.name, reason)
 
     def _invoke(self, run: EventRun, ctx: Context, budget: float | None, pool: ExecPool) -> bool:
         """Run one pooled handler, record its duration in its profile and emit its outcome.

@@ -32,6 +32,7 @@ from execapp.engine import (
     ProfileState,
 )
 from execapp.engine import pool as pool_module
+from execapp.engine.engine import INLINE_ESCAPE_SECONDS
 from execapp.engine.matcher import MARK_SIZE, make_mark
 from execapp.engine.profile import SIZE_FACTOR, SIZE_FLOOR
 
@@ -226,6 +227,31 @@ def test_an_inline_overrun_promotes_at_once_and_the_result_still_counts(engines)
     m.handler = lambda ctx: "fast"
     _, out = dispatch(engine)
     assert out.replies[0].exec_class is ExecClass.POOL, "runs inline again only after proving fast afresh"
+
+
+def test_an_inline_run_far_past_its_budget_quarantines_its_matcher(engines):
+    # A C call no deadline reaches (a QuickJS BigInt turned into text: 3.4 s on a real worker's
+    # loop) was only promoted: 46 fast runs later the handler ran inline again, to stall it again.
+    engine = engines(inline_timeout=0.05, profile_factory=lambda: ExecProfile(slow_threshold=5.0))
+    late = INLINE_ESCAPE_SECONDS + 0.1
+
+    def escapes(ctx):
+        if ctx.args == "c-call":
+            time.sleep(0.05 + late)  # past the budget, and past what any sandbox's margin explains
+            raise HandlerTimeout("stopped, late")
+        return "fast"
+
+    m = demote(add_cmd(engine, escapes, name="escapes"))
+    _, out = dispatch(engine, "/cmd c-call")
+    assert [f.code for f in out.failures] == ["timeout"]
+    assert m.profile.quarantined and "out of reach of its deadline" in m.profile.quarantined
+    for _ in range(3 * m.profile.window):  # far more fast runs than any recovery needs
+        _, out = dispatch(engine)
+    assert out.replies[0].exec_class is ExecClass.POOL
+    # A run late by less than that (a busy machine, a sandbox's margin) is only promoted, as before.
+    m2 = demote(add_cmd(engine, lambda ctx: time.sleep(0.15) or "late", name="late", pattern="late"))
+    dispatch(engine, "/late")
+    assert m2.profile.state is ProfileState.PROMOTED and m2.profile.quarantined is None
 
 
 def test_an_inline_timeout_promotes_at_once(engines):

@@ -236,3 +236,52 @@ async def test_an_owner_s_session_deliveries_are_charged_to_its_share(clock: Man
     # ~0.9 s written, ~0.45 s refilled meanwhile (an even split of two owners: 0.5 s a second).
     assert fanning.owed and fanning.level < -0.1, fanning.level
     assert not calm.owed
+
+
+async def _longest_gap(probe: list[float], until: asyncio.Event) -> None:
+    """Record the longest time the loop took to come back to this task (a 1 ms sleep's overshoot)."""
+    while not until.is_set():
+        started = time.monotonic()
+        await asyncio.sleep(0.001)
+        probe.append(time.monotonic() - started - 0.001)
+
+
+async def test_busy_owners_each_run_one_short_turn_before_the_loop_serves_the_others() -> None:
+    """Six tenants with three connections each, every one with frames always ready (a connection's
+    frames are taken without a wait while its client has sent them): each connection ran its frames
+    back to back until its owner's share (a 0.25 s bank) was spent, and past 1 / share busy owners
+    nobody waited at all, so the loop came back to anyone else only after the lot (~1 s here)."""
+    def spin(ctx: Any) -> str:  # an inline handler that takes 0.2 ms of the loop
+        until = time.perf_counter() + 0.0002
+        while time.perf_counter() < until:
+            pass
+        return "ok"
+
+    engine = Engine(pool_enabled=False)
+    engine.add(engine.make_matcher("command", "spin", spin, plugin="test"))
+    group = loop_share.ShareGroup(window=30.0)
+    shares = [LoopShare(0.25, group=group, owner=f"tenant:{o}") for o in range(6)]
+
+    async def send(text: str) -> None:
+        pass
+
+    conns = [Connection(engine, Admission(), Limits(), send, owner=f"tenant:{o}", decode_share=shares[o])
+             for o in range(6) for _ in range(3)]
+
+    async def feed(conn: Connection) -> None:  # 300 frames, taken as fast as receive returns
+        for n in range(300):
+            await conn.receive(json.dumps({"id": f"s{n}", "text": "/spin"}))
+
+    for share in shares:  # all six busy already (a server reads each one's first frame within a slice)
+        share.spend_since(time.monotonic())
+    stop = asyncio.Event()
+    gaps: list[float] = []
+    probe = asyncio.ensure_future(_longest_gap(gaps, stop))
+    await asyncio.sleep(0.01)
+    await asyncio.wait_for(asyncio.gather(*[feed(c) for c in conns]), 30)
+    stop.set()
+    await probe
+    for c in conns:
+        c.close()
+    # A turn: TURN_SECONDS per owner and a frame per connection (~35 ms); without turns, ~1 s.
+    assert max(gaps) < 6 * loop_share.TURN_SECONDS + 0.1, f"the loop came back after {max(gaps):.3f} s"

@@ -302,3 +302,60 @@ async def test_a_close_sent_in_the_same_turn_as_frames_goes_out_after_them() -> 
             await ws.send("m")
             assert [await asyncio.wait_for(ws.recv(), 5) for _ in range(3)] == ["m-0", "m-1", "m-2"]
             assert await _closed_with(ws) == (4000, "")
+
+
+def test_an_app_taking_a_backlog_of_messages_hands_the_loop_back_every_slice() -> None:
+    # The app's receive returns at once while messages are queued, and a handler proven fast runs
+    # inline: a client that had sent ~10,000 small frames had its connection's task run them all
+    # before the loop read any other socket (ten such clients stalled a worker for 4.3 s).
+    gaps: list[float] = []
+    taken: list[int] = [0]
+
+    async def probe() -> None:  # the loop's responsiveness, seen from another task of it
+        while True:
+            started = time.monotonic()
+            await asyncio.sleep(0.001)
+            gaps.append(time.monotonic() - started - 0.001)
+
+    async def busy_app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "websocket":
+            return
+        await receive()
+        await send({"type": "websocket.accept"})
+        task = asyncio.ensure_future(probe())
+        while (await receive())["type"] != "websocket.disconnect":
+            taken[0] += 1
+            until = time.perf_counter() + 0.0001  # 0.1 ms of the loop per message, never waiting
+            while time.perf_counter() < until:
+                pass
+        task.cancel()
+
+    with InProcess(busy_app) as server:
+        sock = _upgraded(server.port, "/")
+        try:
+            sock.setblocking(True)
+            sock.sendall(_text(b"{}") * 20_000)
+            assert wait_until(lambda: taken[0] == 20_000, 30), taken[0]
+        finally:
+            sock.close()
+    assert gaps and max(gaps) < ws_flow.LOOP_SLICE_SECONDS + 0.1, f"the loop came back after {max(gaps):.3f} s"
+
+
+@pytest.mark.parametrize("line, header", [("x" * 9000, ""), ("", "".join(f"X-H{i}: 1\r\n" for i in range(200)))])
+def test_a_handshake_the_parser_refuses_is_answered_431_and_closed(line: str, header: str) -> None:
+    # A request line or header line over the websockets parser's 8 KiB, or more than 128 headers
+    # (all within the server's 64 KiB), got no answer and held its connection open for ever.
+    with InProcess(silent_app) as server:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        try:
+            key = base64.b64encode(os.urandom(16)).decode()
+            sock.sendall((f"GET /?pad={line} HTTP/1.1\r\nHost: t\r\n{header}Upgrade: websocket\r\n"
+                          f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                          "Sec-WebSocket-Version: 13\r\n\r\n").encode())
+            answer = b""
+            while chunk := sock.recv(65536):  # to the server's close (a socket timeout fails the test)
+                answer += chunk
+        finally:
+            sock.close()
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b"at most 8192 bytes" in answer and b"128 headers" in answer, answer

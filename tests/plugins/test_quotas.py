@@ -493,3 +493,47 @@ def test_the_admin_edits_quotas_and_shows_what_is_stored(admin_client) -> None:
     kv.kv_store().set("up", "a", "bc", 1.0)
     page = admin_client.get(f"/admin/plugins/plugin/{row.pk}/change/").content.decode()
     assert "Host quotas" in page and "KV writes per call" in page and "1 keys, 3 bytes" in page
+
+
+def test_a_redis_kv_call_waits_no_longer_than_the_call_s_deadline() -> None:
+    # redis-py waited its socket timeout (5 s) whatever was left of the call: a handler proven fast
+    # runs inline, and a Redis that turned slow held the worker's event loop (a 3 s pause stalled
+    # it 2.8 s on a real server). A Redis that accepts and never answers stands for it here.
+    from django.test import override_settings
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:  # takes connections and never answers a command
+        silent.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(silent.accept()[0])
+            except OSError:
+                pass
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+    spec = PluginSpec(name="kvslow", runtime="lua", code="", permissions=frozenset({"kv"}))
+    try:
+        with override_settings(REDIS_URL=url):
+            store = kv.kv_store()
+            assert isinstance(store, kv.RedisKV)
+            for call in (lambda: store.get("kvslow", "k", 0.1), lambda: store.set("kvslow", "k", "v", 0.1)):
+                started = time.monotonic()
+                with pytest.raises(TimeoutError):
+                    call()
+                assert time.monotonic() - started < 1.0
+            host = Host(spec, time.monotonic() + 0.1)  # the host API: the guest's timeout, with its message
+            started = time.monotonic()
+            with pytest.raises(GuestTimeout, match="kv_get: the KV store did not answer"):
+                host.kv_get("k")
+            assert time.monotonic() - started < 1.0
+    finally:
+        stop.set()
+        acceptor.join()
+        silent.close()
+        for conn in held:
+            conn.close()
