@@ -185,6 +185,20 @@
       apply(native, self, [slow().setLike(args.length > 0 ? args[0] : undefined, stepped)])});
   }
 
+  // -- Argument lists a native converts one by one: `Math.max(...a)` or `String.fromCharCode.apply(
+  // null, a)` with 65,535 references to one 2 MB string ran ~10 s at 16 MiB in one C loop (a
+  // string's ToNumber copies it whole). Past SEARCH_MAX characters of string arguments, each counted
+  // at every argument that holds it, the strings are made numbers here first, one polled step each,
+  // as the native would (a string's ToNumber runs no guest code), and the native gets the numbers.
+  const numbered = {__proto__: null, apply(native, self, args) {
+    if ((args.length > 2 || typeof args[0] === "string" || typeof args[1] === "string") &&
+        mass(args, SEARCH_MAX) > SEARCH_MAX)
+      for (let i = 0; i < args.length; i++) if (typeof args[i] === "string") args[i] = +args[i];
+    return apply(native, self, args);
+  }};
+  proxied(Math, ["max", "min", "hypot"], numbered);
+  proxied(String, ["fromCharCode", "fromCodePoint"], numbered);
+
   // -- Lists read by index in C: an argument list (apply, Reflect.apply, Reflect.construct), an
   // array's iterator (spread, Array.from, a typed array made from an iterable) and an array-like
   // source (Array.from, a typed array's from and set). Each missing index is looked up along the

@@ -41,6 +41,10 @@ ESCAPES = {  # each ran for minutes (natively, with no interrupt poll) before it
                                              " new Uint8Array(o)",
            "sort": "const a = []; for (let i = 0; i < 4e3; i++) a.push(i & 1 ? x : y); a.sort()",
            "toSorted": "const a = []; for (let i = 0; i < 4e3; i++) a.push(i & 1 ? x : y); a.toSorted()",
+           # an argument list a native converts one by one: ~10 s each
+           "Math.max of a spread": "Math.max(...new Array(65535).fill(x))",
+           "Math.hypot through Reflect.apply": "Reflect.apply(Math.hypot, null, new Array(65535).fill(x))",
+           "String.fromCharCode through apply": "String.fromCharCode.apply(null, new Array(65535).fill(x))",
        }.items()},
     "a length getter that changes":
         "Array.prototype.join.call({n: 0, get length() { return this.n++ ? 2 ** 31 : 1; }})",
@@ -288,6 +292,12 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
         "new Float64Array(['1', '2', '3']).length", "Float64Array.from(['1', '2', '3']).length",
         "Float64Array.of('1', '2', '3').length", "new Float64Array(3).set(['1', '2', '3'])",
         "new Float64Array({length: 3, 0: '1', 1: '2', 2: '3'}).length", "new Float64Array(['1', 2]).length")),
+    # argument lists of strings past the (lowered) threshold: made numbers first, as the natives do
+    "[Math.max('1', '22', 3), Math.min('1', ' 2 ', 'x'), Math.hypot('3', '4'), Math.max(), Math.min('-0', 0)]",
+    "[String.fromCharCode('65', '0x42', 67.9, '65601'), String.fromCodePoint('128512', '97')]",
+    "(() => { try { return String.fromCodePoint('1.5'); } catch (e) { return e.name; } })()",
+    "(() => { const seen = []; const v = (n) => ({valueOf() { seen.push(n); return n; }});"
+    " return [Math.max(v(1), '5', v(2)), seen, Math.max.length, Math.max.name, String.fromCharCode.length]; })()",
     "/a+(b)/.exec('caab')", "[...'a1b2'.matchAll(/\\d/g)].map(m => m[0] + m.index)", "/x/y.test('ax')",
     "(() => { const r = /a/g; r.exec('aa'); return [r.lastIndex, r.exec('aa').index, r.lastIndex]; })()",
 ])
