@@ -447,8 +447,11 @@ function G.rep(s, n, sep)
   -- "" repeated: no allocation and no result, only k iterations of nothing.
   if l + lsep == 0 then return "" end
   local total = (l + 0.0) * k + (lsep + 0.0) * (k - 1)
-  if total > MEMORY then
-    too_big("string.rep", "the result", total, "repeat fewer times, or raise the plugin's memory_mb")
+  -- lauxlib builds the result in a buffer, then copies it into the string: twice its size at once
+  -- (5.5e8 bytes under a 1 GiB cap failed after ~0.5 s of copying, with no word of string.rep).
+  if 2 * total > MEMORY then
+    too_big("string.rep", "the result and the buffer it is built in", 2 * total,
+            "repeat fewer times, or raise the plugin's memory_mb")
   end
   charge(total * BYTE + k)
   local unit = l + lsep

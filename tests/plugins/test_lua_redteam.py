@@ -150,7 +150,13 @@ FIXED: dict[str, tuple[str, int, float, tuple[str, ...], str | None]] = {
                        ("timeout",), None),
     # string.rep of a tiny unit whose result is over half the memory cap ran as one native loop of
     # k one-byte copies (the pieces needed room for two copies): 1e9 took 3.4 s on a 0.3 s budget
-    "rep_tiny_unit_most_of_the_cap": ("local s = string.rep('a', 1e9) return #s", 1024, BUDGET, ("timeout",), None),
+    # (now refused before any work: the result and its buffer are over the cap)
+    "rep_tiny_unit_most_of_the_cap": ("local s = string.rep('a', 1e9) return #s", 1024, BUDGET,
+                                      ("timeout", "memory_limit"), None),
+    # lauxlib builds string.rep's result in a buffer and then copies it: a result over half the cap
+    # failed only after all the copying, as a bare "memory cap exceeded"; now refused before any work
+    "rep_result_and_buffer_over_the_cap": ("return #string.rep('a', 9e6)", 16, BUDGET, ("memory_limit",),
+                                           "string.rep: the result and the buffer it is built in would be"),
     # a plain table's unpack ran natively over the whole range: integer keys hashed without a seed make
     # the chain an absent key's lookup walks as long as the table, and 800,000 such lookups next to a
     # chain of 16,382 colliding keys (built in ~0.3 s) ran 18 s in one native call on a 1.5 s budget
