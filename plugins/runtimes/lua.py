@@ -368,7 +368,9 @@ class _Reply:
             kc = k.__class__
             if kc is str:
                 self._charge(k)
-            elif kc is not int and kc is not float and kc is not bool:
+            elif kc is bool:  # as Lua writes it (str() gave "True")
+                k = "true" if k else "false"
+            elif kc is not int and kc is not float:
                 raise GuestError(f"a table in the reply has a {lupa.lua_type(k)} as a key; use string or number keys")
             if v.__class__ is str:
                 # Charged now, not when converted below (convert() takes it as charged): lupa has
