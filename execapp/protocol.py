@@ -467,6 +467,9 @@ def _outcome_frame(outcome: Outcome, session: str | None, hint: str | None) -> s
     except (TypeError, ValueError):  # e.g. a circular structure, or NaN, in a handler's data
         frame["data"] = repr(frame.get("data"))[:1000]
         text = _encode(frame)
+    except RecursionError:  # data nested past the interpreter's limit (plugins refuse it: MAX_REPLY_DEPTH)
+        frame["data"] = "(the reply's data nests too deep to encode)"
+        text = _encode(frame)
     if not text.isascii():  # a handler's lone surrogate: the socket could not send the frame at all
         text = _valid_utf8(text)
     return text

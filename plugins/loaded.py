@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable
 from execapp.engine import Context, ExecClass, HandlerTimeout
 
 from .errors import CompileError, PluginInvalid
-from .runtimes.base import MAX_REPLY_BYTES, Compiled, reply_bytes
+from .runtimes.base import MAX_REPLY_BYTES, Compiled, ReplyTooDeep, reply_bytes
 from .runtimes.registry import compile_plugin
 from .spec import PluginSpec
 from .strategies import PluginCall, Slots, Strategy, make_strategy
@@ -153,7 +153,7 @@ class LoadedPlugin:
         call = self.call
         sync = ExecClass.SYNC
         own = self.spec.timeout
-        too_large = self.strategy.reply_too_large
+        too_large, too_deep = self.strategy.reply_too_large, self.strategy.reply_too_deep
 
         def run(ctx: Context) -> Any:
             event = ctx.event.to_dict()
@@ -168,7 +168,10 @@ class LoadedPlugin:
                 # (at most 4 bytes a character) needs no count.
                 if reply is None or (reply.__class__ is str and len(reply) <= _SHORT_REPLY_CHARS):
                     return reply
-                size = reply_bytes(reply)
+                try:
+                    size = reply_bytes(reply)
+                except ReplyTooDeep:
+                    raise too_deep(handler) from None
                 if size > MAX_REPLY_BYTES:
                     raise too_large(handler, size)
                 return reply

@@ -38,7 +38,7 @@ from .errors import (
     PluginUnavailable,
     QuotaExceeded,
 )
-from .runtimes.base import MAX_REPLY_BYTES, Compiled, Instance, clip_error
+from .runtimes.base import MAX_REPLY_BYTES, MAX_REPLY_DEPTH, Compiled, Instance, clip_error
 from .spec import PluginSpec
 
 _Empty = queue.Empty
@@ -221,6 +221,13 @@ class Strategy(abc.ABC):
         return HandlerError(f"plugin {self.spec.name!r} handler {handler!r}: its reply is {size} bytes (UTF-8 of the "
                             f"text, or of the data's JSON), over the limit of {MAX_REPLY_BYTES} bytes "
                             "(MAX_REPLY_BYTES); reply with less, e.g. a summary or a key kept with kv_set")
+
+    def reply_too_deep(self, handler: str) -> HandlerError:
+        """Count a data reply nested deeper than MAX_REPLY_DEPTH as the handler's error (plugins.loaded)."""
+        with self._lock:
+            self.errors_total += 1
+        return HandlerError(f"plugin {self.spec.name!r} handler {handler!r}: its data reply nests arrays/objects "
+                            f"more than {MAX_REPLY_DEPTH} levels deep (MAX_REPLY_DEPTH); flatten it")
 
     def _new(self, deadline: float | None) -> Instance:
         # The new instance's top level stops by the caller's deadline too: inline on the event

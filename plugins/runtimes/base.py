@@ -5,6 +5,8 @@ import json as _json
 import json.encoder as _json_encoder
 from typing import Any, Callable, Protocol
 
+from execapp.protocol import json_depth
+
 from ..spec import PluginSpec
 
 #: Bytes of JSON/text a reply may carry back from a guest, whatever its runtime (UTF-8 of the text
@@ -16,6 +18,16 @@ MAX_REPLY_BYTES = 256 * 1024
 #: the message is copied into the error frame, the profile and the history on the event loop.
 #: Above the Lua sandbox's own cut (4 KiB and its note, lua_sandbox.lua), which stays as it is.
 MAX_ERROR_CHARS = 8192
+#: Levels of arrays/objects a data reply may nest, whatever its runtime (the Lua sandbox's limit:
+#: its reply table and 32 below it; EXECAPP['MAX_FRAME_DEPTH'] is 32 for events): the reply is
+#: encoded again on the event loop (its frame, the history), where Python's encoder recurses once
+#: per level. A JS or WASM reply ~950 levels deep passed its handler, then failed its frame's
+#: encoding at delivery: the client got a ``done`` counting a reply it never received.
+MAX_REPLY_DEPTH = 33
+
+
+class ReplyTooDeep(ValueError):
+    """A data reply nests deeper than MAX_REPLY_DEPTH (``reply_bytes``)."""
 
 
 class Instance(Protocol):
@@ -96,14 +108,21 @@ def to_reply(value: Any) -> Any:
 
 def reply_bytes(value: Any) -> int:
     """The UTF-8 size of a reply (what ``to_reply`` gives) as a client gets it: a text reply's own,
-    a data reply's JSON; 0 for None. O(1) for ASCII text, O(size) otherwise."""
+    a data reply's JSON; 0 for None. O(1) for ASCII text, O(size) otherwise. Raises ReplyTooDeep
+    for a data reply nested deeper than MAX_REPLY_DEPTH."""
     if value is None:
         return 0
     if value.__class__ is not str:
         try:
             value = to_json(value)
-        except (TypeError, ValueError, RecursionError):  # not JSON: sent as a short repr (execapp.protocol)
+        except RecursionError:
+            raise ReplyTooDeep() from None
+        except (TypeError, ValueError):  # not JSON: sent as a short repr (execapp.protocol)
             return 0
+        # Fewer brackets than the limit cannot be too deep (the common case: two counts in C).
+        if value.count("[") + value.count("{") > MAX_REPLY_DEPTH and \
+                json_depth(value.encode("utf-8", "surrogatepass"), MAX_REPLY_DEPTH) > MAX_REPLY_DEPTH:
+            raise ReplyTooDeep()
     return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
 
 

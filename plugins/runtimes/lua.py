@@ -53,7 +53,7 @@ import lupa.lua54 as lupa
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from ..spec import PluginSpec
-from .base import MAX_REPLY_BYTES, to_reply
+from .base import MAX_REPLY_BYTES, MAX_REPLY_DEPTH, to_reply
 from .host import MAX_LOG_CHARS, Host, HostCallError
 from .kvstore import MAX_VALUE_CHARS
 from .lua_compile import compile_bytecode, refuse_attributes
@@ -64,7 +64,7 @@ from .lua_interrupt import CALL_NAME, MODE_NAME, Interrupts, retire_events
 #: ~0.1 ms of the deadline).
 HOOK_COUNT = 10_000
 TIMEOUT_MSG = "execapp: timeout: the plugin ran past its time budget"
-MAX_DEPTH = 32
+MAX_DEPTH = MAX_REPLY_DEPTH - 1  # tables below the reply's own: MAX_REPLY_DEPTH levels of JSON
 #: Values (tables and their entries) one table reply may hold. Converting runs in Python after
 #: the guest's deadline, so it is bounded before it starts: a table shared by reference is
 #: converted once per reference (30 levels of ``t = {t, t}`` are 2**30 values in 30 tables). A
@@ -368,7 +368,9 @@ class _Reply:
             kc = k.__class__
             if kc is str:
                 self._charge(k)
-            elif kc is not int and kc is not float and kc is not bool:
+            elif kc is bool:  # as Lua writes it (str() gave "True")
+                k = "true" if k else "false"
+            elif kc is not int and kc is not float:
                 raise GuestError(f"a table in the reply has a {lupa.lua_type(k)} as a key; use string or number keys")
             if v.__class__ is str:
                 # Charged now, not when converted below (convert() takes it as charged): lupa has

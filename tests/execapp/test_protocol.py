@@ -213,6 +213,16 @@ def test_outgoing_frames_are_always_utf8_and_strict_json() -> None:
     assert frame["text"] == "bad ? text" and "nan" in frame["data"]
 
 
+def test_a_reply_whose_data_nests_past_the_encoders_recursion_limit_still_has_a_frame() -> None:
+    # Plugins refuse such data (MAX_REPLY_DEPTH); any other source of a Reply must not lose its
+    # frame to a RecursionError at delivery (the client would get a done counting a lost reply).
+    data: list = []
+    for _ in range(5000):
+        data = [data]
+    frame = json.loads(outcome_frame(Reply("e", "m", None, None, data, ExecClass.POOL, 0.0)))
+    assert frame["type"] == "reply" and "too deep" in frame["data"]
+
+
 def test_a_long_unknown_field_name_is_clipped_in_the_message() -> None:
     err = refused(json.dumps({"type": "message", "text": "/ping", "k" * 500: 1}))
     assert err.code == "bad_event" and len(err.message) < 200

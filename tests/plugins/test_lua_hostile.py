@@ -198,12 +198,13 @@ def test_ordinary_replies_convert_as_before() -> None:
         function h(e)
           local shared = {1, 2}
           return {list = {3, 1, 2}, nested = {a = {b = {c = "d"}}}, twice = {shared, shared}, n = 1.5,
-                  flag = true, [7] = "seven", empty = {}, fn = h}
+                  flag = true, [7] = "seven", empty = {}, fn = h, [true] = "yes", [false] = "no"}
         end"""))
     reply = plugin.call("h", {"id": "e", "type": "message", "text": "", "args": "", "data": {}, "session": None})
     assert reply["list"] == [3, 1, 2] and reply["nested"] == {"a": {"b": {"c": "d"}}}
     assert reply["twice"] == [[1, 2], [1, 2]] and reply["n"] == 1.5 and reply["flag"] is True
     assert reply["7"] == "seven" and reply["empty"] == {} and reply["fn"].startswith("<Lua function")
+    assert reply["true"] == "yes" and reply["false"] == "no"  # boolean keys as Lua writes them
     assert lua.MAX_REPLY_VALUES == lua.MAX_REPLY_BYTES // 2
 
 

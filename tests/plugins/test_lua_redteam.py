@@ -148,6 +148,15 @@ FIXED: dict[str, tuple[str, int, float, tuple[str, ...], str | None]] = {
     # machine twice as fast.
     "format_q_large": ("local s = string.rep('\\0', 80e6) local x = string.format('%q', s) return #x", 640, BUDGET,
                        ("timeout",), None),
+    # string.rep of a tiny unit whose result is over half the memory cap ran as one native loop of
+    # k one-byte copies (the pieces needed room for two copies): 1e9 took 3.4 s on a 0.3 s budget
+    # (now refused before any work: the result and its buffer are over the cap)
+    "rep_tiny_unit_most_of_the_cap": ("local s = string.rep('a', 1e9) return #s", 1024, BUDGET,
+                                      ("timeout", "memory_limit"), None),
+    # lauxlib builds string.rep's result in a buffer and then copies it: a result over half the cap
+    # failed only after all the copying, as a bare "memory cap exceeded"; now refused before any work
+    "rep_result_and_buffer_over_the_cap": ("return #string.rep('a', 9e6)", 16, BUDGET, ("memory_limit",),
+                                           "string.rep: the result and the buffer it is built in would be"),
     # a plain table's unpack ran natively over the whole range: integer keys hashed without a seed make
     # the chain an absent key's lookup walks as long as the table, and 800,000 such lookups next to a
     # chain of 16,382 colliding keys (built in ~0.3 s) ran 18 s in one native call on a 1.5 s budget
@@ -325,3 +334,28 @@ def test_format_q_in_pieces_gives_the_native_result() -> None:
         results = [lua._LuaVM(spec, bytecode, guards=guards).call_fresh("h", {"args": seed}, time.monotonic() + 30)
                    for guards in (False, True)]
         assert results[0] == results[1]
+
+
+def test_rep_in_pieces_gives_the_native_result() -> None:
+    # The pieces are rep(X^m..s, q + 1, sep..X^j) with X = s..sep: every remainder m, separators
+    # or none, an empty s, units of several bytes, and counts around the piece size.
+    spec = PluginSpec(name="rep", runtime="lua", timeout=30, memory_bytes=256 << 20, code=r"""
+        function h(e)
+          local out = {}
+          for _, s in ipairs({"a", "", "ab", "xyz\0", "\u{10FFFF}"}) do
+            for _, sep in ipairs({"", ",", ";;", "\0-"}) do
+              for _, k in ipairs({4097, 5000, 65535, 65536, 65537, 65536 * 3 + 1, 100003, 2 ^ 20 + 7}) do
+                local r = string.rep(s, k, sep ~= "" and sep or nil)
+                local h = 0
+                for i = 1, #r, 65521 do h = (h * 31 + r:byte(i) + r:byte(-i) * 7) % 2147483647 end
+                for i = 1, math.min(#r, 9) do h = (h * 31 + r:byte(i) + r:byte(-i) * 7) % 2147483647 end
+                out[#out + 1] = #r .. ":" .. h
+              end
+            end
+          end
+          return table.concat(out, "|")
+        end""")
+    bytecode = lua.compile_bytecode(spec)
+    results = [lua._LuaVM(spec, bytecode, guards=guards).call_fresh("h", {"args": ""}, time.monotonic() + 30)
+               for guards in (False, True)]
+    assert results[0] == results[1]

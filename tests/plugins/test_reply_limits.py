@@ -10,7 +10,7 @@ import pytest
 from execapp.engine import Engine, Event, Failure, HandlerError, Reply
 from execapp.protocol import outcome_frame
 from plugins.loaded import LoadedPlugin
-from plugins.runtimes.base import MAX_ERROR_CHARS, MAX_REPLY_BYTES
+from plugins.runtimes.base import MAX_ERROR_CHARS, MAX_REPLY_BYTES, MAX_REPLY_DEPTH
 from plugins.spec import PluginSpec
 
 # Each handler takes "<n>" (or "<character> <n>") in its arguments and returns that much.
@@ -82,3 +82,37 @@ def test_the_limits_leave_ordinary_replies_alone(plugin: LoadedPlugin) -> None:
     [(text, _)] = _frames(plugin, "text", "ab 3")
     [(data, _)] = _frames(plugin, "data", "3")
     assert (text.text, data.data) == ("ababab", {"s": "xxx"})
+
+
+def _nested(runtime: str, depth: int) -> LoadedPlugin:
+    """A plugin whose handler ``deep`` returns ``depth`` arrays nested in each other."""
+    if runtime == "lua":
+        code = f"function deep(ev) local a = {{}} for i = 2, {depth} do a = {{a}} end return a end"
+    elif runtime == "js":
+        code = f"function deep(ev) {{ let a = []; for (let i = 1; i < {depth}; i++) a = [a]; return a; }}"
+    else:
+        reply = "[" * depth + "]" * depth
+        code = (f'(module (memory (export "memory") 1) (data (i32.const 4096) "{reply}")'
+                '(func (export "alloc") (param i32) (result i32) (i32.const 16))'
+                '(func (export "deep") (param i32 i32) (result i64) '
+                f'(i64.or (i64.shl (i64.const 4096) (i64.const 32)) (i64.const {len(reply)}))))')
+    return LoadedPlugin(PluginSpec(name=f"d-{runtime}", runtime=runtime, code=code, timeout=5.0))
+
+
+@pytest.mark.parametrize("runtime", ["lua", "js", "wasm"])
+def test_a_data_reply_nested_past_the_depth_limit_is_the_handlers_error(runtime: str) -> None:
+    # A JS or WASM reply ~950 levels deep parsed, passed its handler, then failed its frame's
+    # encoding at delivery: the client got a done counting a reply it never received.
+    for depth in (MAX_REPLY_DEPTH, MAX_REPLY_DEPTH + 1, 950):
+        plugin = _nested(runtime, depth)
+        try:
+            [(outcome, frame)] = _frames(plugin, "deep", "")
+        finally:
+            plugin.close()
+        if depth == MAX_REPLY_DEPTH:
+            data = frame[frame.index('"data":'):]  # (a Lua empty table is an object)
+            assert isinstance(outcome, Reply) and data.count("[") + data.count("{") == depth, frame[:200]
+            continue
+        assert isinstance(outcome, Failure) and outcome.code == HandlerError.code, (depth, outcome)
+        assert ("MAX_REPLY_DEPTH" in outcome.message or "deeper than" in outcome.message
+                or "too deep" in outcome.message), outcome.message
