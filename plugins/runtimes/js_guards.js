@@ -301,6 +301,9 @@
     assign(Object, {
       defineProperties(o, props) { return nDefineProps(o, slow().descriptors(props)); },
       create(proto, props) { return props === undefined ? nCreate(proto) : nCreate(proto, slow().descriptors(props)); },
+      // Each key becomes an atom in one native loop, with the bucket walk JSON.parse's guard
+      // describes (20,000 keys of one hash: 0.66 s): the entries are defined in bytecode instead.
+      fromEntries(entries) { return slow().fromEntries(entries); },
       // Each key written looks for a setter along the target's chain: a deep one, in bytecode.
       assign(target, ...sources) {
         return target !== null && typeof target === "object" && !apply(isProxy, proxies, [target]) && !shallow(target)

@@ -241,6 +241,18 @@ return {
     }
     return out + apply(sSlice, s, [end]);
   },
+  // Object.fromEntries, as the native: each entry an object, its 0 and 1 read, defined as own data.
+  fromEntries(entries) {
+    if (entries == null) throw new TypeError("Object.fromEntries: the entries are " + entries + ", not an iterable");
+    const o = {};
+    for (const e of entries) {
+      if (e === null || (typeof e !== "object" && typeof e !== "function"))
+        throw new TypeError("Object.fromEntries: an entry is " + (e === null ? "null" : typeof e) + ", not an object");
+      const k = e[0];
+      put(o, k, e[1]);
+    }
+    return o;
+  },
   // A proxy ownKeys trap's result `r` as the genuine array the native makes of it (each element read
   // once, a string or a symbol), refused past OWN_KEYS_MAX comparisons of the native's checks (the
   // keys with each other and with the target's: reading the target's keys runs its own trap).
