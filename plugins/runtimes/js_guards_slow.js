@@ -330,9 +330,10 @@ return {
       if (typeof v !== "string") continue;
       chars += v.length + 1;
       if (keys.length * chars > REPLACER_MAX)
-        throw new RangeError("JSON.stringify's replacer list of " + n + " keys (" + chars + "+ characters): the " +
-                             "sandbox allows at most " + REPLACER_MAX + " as keys x characters; pass fewer keys " +
-                             "or a replacer function");
+        throw new RangeError("JSON.stringify's replacer list of " + n + " keys: its first " + (keys.length + 1) +
+                             " keys have " + chars + " characters, and the native compares each key with the ones " +
+                             "before it; the sandbox allows at most " + REPLACER_MAX + " as keys x characters: " +
+                             "pass fewer keys or a replacer function");
       put(keys, keys.length, v);
     }
     return keys;
