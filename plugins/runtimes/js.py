@@ -45,7 +45,7 @@ from typing import Any
 import quickjs
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
-from . import js_deadline
+from . import js_deadline, js_free
 from .base import MAX_ERROR_CHARS, MAX_REPLY_BYTES, FreshInstanceIsolation, scan_json, to_json, to_reply
 from .host import MAX_LOG_CHARS, MAX_URL_CHARS, Host
 from .kvstore import MAX_KEY_CHARS, MAX_VALUE_CHARS
@@ -495,35 +495,38 @@ class JsInstance:
         # corrupt it (the binding releases the GIL while JS runs). Two C calls per call.
         entry = threading.Lock()
         self._enter, self._leave = entry.acquire, entry.release
-        ctx = self.ctx = quickjs.Context()
-        ctx.set_memory_limit(spec.memory_bytes)
-        ctx.set_max_stack_size(STACK_BYTES)
+        # (no local holds the Context: js_free frees it off the GIL only when close() holds the last
+        # reference, and a frame in an exception's traceback keeps its locals)
+        self.ctx = quickjs.Context()
+        self.ctx.set_memory_limit(spec.memory_bytes)
+        self.ctx.set_max_stack_size(STACK_BYTES)
         started = time.monotonic()
         deadline = started + spec.timeout if deadline is None else min(deadline, started + spec.timeout)
-        slot = self._slot = js_deadline.register(ctx, self) if GUARDED else None
+        slot = self._slot = js_deadline.register(self.ctx, self) if GUARDED else None
         held = None
         if slot is None:
-            ctx.set_time_limit(max(deadline - started, 0.0))
+            self.ctx.set_time_limit(max(deadline - started, 0.0))
         else:
             # Set once: a CPU-time limit that cannot be reached before the wall-clock budget ends.
             backstop = js_deadline.cpu_backstop(spec.timeout)
-            ctx.set_time_limit(backstop)
+            self.ctx.set_time_limit(backstop)
             slot.deadline = deadline
             # The top level's own throw reaches the binding, which turns it into text with guest
             # code: keep the interrupt handler installed meanwhile (js_deadline.hold).
-            held = js_deadline.hold(ctx, backstop)
+            held = js_deadline.hold(self.ctx, backstop)
         try:
-            _prelude.load(ctx)
+            _prelude.load(self.ctx)
             before = None
             if list_functions:
-                ctx.eval(_LIST_FUNCTIONS)
-                before = ctx.eval("JSON.stringify(Object.getOwnPropertyNames(globalThis))")
+                self.ctx.eval(_LIST_FUNCTIONS)
+                before = self.ctx.eval("JSON.stringify(Object.getOwnPropertyNames(globalThis))")
             # The top level's completion value is dropped: the binding cannot read a rope (a string
             # `+` made past 512 characters: a plugin ending with `s + s;` failed with a raw TypeError).
-            ctx.eval(spec.code + "\n;void 0")
+            self.ctx.eval(spec.code + "\n;void 0")
             if time.monotonic() >= deadline:  # the top level ended, but past its budget
                 raise GuestTimeout(_timeout_message(spec, "in its top level"))
-            self.functions = frozenset(json.loads(ctx.get("__execapp_functions")(before))) if before else frozenset()
+            self.functions = (frozenset(json.loads(self.ctx.get("__execapp_functions")(before))) if before
+                              else frozenset())
         except quickjs.JSException as exc:
             if held is not None:
                 js_deadline.release(held)
@@ -542,7 +545,7 @@ class JsInstance:
         if held is not None:
             js_deadline.release(held)
         # The entry points, each fetched once (a per_request Context usually needs only the first).
-        self._call = ctx.get("__execapp_call")
+        self._call = self.ctx.get("__execapp_call")
         self._run: Any = None  # __execapp_run: an event of another shape, as one JSON string
         self._resume: Any = None  # __execapp_resume and __execapp_step: host calls and promises
         self._step: Any = None
@@ -586,8 +589,7 @@ class JsInstance:
             if payload is None:
                 out = self._call(handler, eid, etype, text, data, session, tenant, args)
             else:
-                run = self._run or self._entry("_run", "__execapp_run")
-                out = run(handler, payload)
+                out = (self._run or self._entry("_run", "__execapp_run"))(handler, payload)
             if out.__class__ is str:  # a string reply, no host call: the hot path
                 return out
             if out is None:
@@ -623,7 +625,6 @@ class JsInstance:
 
     def _steps(self, out: str, deadline: float) -> Any:
         """The general case: host calls, promises and errors, one JSON state per step."""
-        ctx = self.ctx
         now = time.monotonic
         host: Host | None = None  # one per guest call, made at its first host call
         backlog: list = []  # host calls queued but not yet run (past one resume's MAX_BATCH_CHARS)
@@ -646,14 +647,13 @@ class JsInstance:
                 if remaining <= 0:
                     raise GuestTimeout(_timeout_message(self.spec, "while waiting on promises"))
                 if self._slot is None:
-                    ctx.set_time_limit(remaining)
+                    self.ctx.set_time_limit(remaining)
                 if results:
-                    resume = self._resume or self._entry("_resume", "__execapp_resume")
-                    resume(json.dumps(results))
+                    (self._resume or self._entry("_resume", "__execapp_resume"))(json.dumps(results))
                 ran = False
                 # One job at a time, the deadline checked after each: an async loop (``while (true)
                 # await null``) queues a new job from every job and never leaves this loop otherwise.
-                while ctx.execute_pending_job():
+                while self.ctx.execute_pending_job():
                     ran = True
                     if now() >= deadline:
                         raise GuestTimeout(_timeout_message(self.spec, "running promise jobs"))
@@ -710,7 +710,10 @@ class JsInstance:
         if slot is not None:
             js_deadline.unregister(slot)
         self._call = self._run = self._resume = self._step = self._value = None
-        self.ctx = None
+        ctx, self.ctx = self.ctx, None
+        # Freed off the GIL when nothing else holds it (js_free: the guest's heap can take seconds).
+        if ctx is not None:
+            js_free.release(ctx, 1)
 
 
 def _timeout_message(spec: Any, where: str = "") -> str:

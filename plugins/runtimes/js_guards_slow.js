@@ -5,7 +5,10 @@
 // captured before any guest code ran; it returns the implementations.
 const {apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
        sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
-       getOwnDescriptor, ITERATOR, TA} = c;
+       getOwnDescriptor, ITERATOR, TA, numValueOf, strValueOf, parse, sCharCodeAt} = c;
+// (The native's test for [[NumberData]] or [[StringData]]: its own valueOf throws on anything else.)
+const boxed = (valueOf, v) => { try { apply(valueOf, v, []); return true; } catch (_) { return false; } };
+const REPLACER_MAX = 1 << 26, COLLIDING = 128, OWN_KEYS_MAX = 1 << 26;
 const FIELDS = ["enumerable", "configurable", "value", "writable", "get", "set"];
 // CreateDataProperty: a plain `a[i] = v` would call a setter the guest put on Array.prototype.
 const put = (a, k, v) => {
@@ -238,13 +241,102 @@ return {
     }
     return out + apply(sSlice, s, [end]);
   },
-  replacer(r) {  // an array-like replacer's length and elements, read once into a genuine array
+  // Object.fromEntries, as the native: each entry an object, its 0 and 1 read, defined as own data.
+  fromEntries(entries) {
+    if (entries == null) throw new TypeError("Object.fromEntries: the entries are " + entries + ", not an iterable");
+    const o = {};
+    for (const e of entries) {
+      if (e === null || (typeof e !== "object" && typeof e !== "function"))
+        throw new TypeError("Object.fromEntries: an entry is " + (e === null ? "null" : typeof e) + ", not an object");
+      const k = e[0];
+      put(o, k, e[1]);
+    }
+    return o;
+  },
+  // A proxy ownKeys trap's result `r` as the genuine array the native makes of it (each element read
+  // once, a string or a symbol), refused past OWN_KEYS_MAX comparisons of the native's checks (the
+  // keys with each other and with the target's: reading the target's keys runs its own trap).
+  ownKeys(r, target) {
+    if (r === null || (typeof r !== "object" && typeof r !== "function"))
+      throw new TypeError("proxy: the ownKeys trap returned " + (r === null ? "null" : typeof r) + ", not a list");
+    const n = toLength(r.length), tooMany = (t) => new RangeError("proxy: the ownKeys trap returned " + n + " keys" +
+      (t ? " for a target of " + t : "") + "; the sandbox allows at most " + OWN_KEYS_MAX + " as keys x (keys + the " +
+      "target's keys), which the native compares in one loop: return fewer keys");
+    if (n * n > OWN_KEYS_MAX) throw tooMany(0);
+    const keys = [];
+    for (let k = 0; k < n; k++) {
+      const v = r[k];
+      if (typeof v !== "string" && typeof v !== "symbol")
+        throw new TypeError("proxy: the ownKeys trap returned a " + (v === null ? "null" : typeof v) + " at " + k +
+                            " (keys are strings or symbols)");
+      put(keys, k, v);
+    }
+    const t = ownKeys(target).length;
+    if (n * (n + t) > OWN_KEYS_MAX) throw tooMany(t);
+    return keys;
+  },
+  // A JSON text's object keys (js_guards.js, JSON.parse), each hashed as QuickJS hashes an atom:
+  // past COLLIDING distinct keys of one hash the text is refused. Strings are found left to right
+  // (outside them valid JSON has no quote); a string followed by a colon is a key. `groups` is
+  // keyed by the hash (an integer atom); `seen` by the keys, so that each distinct one is hashed
+  // here once.
+  keys(s) {
+    const groups = {__proto__: null}, seen = {__proto__: null}, n = s.length;
+    for (let i = apply(sIndexOf, s, ['"', 0]); i !== -1; i = apply(sIndexOf, s, ['"', i + 1])) {
+      let end = i, slashes = 1;
+      while (slashes % 2 === 1) {  // the closing quote: one not escaped by an odd run of backslashes
+        end = apply(sIndexOf, s, ['"', end + 1]);
+        if (end === -1) return;  // unterminated: the native refuses it
+        slashes = 0;
+        for (let b = end - 1; b > i && apply(sCharCodeAt, s, [b]) === 92; b--) slashes++;
+      }
+      let c = end + 1, ch = 32;
+      while (c < n && ((ch = apply(sCharCodeAt, s, [c])) === 32 || ch === 9 || ch === 10 || ch === 13)) c++;
+      if (c < n && ch === 58) {  // ':'
+        let key = apply(sSlice, s, [i + 1, end]);
+        if (apply(sIndexOf, key, ["\\"]) !== -1) {
+          try { key = parse(apply(sSlice, s, [i, end + 1])); } catch (_) { return; }  // the native refuses it
+        }
+        if (seen[key] === undefined) {  // (an atom lookup: the native's own, one key at a time)
+          seen[key] = 1;
+          let h = 1;
+          for (let k = 0; k < key.length; k++) h = (h * 263 + apply(sCharCodeAt, key, [k])) % 4294967296;
+          h %= 1073741824;
+          const count = (groups[h] ?? 0) + 1;
+          if (count > COLLIDING)
+            throw new RangeError("JSON.parse: the text has more than " + COLLIDING + " distinct keys with one " +
+                                 "hash (QuickJS's atom table compares each new key with all of them, in one " +
+                                 "native loop); the sandbox allows at most " + COLLIDING + ": use other keys");
+          groups[h] = count;
+        }
+      }
+      i = end;
+    }
+  },
+  // An array-like replacer as the genuine array of strings the native makes of it (each element
+  // read once; a number, a String or a Number object made a string, anything else dropped). The
+  // native looks every key up in the keys before it (js_array_includes, no poll): n x m string
+  // comparisons, and 100,000 short keys ran 18 s at 16 MiB. Past REPLACER_MAX comparisons (the
+  // keys times their characters) it is refused.
+  replacer(r) {
     const n = toLength(r.length);
     if (n > MAX_LENGTH) throw tooLong("JSON.stringify's replacer", n);
-    if (genuine(r)) return r;
-    const copy = [];
-    for (let k = 0; k < n; k++) put(copy, k, r[k]);
-    return copy;
+    const keys = [];
+    let chars = 0;
+    for (let k = 0; k < n; k++) {
+      let v = r[k];
+      if (typeof v === "object" && v !== null && (boxed(numValueOf, v) || boxed(strValueOf, v))) v = text(v);
+      else if (typeof v === "number") v = text(v);
+      if (typeof v !== "string") continue;
+      chars += v.length + 1;
+      if (keys.length * chars > REPLACER_MAX)
+        throw new RangeError("JSON.stringify's replacer list of " + n + " keys: its first " + (keys.length + 1) +
+                             " keys have " + chars + " characters, and the native compares each key with the ones " +
+                             "before it; the sandbox allows at most " + REPLACER_MAX + " as keys x characters: " +
+                             "pass fewer keys or a replacer function");
+      put(keys, keys.length, v);
+    }
+    return keys;
   },
   // An array-like as a genuine array, its length read once and each element once, in order,
   // from this (polled) loop. Past MAX_LENGTH it is refused (the natives take at most 65,535

@@ -1,0 +1,119 @@
+"""Built-ins whose one native loop is quadratic in what the guest sizes: stopped or refused, not run for seconds.
+
+Each case ran for seconds past a 0.3 s budget at the default 16 MiB before its guard in
+js_guards.js (measured on the 2-core dev machine, Dec 2026): a replacer list of 100,000 keys
+18 s (each key looked up in the keys before it), a proxy ownKeys trap returning 100,000 keys
+1.3 s (checked for duplicates pairwise), JSON.parse of 20,000 keys sharing one atom hash 1.07 s
+(QuickJS's atom table walks a bucket per new key; its hash is fixed, so colliding keys are easy).
+"""
+from __future__ import annotations
+
+import json
+from typing import Iterator
+
+import pytest
+import quickjs
+
+from execapp.engine import HandlerError, HandlerTimeout
+from tests.plugins.test_js_containment import BUDGET, Worker, event, make
+from tests.plugins.test_js_redteam import outcome_within_budget
+
+# 62,001 distinct 4-character keys with one QuickJS atom hash: (a, 263 * (248 - a)) hashes alike for
+# every a, as a pair of characters.
+COLLIDING_KEYS = ("const ks = []; for (let a = 0; a < 249; a++) for (let b = 0; b < 249; b++)"
+                  " ks.push(String.fromCharCode(a, 263 * (248 - a), b, 263 * (248 - b)));")
+CASES = {  # handler body -> a fragment of the refusal
+    "a JSON.stringify replacer list of 100,000 keys": (
+        "const r = []; for (let i = 0; i < 100000; i++) r.push('k' + i); return JSON.stringify({}, r)",
+        "JSON.stringify's replacer list of 100000 keys"),
+    "a replacer list of 2,000 long keys that differ at their ends": (
+        "const r = []; for (let i = 0; i < 2000; i++) r.push('x'.repeat(4000) + i); return JSON.stringify({}, r)",
+        "JSON.stringify's replacer list"),
+    "a proxy ownKeys trap returning 100,000 keys": (
+        "const ks = []; for (let i = 0; i < 100000; i++) ks.push('k' + i);"
+        " return Object.keys(new Proxy({}, {ownKeys: () => ks})).length",
+        "the ownKeys trap returned 100000 keys"),
+    "a revocable proxy's ownKeys trap": (
+        "const ks = []; for (let i = 0; i < 100000; i++) ks.push('k' + i);"
+        " return Reflect.ownKeys(Proxy.revocable({}, {ownKeys: () => ks}).proxy).length",
+        "the ownKeys trap returned 100000 keys"),
+    "JSON.parse of 20,000 keys with one hash": (
+        COLLIDING_KEYS + " let t = '{'; for (let i = 0; i < 20000; i++) t += JSON.stringify(ks[i]) + ':1,';"
+        " return Object.keys(JSON.parse(t + '\"x\": 1}')).length",
+        "distinct keys with one hash"),
+    "Object.fromEntries of 20,000 keys with one hash": (
+        COLLIDING_KEYS + " const en = ks.slice(0, 20000).map((k) => [k, 1]); for (;;) Object.fromEntries(en)",
+        "timeout"),
+}
+
+
+@pytest.fixture
+def worker() -> Iterator[Worker]:
+    w = Worker()
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_quadratic_native_loop_is_refused_within_the_budget(worker: Worker, case: str) -> None:
+    body, refusal = CASES[case]
+    code = f"function f(e) {{ {body}; }} function ok(e) {{ return 'fine'; }}"
+    outcome, took = outcome_within_budget(worker, code)
+    if refusal == "timeout":  # moved to bytecode: stopped at the deadline
+        assert isinstance(outcome, HandlerTimeout), outcome
+        assert took < BUDGET + 0.2, took
+        return
+    assert isinstance(outcome, HandlerError) and not isinstance(outcome, HandlerTimeout), outcome
+    assert refusal in str(outcome) and "sandbox allows at most" in str(outcome), outcome
+    assert took < BUDGET + 0.2, took
+
+
+SEMANTICS = r"""
+function f(e) {
+  const out = [];
+  // replacer lists: numbers, String and Number objects become keys, duplicates and others are dropped
+  const o = {a: 1, b: {a: 2, c: 3}, 1: 4, c: [{a: 5, z: 0}], z: 9};
+  out.push(JSON.stringify(o, ["c", "a", 1, new String("b"), new Number(1), {}, null, "a"]));
+  out.push(JSON.stringify(o, []), JSON.stringify(o, {length: 2, 0: "z", 1: "a"}, 1));
+  // proxies: traps still found on the handler, `ownKeys` results as before, its errors as before
+  const h = {seen: 0, get(t, k) { this.seen++; return k === "seen" ? this.seen : Reflect.get(t, k); },
+             ownKeys() { return ["b", "a", Symbol.iterator]; },
+             getOwnPropertyDescriptor() { return {value: 1, enumerable: true, configurable: true}; }};
+  const p = new Proxy({}, h);
+  out.push(Object.keys(p), p.seen, Reflect.ownKeys(new Proxy({x: 1}, {})), Object.keys(new Proxy([1, 2], {})));
+  const many = []; for (let i = 0; i < 300; i++) many.push("k" + i);
+  out.push(Object.keys(new Proxy({}, {ownKeys: () => many, getOwnPropertyDescriptor: () =>
+    ({value: 1, enumerable: true, configurable: true})})).length);
+  for (const bad of [() => [1], () => ["a", "a"], () => null])
+    try { Reflect.ownKeys(new Proxy({}, {ownKeys: bad})); out.push("no error"); } catch (x) { out.push(x.name); }
+  // JSON.parse past the scan threshold: escapes, repeated and unicode keys, a reviver
+  const rows = []; for (let i = 0; i < 3000; i++) rows.push({id: i, "q\"\\": "\\\"" + i, ["é" + i % 7]: [i, null]});
+  const text = JSON.stringify(rows);
+  out.push(text.length > 16384, JSON.stringify(JSON.parse(text)) === text);
+  out.push(JSON.parse(text, (k, v) => k === "id" ? v * 2 : v)[2].id, JSON.parse(" [1, \"a\" ] "));
+  try { JSON.parse(text.slice(0, -1)); out.push("no error"); } catch (x) { out.push(x.name); }
+  // Object.fromEntries: any iterable of objects, keys made property keys, `__proto__` an own key
+  const made = Object.fromEntries([["a", 1], [2, "b"], [Symbol.for("s"), 3], ["__proto__", 4], ["a", 5]]);
+  out.push(JSON.stringify(made), made[Symbol.for("s")], Object.getPrototypeOf(made) === Object.prototype,
+           JSON.stringify(Object.fromEntries(new Map([["x", 1]]))), Object.fromEntries.length);
+  for (const bad of [[1], undefined, 5])
+    try { Object.fromEntries(bad); out.push("no error"); } catch (x) { out.push(x.name); }
+  return out;
+}
+"""
+
+
+@pytest.mark.parametrize("strategy", ["per_request", "pooled"])
+def test_the_guarded_built_ins_answer_as_the_natives(strategy: str) -> None:
+    plugin = make(strategy, code=SEMANTICS, timeout=2.0)
+    try:
+        out = plugin.call("f", event())
+    finally:
+        plugin.close()
+    native = quickjs.Context()  # the natives alone, no guards
+    native.eval(SEMANTICS)
+    assert out == json.loads(native.eval("JSON.stringify(f())"))
+    assert out[0] == '{"c":[{"a":5}],"a":1,"1":4,"b":{"c":3,"a":2}}'
+    assert out[3:] == [["b", "a"], 1, ["x"], ["0", "1"], 300, "TypeError", "TypeError", "TypeError",
+                       True, True, 4, [1, "a"], "SyntaxError",
+                       '{"2":"b","a":5,"__proto__":4}', 3, True, '{"x":1}', 1, "TypeError", "TypeError", "TypeError"]
