@@ -35,6 +35,13 @@ READY = SEP + "ready"
 #: kept one of 1,500 per dead worker the same way).
 ALIVE = SEP + "alive"
 ALIVE_SECONDS = 15
+#: How long a worker's backup queue (channels_redis' "$inflight": the message a receive took, kept
+#: until its cleaner removes it, put back by the next take if the receive was cancelled) outlives
+#: its last write. channels_redis set no expiry: a worker that stopped (a deploy, SIGKILL) between
+#: a take and its cleaner left its last message in Redis for ever, a key per worker process. A live
+#: worker takes again within its blocking pop's timeout (5 s), and a message older than the layer's
+#: expiry (30 s) is stale anyway.
+BACKUP_SECONDS = 60
 
 #: After an owner's queue's key: the bytes of the messages it holds (a string, expiring with it).
 BYTES = "#bytes"
@@ -124,6 +131,7 @@ while #m == 0 do
     end
 end
 redis.call('ZADD', ARGV[2], m[2], m[1])
+redis.call('EXPIRE', ARGV[2], """ + str(BACKUP_SECONDS) + """)
 return m[1]
 """
 
@@ -149,6 +157,9 @@ async def take(connection: Any, key: str, backup: str, timeout: float) -> Any:
             return None
         source, member, score = result
         if source.decode() == key:
-            await connection.zadd(backup, {member: float(score)})
+            pipe = connection.pipeline(transaction=False)
+            pipe.zadd(backup, {member: float(score)})
+            pipe.expire(backup, BACKUP_SECONDS)
+            await pipe.execute()
             return member
         await connection.zadd(ready, {member: float(score)})  # the owner's turn, taken by NEXT

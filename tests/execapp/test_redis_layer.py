@@ -167,6 +167,34 @@ async def test_a_worker_that_stopped_reading_gets_no_more_session_frames_queued(
         await dead.close_pools()
 
 
+async def test_a_taken_messages_backup_expires_when_its_worker_is_gone() -> None:
+    # channels_redis keeps the message a receive took in a backup queue ("$inflight") until a
+    # cleaner task removes it, with no expiry: a worker stopped between the two (every deploy may)
+    # left a key in Redis for ever (two seen after a few restarts of a 3-worker server).
+    layer = _layer()
+    member = await layer.new_channel()
+    process = layer.prefix + layer.non_local_name(member)
+    backup = layer._backup_channel_name(process)
+    redis = layer.connection(0)
+    try:
+        await layer.send(member, {"type": "waiting"})  # taken by the one-round-trip script
+        assert await redis_fair.take(redis, process, backup, 1) is not None
+        assert 0 < await redis.ttl(backup) <= redis_fair.BACKUP_SECONDS
+        await redis.delete(backup)
+
+        async def later() -> None:  # arrives while the take blocks: taken by the blocking pop
+            await asyncio.sleep(0.2)
+            await layer.send(member, {"type": "arriving"})
+
+        sender = asyncio.get_running_loop().create_task(later())
+        assert await redis_fair.take(redis, process, backup, 3) is not None
+        await sender
+        assert 0 < await redis.ttl(backup) <= redis_fair.BACKUP_SECONDS
+    finally:
+        await layer.flush()
+        await layer.close_pools()
+
+
 async def test_messages_outside_sessions_keep_the_process_queue() -> None:
     layer = _layer()
     channel = await layer.new_channel()
