@@ -39,6 +39,7 @@ CHECK_TIMEOUT_SECONDS = 2.0
 #: connection reads none of its frames meanwhile, so a Redis that hangs (a partition, CLIENT PAUSE)
 #: held each connection that joined for the socket timeout (15 s), its events without any session
 #: included. Past it the layer counts as down and the membership is made by the checker's re-add.
+#: A leave waits as long at most (a closing connection leaves its up to 32 sessions one by one).
 JOIN_TIMEOUT_SECONDS = 2.0
 #: Longest wait for re-adding every membership (pipelined) before the attempt counts as failed.
 REJOIN_TIMEOUT_SECONDS = 10.0
@@ -107,10 +108,14 @@ class LayerWatch:
             channels.discard(channel)
             if not channels:
                 del self.groups[group]
+        if self.checked and not self._up.is_set():
+            return  # down: the membership lapses with the group (a disconnect must not wait on a hung Redis)
         try:
-            await self.layer.group_discard(group, channel)
+            await asyncio.wait_for(self.layer.group_discard(group, channel), JOIN_TIMEOUT_SECONDS)
         except asyncio.CancelledError:
             raise
+        except asyncio.TimeoutError:
+            self.failed(TimeoutError(f"leaving {group} took over {JOIN_TIMEOUT_SECONDS:g} s"))
         except Exception as exc:
             log.debug("%s: leaving %s failed (the layer is down): %r", self.name, group, exc)
 

@@ -39,11 +39,33 @@ async def test_a_join_on_a_hung_redis_gives_up_at_its_deadline_and_is_made_once_
         await watch.add("later", third)  # the layer is known down: remembered, no wait
         assert time.monotonic() - started < 0.5
         assert time.monotonic() - paused < PAUSE_MS / 1000, "the pause ended before the joins were made"
+        started = time.monotonic()
+        await watch.discard("before", first)  # a closing connection leaves without waiting either
+        assert time.monotonic() - started < 0.5
         # Once Redis answers, the checker's re-add makes both memberships.
         assert await wait_until_async(lambda: watch.up and watch.restores >= 1, WAIT), watch.stats()
         for group, channel in (("during", second), ("later", third)):
             await layer.group_send(group, {"type": "x", "group": group})
             assert (await asyncio.wait_for(layer.receive(channel), 3))["group"] == group
+    finally:
+        await watch.stop()
+        await layer.close_pools()
+
+
+async def test_a_leave_on_a_hung_redis_gives_up_at_its_deadline(redis_server: RedisServer) -> None:  # noqa: F811
+    # A closing connection leaves its sessions one by one: up to 32 x 15 s (the socket timeout).
+    layer = RedisChannelLayer(**redis_layer_settings(redis_server.url, "leave")["default"]["CONFIG"])
+    watch = LayerWatch(layer, "test", interval=0.1)
+    channel = await layer.new_channel()
+    try:
+        for n in range(3):
+            await watch.add(f"room-{n}", channel)
+        redis_server.client().execute_command("CLIENT", "PAUSE", PAUSE_MS, "ALL")  # our own redis-server
+        started = time.monotonic()
+        for n in range(3):
+            await watch.discard(f"room-{n}", channel)
+        assert time.monotonic() - started < JOIN_TIMEOUT_SECONDS + 1.0, "the leaves waited out the hung Redis"
+        assert watch.memberships() == 0 and not watch.up
     finally:
         await watch.stop()
         await layer.close_pools()
