@@ -67,6 +67,11 @@ DATABASES = {
         env="DATABASE_URL",
         default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}",
         conn_max_age=int(os.environ.get("CONN_MAX_AGE", "60")),
+        # A connection kept across requests (CONN_MAX_AGE) is checked (SELECT 1) before its first
+        # use in each: without it, after a PostgreSQL restart, failover or pg_terminate_backend every
+        # kept connection failed its next use (a handshake refused 1013 'database unavailable', a
+        # batch of failure traces or a KV call lost) although the database answered again.
+        conn_health_checks=True,
     )
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":

@@ -19,6 +19,7 @@ from django.middleware.csrf import CsrfViewMiddleware
 
 from . import auth_throttle, conf, metrics
 from .codes import AUTH_THROTTLED, UNAUTHORIZED
+from .db_deadline import statement_deadline
 from .engine.ratelog import RateLimitedLog
 
 log = logging.getLogger("execapp.auth")
@@ -75,7 +76,8 @@ def token_from_scope(scope: Scope) -> str | None:
 def _authenticate(raw: str) -> Any:
     from .models import ApiToken
 
-    return ApiToken.authenticate(raw)
+    with statement_deadline():  # a locked or hung database fails the lookup (1013), never holds it
+        return ApiToken.authenticate(raw)
 
 
 async def deny(scope: Scope, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]],

@@ -24,6 +24,7 @@ from typing import Any, Callable, Coroutine
 from channels.db import database_sync_to_async
 
 from . import conf
+from .db_deadline import statement_deadline
 from .engine.ratelog import RateLimitedLog
 
 log = logging.getLogger("execapp.auth")
@@ -66,17 +67,19 @@ def _live(keys: list[Key]) -> dict[Key, str]:
 
     from .models import ApiToken
 
-    live: dict[Key, str] = {}
-    tokens = [i for kind, i in keys if kind == "token"]
-    users = [i for kind, i in keys if kind == "user"]
-    for start in range(0, len(tokens), _CHUNK):
-        rows = ApiToken.objects.filter(pk__in=tokens[start:start + _CHUNK], revoked_at__isnull=True)
-        live.update((("token", pk), ApiToken.owner_of(tenant, name))
-                    for pk, tenant, name in rows.values_list("pk", "tenant", "name"))
-    for start in range(0, len(users), _CHUNK):
-        rows = get_user_model().objects.filter(pk__in=users[start:start + _CHUNK], is_active=True, is_staff=True)
-        live.update((("user", pk), f"user:{pk}") for pk in rows.values_list("pk", flat=True))
-    return live
+    # On the worker's one sync thread, ahead of handshakes: a locked table must not hold it.
+    with statement_deadline():
+        live: dict[Key, str] = {}
+        tokens = [i for kind, i in keys if kind == "token"]
+        users = [i for kind, i in keys if kind == "user"]
+        for start in range(0, len(tokens), _CHUNK):
+            rows = ApiToken.objects.filter(pk__in=tokens[start:start + _CHUNK], revoked_at__isnull=True)
+            live.update((("token", pk), ApiToken.owner_of(tenant, name))
+                        for pk, tenant, name in rows.values_list("pk", "tenant", "name"))
+        for start in range(0, len(users), _CHUNK):
+            rows = get_user_model().objects.filter(pk__in=users[start:start + _CHUNK], is_active=True, is_staff=True)
+            live.update((("user", pk), f"user:{pk}") for pk in rows.values_list("pk", flat=True))
+        return live
 
 
 def _reason(kind: str, owner: str | None) -> tuple[str, str]:

@@ -143,6 +143,11 @@ DEFAULTS: dict[str, Any] = {
     # of the worker: another tenant's members heard 0 of 159 frames. Keep it well below
     # LAYER_MAX_CONNECTIONS so several owners publishing at once still leave connections free.
     "SESSION_PUBLISHES_PER_OWNER": 8,
+    # Bytes of session frames one owner's queue for one worker may hold in Redis (execapp/redis_fair.py;
+    # past it, as past the layer's capacity of 1500 messages, that owner's frames for that worker are
+    # dropped). Without it one tenant's 64 KiB frames held ~100 MB of the shared Redis per worker,
+    # and a few such tenants filled it to maxmemory: every tenant's sessions, drains and resends failed.
+    "SESSION_QUEUE_BYTES": 4 * 1_048_576,
     # The channel layer (execapp/layer_watch.py, docs/operations.md "When Redis goes away"): how
     # often each worker checks it and, once it answers again, re-adds its session and control
     # memberships. This sets the time from Redis' return to working sessions and control.

@@ -116,7 +116,10 @@ def check_database(settings_dict: dict[str, Any], timeout: float, alias: str = D
 
 
 def redis_checker(url: str) -> Callable[[float], None]:
-    """A check that PINGs the Redis at ``url`` (one client kept per probe, no retries)."""
+    """A check that writes a key of ours to the Redis at ``url`` (one client kept per probe, no
+    retries). A write, not a PING: a Redis at its maxmemory (OutOfMemoryError) or a replica left
+    read-only after a failover answers PING while every session frame, resend record and drain
+    fails (measured: /healthz said ok through a 21 s OOM that stopped every tenant's sessions)."""
     client: Any = None
 
     def check(timeout: float) -> None:
@@ -128,7 +131,7 @@ def redis_checker(url: str) -> Callable[[float], None]:
 
             client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout,
                                           retry=Retry(NoBackoff(), 0))
-        client.ping()
+        client.set(conf.redis_key("execapp:health"), b"1", ex=60)
 
     return check
 

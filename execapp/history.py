@@ -33,6 +33,7 @@ from typing import Any, Iterable
 from django.db import OperationalError, close_old_connections
 
 from . import conf
+from .db_deadline import statement_deadline
 from .dbtext import clean_json, clean_text
 from .engine.event import Completion, Event, Failure, Reply
 from .engine.pool import count_value
@@ -85,6 +86,9 @@ DB_ROWS_PER_OWNER_PER_SECOND = 100
 #: Failed events written to the database per flush at most; the rest stay in the recent store only
 #: (counted in ``Recorder.db_skipped``), so a failure storm cannot flood the database.
 DB_ROWS_PER_FLUSH = 2000
+#: Longest one write of failed traces may take on PostgreSQL (a locked or hung execapp_eventtrace):
+#: past it the batch is skipped and counted (db_skipped), and the housekeeper's other work goes on.
+DB_WRITE_DEADLINE_SECONDS = 5.0
 #: Waits before writing a flush's failure rows again when SQLite says a table is locked (another
 #: connection of this process mid-transaction: its shared cache answers at once, without the busy
 #: timeout). The rows are the lasting record of failures; ignore_conflicts makes a retry safe.
@@ -333,6 +337,11 @@ class Recorder:
         self.tag = secrets.token_hex(4)
         self.seq = itertools.count(1)
         self._lock = threading.Lock()  # tick() runs on the housekeeper; close() and flush() elsewhere
+        # Failed events' traces taken by a flush and not yet written to the database, and the lock
+        # of that write: it is made outside _lock, so a resend's flush (which needs only Redis) never
+        # waits for the database (a locked execapp_eventtrace held every resend's done for as long).
+        self._unwritten: list[Record] = []
+        self._db_lock = threading.Lock()
         #: Failed or refused handlers by (matcher, plugin, code), and refused events by code (before
         #: any matcher): totals since this recorder started. Read by the dashboard and /metrics.
         self.handler_failures: collections.Counter[tuple[str, str, str]] = collections.Counter()
@@ -368,8 +377,10 @@ class Recorder:
             except Exception as exc:
                 _rare.warning(("prune", type(exc).__name__), "pruning old event traces failed: %r", exc)
 
-    def flush(self, expire_all: bool = False) -> int:
-        """Turn every buffered item into traces and store the finished ones; how many were stored."""
+    def flush(self, expire_all: bool = False, database: bool = True) -> int:
+        """Turn every buffered item into traces and store the finished ones; how many were stored.
+        ``database``: also write the failed ones taken so far to the database (else the next flush
+        that does writes them: a resend's flush waits for Redis only)."""
         with self._lock:
             _set_wall_offset()
             records: list[tuple] = []
@@ -382,7 +393,13 @@ class Recorder:
                 self.dropped = dropped
             if records:
                 self._store(records)
-            return len(records)
+            failed: list[Record] = []
+            if database and self._unwritten:
+                failed, self._unwritten = self._unwritten, []
+        if failed:
+            with self._db_lock:
+                self._write_failures(failed)
+        return len(records)
 
     def _take_all(self, records: list[tuple]) -> None:
         # One loop over every finished event (and refusal) the hot path handed over, in order (a
@@ -520,9 +537,7 @@ class Recorder:
             self.store_errors += 1
             _rare.warning(("store", type(exc).__name__), "event history store %s failed, %d traces lost: %r",
                           self.store.name, len(records), exc)
-        failed = [view(r) for r in records if r[OUTCOME] != "ok"]
-        if failed:
-            self._write_failures(failed)
+        self._unwritten.extend(view(r) for r in records if r[OUTCOME] != "ok")
 
     def _write_failures(self, failed: list[Record]) -> None:
         from .models import EventTrace
@@ -544,7 +559,8 @@ class Recorder:
         for retry in (*DB_LOCKED_RETRY_SECONDS, None):
             try:
                 close_old_connections()
-                EventTrace.objects.bulk_create(rows, ignore_conflicts=True, batch_size=500)
+                with statement_deadline(DB_WRITE_DEADLINE_SECONDS):  # a locked table: the rows are skipped
+                    EventTrace.objects.bulk_create(rows, ignore_conflicts=True, batch_size=500)
                 self.db_written += len(rows)
                 return
             except OperationalError as exc:

@@ -35,6 +35,12 @@ log = logging.getLogger("execapp.layer")
 
 #: Longest wait for one check's round trip: a Redis that does not answer within it counts as down.
 CHECK_TIMEOUT_SECONDS = 2.0
+#: Longest wait for one join (a connection's first event naming a session, or its ?session=): the
+#: connection reads none of its frames meanwhile, so a Redis that hangs (a partition, CLIENT PAUSE)
+#: held each connection that joined for the socket timeout (15 s), its events without any session
+#: included. Past it the layer counts as down and the membership is made by the checker's re-add.
+#: A leave waits as long at most (a closing connection leaves its up to 32 sessions one by one).
+JOIN_TIMEOUT_SECONDS = 2.0
 #: Longest wait for re-adding every membership (pipelined) before the attempt counts as failed.
 REJOIN_TIMEOUT_SECONDS = 10.0
 #: Memberships are re-added this often even without an outage (channels_redis' group expiry).
@@ -73,6 +79,9 @@ class LayerWatch:
         self.outages = 0
         self.restores = 0
         self.last_error = ""
+        #: True while the checker re-adds the memberships: a join then is made at once (the re-add's
+        #: snapshot may have been taken before it).
+        self._rejoining = False
 
     # -- memberships ------------------------------------------------------------------------------
 
@@ -81,10 +90,14 @@ class LayerWatch:
         (and made once it answers again): never raises."""
         self.groups.setdefault(group, set()).add(channel)
         self._ensure_checker()
+        if self.checked and not self._up.is_set() and not self._rejoining:
+            return  # down: the checker's next re-add makes it (no wait here on a Redis that hangs)
         try:
-            await self.layer.group_add(group, channel)
+            await asyncio.wait_for(self.layer.group_add(group, channel), JOIN_TIMEOUT_SECONDS)
         except asyncio.CancelledError:
             raise
+        except asyncio.TimeoutError:
+            self.failed(TimeoutError(f"joining {group} took over {JOIN_TIMEOUT_SECONDS:g} s"))
         except Exception as exc:
             self.failed(exc)
 
@@ -95,10 +108,14 @@ class LayerWatch:
             channels.discard(channel)
             if not channels:
                 del self.groups[group]
+        if self.checked and not self._up.is_set():
+            return  # down: the membership lapses with the group (a disconnect must not wait on a hung Redis)
         try:
-            await self.layer.group_discard(group, channel)
+            await asyncio.wait_for(self.layer.group_discard(group, channel), JOIN_TIMEOUT_SECONDS)
         except asyncio.CancelledError:
             raise
+        except asyncio.TimeoutError:
+            self.failed(TimeoutError(f"leaving {group} took over {JOIN_TIMEOUT_SECONDS:g} s"))
         except Exception as exc:
             log.debug("%s: leaving %s failed (the layer is down): %r", self.name, group, exc)
 
@@ -184,7 +201,11 @@ class LayerWatch:
             lost = await asyncio.wait_for(self._probe(), CHECK_TIMEOUT_SECONDS)
             restore = not self._up.is_set() or lost
             if restore or refresh:
-                count = await asyncio.wait_for(self._rejoin(), REJOIN_TIMEOUT_SECONDS)
+                self._rejoining = True
+                try:
+                    count = await asyncio.wait_for(self._rejoin(), REJOIN_TIMEOUT_SECONDS)
+                finally:
+                    self._rejoining = False
         except asyncio.CancelledError:
             raise
         except Exception as exc:

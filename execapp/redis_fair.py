@@ -35,28 +35,62 @@ READY = SEP + "ready"
 #: kept one of 1,500 per dead worker the same way).
 ALIVE = SEP + "alive"
 ALIVE_SECONDS = 15
+#: How long a worker's backup queue (channels_redis' "$inflight": the message a receive took, kept
+#: until its cleaner removes it, put back by the next take if the receive was cancelled) outlives
+#: its last write. channels_redis set no expiry: a worker that stopped (a deploy, SIGKILL) between
+#: a take and its cleaner left its last message in Redis for ever, a key per worker process. A live
+#: worker takes again within its blocking pop's timeout (5 s), and a message older than the layer's
+#: expiry (30 s) is stale anyway.
+BACKUP_SECONDS = 60
+
+#: After an owner's queue's key: the bytes of the messages it holds (a string, expiring with it).
+BYTES = "#bytes"
 
 #: KEYS: the channel keys of a group send (a process key ends with "!"); ARGV: a message per key,
-#: a capacity per key, then the time, the expiry and the owner digest. Returns how many were full.
+#: a capacity per key, then the time, the expiry, the owner digest and the bytes one owner's queue
+#: may hold. Returns how many were full. An owner's queue is bounded in messages (capacity) and in
+#: bytes: 1500 frames of 64 KiB were ~100 MB of the Redis every tenant shares per owner and worker,
+#: and one tenant's flood of large session frames filled a Redis to its maxmemory (every session,
+#: drain, resend and history write of every tenant failing with OOM until the queues expired).
 SEND = """
 local n = #KEYS
 local now = ARGV[2 * n + 1]
 local expiry = tonumber(ARGV[2 * n + 2])
 local part = ARGV[2 * n + 3]
+local max_bytes = tonumber(ARGV[2 * n + 4])
 local full = 0
 for i = 1, n do
     local key = KEYS[i]
     local ready = nil
     local alive = 1
+    local size = nil
+    local held = 0
     if string.sub(key, -1) == '!' then
         ready = key .. '""" + READY + """'
         alive = redis.call('EXISTS', key .. '""" + ALIVE + """')
         key = key .. '""" + SEP + """' .. part
+        size = key .. '""" + BYTES + """'
+        local old = redis.call('ZRANGEBYSCORE', key, 0, tonumber(now) - expiry)
+        if #old > 0 then
+            local gone = 0
+            for _, m in ipairs(old) do
+                gone = gone + #m
+            end
+            if redis.call('DECRBY', size, gone) <= 0 then
+                redis.call('DEL', size)
+            end
+        end
+        held = tonumber(redis.call('GET', size) or '0')
     end
     redis.call('ZREMRANGEBYSCORE', key, 0, tonumber(now) - expiry)
-    if alive == 1 and redis.call('ZCARD', key) < tonumber(ARGV[n + i]) then
+    local fits = held == 0 or held + #ARGV[i] <= max_bytes
+    if alive == 1 and fits and redis.call('ZCARD', key) < tonumber(ARGV[n + i]) then
         redis.call('ZADD', key, now, ARGV[i])
         redis.call('EXPIRE', key, expiry)
+        if size then
+            redis.call('INCRBY', size, #ARGV[i])
+            redis.call('EXPIRE', size, expiry)
+        end
         if ready then
             redis.call('ZADD', ready, 'NX', now, part)
             redis.call('EXPIRE', ready, expiry)
@@ -89,11 +123,15 @@ while #m == 0 do
     end
     local queue = ARGV[1] .. '""" + SEP + """' .. r[1]
     m = redis.call('ZPOPMIN', queue)
+    if #m > 0 and redis.call('DECRBY', queue .. '""" + BYTES + """', #m[1]) <= 0 then
+        redis.call('DEL', queue .. '""" + BYTES + """')
+    end
     if #m > 0 and redis.call('ZCARD', queue) > 0 then
         redis.call('ZADD', ARGV[3], ARGV[4], r[1])
     end
 end
 redis.call('ZADD', ARGV[2], m[2], m[1])
+redis.call('EXPIRE', ARGV[2], """ + str(BACKUP_SECONDS) + """)
 return m[1]
 """
 
@@ -119,6 +157,9 @@ async def take(connection: Any, key: str, backup: str, timeout: float) -> Any:
             return None
         source, member, score = result
         if source.decode() == key:
-            await connection.zadd(backup, {member: float(score)})
+            pipe = connection.pipeline(transaction=False)
+            pipe.zadd(backup, {member: float(score)})
+            pipe.expire(backup, BACKUP_SECONDS)
+            await pipe.execute()
             return member
         await connection.zadd(ready, {member: float(score)})  # the owner's turn, taken by NEXT

@@ -119,7 +119,8 @@ class RedisChannelLayer(ChannelsRedisChannelLayer):
                 self.prefix + process + redis_fair.ALIVE, "1", ex=redis_fair.ALIVE_SECONDS)
 
     async def group_send(self, group: str, message: dict[str, Any]) -> None:
-        """channels_redis' group send, a session's message queued per owner (execapp/redis_fair.py)."""
+        """channels_redis' group send, a session's message queued per owner (execapp/redis_fair.py),
+        each owner's queue on a worker bounded by ``capacity`` messages and SESSION_QUEUE_BYTES."""
         part = redis_fair.owner_part(group)
         if not part:
             return await super().group_send(group, message)
@@ -132,9 +133,11 @@ class RedisChannelLayer(ChannelsRedisChannelLayer):
         pipe.zremrangebyscore(key, min=0, max=int(time.time()) - self.group_expiry)
         pipe.zrange(key, 0, -1)
         names = [x.decode("utf8") for x in (await pipe.execute())[1]]
+        max_bytes = int(conf.get("SESSION_QUEUE_BYTES"))
         by_connection, messages, capacities = self._map_channel_keys_to_connection(names, message)
         for index, keys in by_connection.items():
-            args = [messages[k] for k in keys] + [capacities[k] for k in keys] + [time.time(), self.expiry, part]
+            args = [messages[k] for k in keys] + [capacities[k] for k in keys] + [time.time(), self.expiry, part,
+                                                                              max_bytes]
             await self.connection(index).eval(redis_fair.SEND, len(keys), *keys, *args)
 
     async def _brpop_with_clean(self, index: int, channel: str, timeout: float) -> Any:

@@ -376,7 +376,7 @@ def _durable_trace(owner: str, event_id: str, worker: str, elapsed: float) -> st
     recorder = history.current()
     if recorder is None:
         raise ResendError("resend_unavailable", "the event history stopped recording")
-    recorder.flush()
+    recorder.flush(database=False)  # Redis only: a slow database must not hold the done
     body = store().get(owner, event_id)
     trace = json.loads(body) if body else None
     # The newest trace of the pair, by this worker, of this run (its duration is the done's, to the

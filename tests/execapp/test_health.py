@@ -213,3 +213,20 @@ def test_healthz_follows_redis_down_and_back_up(asgi_server_factory: Any, sqlite
         assert wait_until(lambda: get_health(server.url)[0] == 200), (get_health(server.url), server.log())
     finally:
         redis.kill()
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_a_redis_that_refuses_writes_is_unavailable() -> None:
+    # A Redis at its maxmemory answers PING while every write fails (OutOfMemoryError): sessions,
+    # resend records and drains of every tenant failed for 21 s while /healthz said ok.
+    import redis as redis_py
+
+    server = RedisServer()
+    try:
+        url = f"redis://127.0.0.1:{server.port}/0"
+        probe = health.DependencyProbe("channel_layer", "test", health.redis_checker(url))
+        assert probe.failure(1.0, 0.0) is None
+        redis_py.Redis(port=server.port).config_set("maxmemory", 1)  # our own redis-server: full at once
+        assert probe.failure(1.0, 0.0) == "cannot connect (OutOfMemoryError)"
+    finally:
+        server.kill()

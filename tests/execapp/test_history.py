@@ -371,7 +371,7 @@ def test_a_resend_finds_its_runs_trace_behind_a_newer_refusal_of_its_id(settings
     settings.REDIS_URL = ""
     settings.EXECAPP = {}
     history_store.reset_local()
-    monkeypatch.setattr(history, "current", lambda: SimpleNamespace(flush=lambda: 0))
+    monkeypatch.setattr(history, "current", lambda: SimpleNamespace(flush=lambda **_: 0))
     run = _record(1, id="r", worker="w1", duration=0.25)
     refusal = _record(2, id="r", worker="w2", outcome="resend_in_progress", message="still running", handlers=(),
                       codes=("resend_in_progress",), duration=0.0, matched=0, replies=0)

@@ -105,6 +105,41 @@ async def test_one_owner_filling_a_workers_queue_does_not_drop_or_delay_another_
         await layer.close_pools()
 
 
+async def test_one_owners_queue_for_a_worker_is_bounded_in_bytes(settings: Any) -> None:
+    # 1500 frames of 64 KiB a queue: one tenant's flood of large session frames held ~100 MB of the
+    # shared Redis per worker, and filled a Redis of 120 MB to its maxmemory (every tenant's
+    # sessions, control and history writes failed with OOM for 21 s).
+    settings.EXECAPP = {**settings.EXECAPP, "SESSION_QUEUE_BYTES": 64 * 1024}
+    layer = _layer()
+    flooder, other = group_name("tenant:flood", "room"), group_name("tenant:quiet", "room")
+    flood_member, other_member = await layer.new_channel(), await layer.new_channel()
+    await layer.group_add(flooder, flood_member)
+    await layer.group_add(other, other_member)
+    queue = layer.prefix + layer.non_local_name(flood_member) + redis_fair.SEP + redis_fair.owner_part(flooder)
+    redis = layer.connection(0)
+    try:
+        for n in range(100):  # 100 x 8 KB: 800 KB for a queue of 64 KiB
+            await layer.group_send(flooder, {"type": "session.frame", "n": n, "frame": "x" * 8000})
+        assert await redis.memory_usage(queue) < 100 * 1024
+        held = await redis.zcard(queue)
+        assert 5 <= held <= 8, held
+        assert int(await redis.get(queue + redis_fair.BYTES)) <= 64 * 1024
+        # Another owner's queue on the same worker is its own: its frame is kept and delivered.
+        await layer.group_send(other, {"type": "session.frame", "n": "quiet", "frame": "y" * 8000})
+        assert (await asyncio.wait_for(layer.receive(other_member), 3))["n"] == "quiet"
+        # What is taken frees its bytes: the flooder's queue takes frames again once read.
+        assert [(await asyncio.wait_for(layer.receive(flood_member), 3))["n"] for _ in range(held)] == list(range(held))
+        assert await redis.exists(queue + redis_fair.BYTES) == 0
+        await layer.group_send(flooder, {"type": "session.frame", "n": "again"})
+        assert (await asyncio.wait_for(layer.receive(flood_member), 3))["n"] == "again"
+        # One frame larger than the bound still goes to an empty queue (it is never undeliverable).
+        await layer.group_send(flooder, {"type": "session.frame", "n": "big", "frame": "z" * 100_000})
+        assert (await asyncio.wait_for(layer.receive(flood_member), 3))["n"] == "big"
+    finally:
+        await layer.flush()
+        await layer.close_pools()
+
+
 async def test_a_worker_that_stopped_reading_gets_no_more_session_frames_queued() -> None:
     # A killed worker's memberships stay in their groups for a day (channels_redis' group expiry):
     # every owner sending to them filled a queue of frames nobody reads, kept full in Redis.
@@ -130,6 +165,34 @@ async def test_a_worker_that_stopped_reading_gets_no_more_session_frames_queued(
         await alive.flush()
         await alive.close_pools()
         await dead.close_pools()
+
+
+async def test_a_taken_messages_backup_expires_when_its_worker_is_gone() -> None:
+    # channels_redis keeps the message a receive took in a backup queue ("$inflight") until a
+    # cleaner task removes it, with no expiry: a worker stopped between the two (every deploy may)
+    # left a key in Redis for ever (two seen after a few restarts of a 3-worker server).
+    layer = _layer()
+    member = await layer.new_channel()
+    process = layer.prefix + layer.non_local_name(member)
+    backup = layer._backup_channel_name(process)
+    redis = layer.connection(0)
+    try:
+        await layer.send(member, {"type": "waiting"})  # taken by the one-round-trip script
+        assert await redis_fair.take(redis, process, backup, 1) is not None
+        assert 0 < await redis.ttl(backup) <= redis_fair.BACKUP_SECONDS
+        await redis.delete(backup)
+
+        async def later() -> None:  # arrives while the take blocks: taken by the blocking pop
+            await asyncio.sleep(0.2)
+            await layer.send(member, {"type": "arriving"})
+
+        sender = asyncio.get_running_loop().create_task(later())
+        assert await redis_fair.take(redis, process, backup, 3) is not None
+        await sender
+        assert 0 < await redis.ttl(backup) <= redis_fair.BACKUP_SECONDS
+    finally:
+        await layer.flush()
+        await layer.close_pools()
 
 
 async def test_messages_outside_sessions_keep_the_process_queue() -> None:

@@ -1,0 +1,45 @@
+"""A slow or locked database never holds the event history's Redis flush (execapp/history.py), which
+a resend event's done waits for (execapp/resend.py)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from execapp.models import EventTrace
+
+from .test_history import aget, recorded, recorder, send_all  # noqa: F401
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def test_a_flush_for_a_resend_does_not_wait_for_a_hung_failure_write(
+        recorded: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    # Measured on a 3-worker server: while execapp_eventtrace was locked (LOCK TABLE, as a
+    # migration does), every resend event got its reply and no done (30 s, the client's patience):
+    # the housekeeper's flush held the recorder's lock while it wrote failed traces to the
+    # database, and a resend's done waits for a flush of that recorder.
+    entered, release = threading.Event(), threading.Event()
+
+    def hung_database(*args: Any, **kwargs: Any) -> list:  # the database: a lock nobody releases yet
+        entered.set()
+        release.wait(10)
+        return []
+
+    monkeypatch.setattr(EventTrace.objects, "bulk_create", hung_database)
+    await send_all([{"type": "message", "id": "failed", "text": "/boom"}])
+    housekeeper = threading.Thread(target=recorder().flush)
+    housekeeper.start()
+    try:
+        assert await asyncio.to_thread(entered.wait, 5), "the failed trace's write never started"
+        await send_all([{"type": "message", "id": "later", "text": "/quiet"}])
+        started = time.monotonic()
+        await asyncio.to_thread(recorder().flush, database=False)  # what a resend's done waits for
+        assert time.monotonic() - started < 1.0, "the flush waited for the database"
+        assert await aget("tenant:acme", "later") is not None
+    finally:
+        release.set()
+        await asyncio.to_thread(housekeeper.join, 10)
