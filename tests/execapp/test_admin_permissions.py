@@ -205,3 +205,27 @@ def test_tokens_are_added_only_with_add_apitoken(admin: Client) -> None:
     assert not ApiToken.objects.filter(name="sneaky").exists()
     staff("issuer", VIEW_ONLY + ["execapp.add_apitoken"]).post(f"{TOKENS}add/", {"name": "issued"})
     assert ApiToken.objects.filter(name="issued").exists()
+
+
+def test_every_admin_page_opens_for_a_user_who_may_only_view_it(admin: Client) -> None:
+    """Each registered model's list and change page answer 200 to staff holding only its view
+    permission (the plugin page's form assumed the editable fields: a 500 for view-only operators)."""
+    from django.contrib import admin as django_admin
+
+    from execapp.models import ExecProfileRecord
+
+    objects = [lua_plugin(), KVEntry.objects.create(plugin="p", key="k", value="v"),
+               ApiToken.objects.create(name="t", token_hash="0" * 64, prefix="00000000"),
+               ExecProfileRecord.objects.create(matcher="command:ping", plugin="p", last_error="boom")]
+    opened = []
+    for obj in objects:
+        meta = type(obj)._meta
+        assert type(obj) in django_admin.site._registry, meta.label
+        viewer = staff(f"viewer-{meta.model_name}", [f"{meta.app_label}.view_{meta.model_name}"])
+        base = f"/admin/{meta.app_label}/{meta.model_name}/"
+        for url in (base, _change_url(base, obj)):
+            response = viewer.get(url)
+            assert response.status_code == 200, (url, response.status_code)
+            opened.append(url)
+        assert viewer.post(_change_url(base, obj), {}).status_code == 403  # looking is all it may do
+    assert len(opened) == 8
