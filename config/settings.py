@@ -150,6 +150,10 @@ LOGGING = {
     "loggers": {
         "execapp": {"handlers": ["console"], "level": os.environ.get("EXECAPP_LOG_LEVEL", "INFO")},
         "plugins": {"handlers": ["console"], "level": os.environ.get("EXECAPP_LOG_LEVEL", "INFO")},
+        # A view's unhandled exception (a 500), with its traceback. Django's own handler for it
+        # writes only with DEBUG=1 (and mails ADMINS, none here): a server error left no line at all.
+        # ERROR only: its 4xx warnings are in uvicorn's access log already.
+        "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False},
     },
 }
 
