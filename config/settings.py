@@ -40,6 +40,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Scripts only from this site's files, no framing (execapp/security_headers.py).
+    "execapp.security_headers.ContentSecurityPolicyMiddleware",
     "django_prometheus.middleware.PrometheusAfterMiddleware",
 ]
 

@@ -434,8 +434,12 @@ def test_the_data_answers_with_what_it_has_while_redis_is_down(staff_client: Any
     assert data["total"]["events"] == 1 and [m["plugin"] for m in data["matchers"]] == ["demo"]
     settings.REDIS_URL = ""
     assert staff_client.get(DATA).json()["warning"] == ""
+    from django.contrib.staticfiles import finders
+
     page = staff_client.get(PAGE).content.decode()
-    assert "d.warning ?" in page  # the page's status line shows the warning
+    assert 'src="/static/execapp/dashboard.js"' in page  # the page's script (a file: the CSP runs no inline one)
+    script = open(finders.find("execapp/dashboard.js"), encoding="utf-8").read()
+    assert "d.warning ?" in script  # the page's status line shows the warning
 
 
 def test_a_matcher_pinned_to_the_pool_on_any_worker_shows_why() -> None:
