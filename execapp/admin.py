@@ -71,7 +71,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
 # -- Observability: persisted execution profiles and the live pool dashboard ---------------------
 
-from .dashboard import DashboardAdmin  # noqa: E402
+from .dashboard import EVENTS_PERMISSION, HIDDEN_NOTE, DashboardAdmin  # noqa: E402
 from .history_admin import EventTraceAdmin, events_url  # noqa: E402
 from .models import Dashboard, EventTrace, ExecProfileRecord  # noqa: E402
 
@@ -89,6 +89,26 @@ class ExecProfileRecordAdmin(admin.ModelAdmin):
     @admin.display(description="recent failures")
     def failures_link(self, obj: ExecProfileRecord) -> str:
         return format_html('<a href="{}">events</a>', events_url(matcher=obj.matcher, outcome="failed"))
+
+    # last_error is a plugin's text about a client's event (a tenant's data): like the Events page
+    # and the dashboard, shown and searched only with the Events permission.
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        fields = list(super().get_readonly_fields(request, obj))
+        if request.user.has_perm(EVENTS_PERMISSION):
+            return fields
+        return ["last_error_hidden" if f == "last_error" else f for f in fields]
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        fields = super().get_fields(request, obj)
+        return fields if request.user.has_perm(EVENTS_PERMISSION) else [f for f in fields if f != "last_error"]
+
+    def get_search_fields(self, request: HttpRequest) -> Any:
+        fields = super().get_search_fields(request)
+        return fields if request.user.has_perm(EVENTS_PERMISSION) else [f for f in fields if f != "last_error"]
+
+    @admin.display(description="last error")
+    def last_error_hidden(self, obj: ExecProfileRecord) -> str:
+        return f"({HIDDEN_NOTE})" if obj.last_error else "-"
 
     @admin.display(description="p50 (ms)", ordering="p50_seconds")
     def p50_ms(self, obj: ExecProfileRecord) -> str:

@@ -229,3 +229,21 @@ def test_every_admin_page_opens_for_a_user_who_may_only_view_it(admin: Client) -
             opened.append(url)
         assert viewer.post(_change_url(base, obj), {}).status_code == 403  # looking is all it may do
     assert len(opened) == 8
+
+
+def test_a_profiles_last_error_needs_the_events_permission() -> None:
+    """A persisted profile's last error is a plugin's text about a tenant's event: without
+    view_eventtrace it is neither shown nor searchable (a search would reveal it a guess at a time)."""
+    from execapp.models import ExecProfileRecord
+
+    record = ExecProfileRecord.objects.create(matcher="command:pay", plugin="p", last_error="card 4111 of acme")
+    page = _change_url("/admin/execapp/execprofilerecord/", record)
+    search = "/admin/execapp/execprofilerecord/?q=4111"
+    viewer = staff("profiles-only", ["execapp.view_execprofilerecord"])
+    shown = viewer.get(page)
+    assert shown.status_code == 200 and "4111" not in shown.content.decode()
+    assert "needs the &#x27;Can view event&#x27; permission" in shown.content.decode()
+    assert "command:pay" not in viewer.get(search).content.decode()
+    reader = staff("events-reader", ["execapp.view_execprofilerecord", "execapp.view_eventtrace"])
+    assert "card 4111 of acme" in reader.get(page).content.decode()
+    assert "command:pay" in reader.get(search).content.decode()
