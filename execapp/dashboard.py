@@ -65,8 +65,11 @@ class DashboardAdmin(admin.ModelAdmin):
         return False
 
     def get_urls(self) -> list:
-        data = self.admin_site.admin_view(self._data_view)
-        return [path("data/", data, name="execapp_dashboard_data")] + super().get_urls()
+        """The page and its data, nothing else: ModelAdmin's own change, history and delete views
+        would show the proxied ExecProfileRecord rows (last errors included) to every staff member."""
+        info = self.opts.app_label, self.opts.model_name
+        return [path("data/", self.admin_site.admin_view(self._data_view), name="%s_%s_data" % info),
+                path("", self.admin_site.admin_view(self.changelist_view), name="%s_%s_changelist" % info)]
 
     def _data_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_view_permission(request):

@@ -506,3 +506,17 @@ def test_a_recorded_failure_keeps_only_its_code_time_and_plugin() -> None:
     assert out["matchers"][0]["last_failure"] == {"ts": 5.0, "code": "handler_error", "plugin": "oops"}
     assert out["matchers"][0]["last_error"].startswith("handler_error (")
     assert out["matchers"][1]["last_error"] == "" and out["matchers"][1]["last_failure"] is None
+
+
+@pytest.mark.django_db
+def test_the_dashboard_serves_its_page_and_data_only(staff_client: Any) -> None:
+    """Dashboard proxies ExecProfileRecord: the views ModelAdmin adds for a row (change, history,
+    delete) showed any staff member a persisted profile, its last error (a tenant's text) with it."""
+    from execapp.models import ExecProfileRecord
+
+    record = ExecProfileRecord.objects.create(matcher="command:pay", plugin="p", last_error="card 4111 of acme")
+    for suffix in (f"{record.pk}/change/", f"{record.pk}/history/", f"{record.pk}/delete/", f"{record.pk}/", "add/"):
+        response = staff_client.get(PAGE + suffix)
+        assert response.status_code == 404 and b"4111" not in response.content, (suffix, response.status_code)
+    assert staff_client.get(PAGE).status_code == 200
+    assert staff_client.get(DATA).status_code == 200
