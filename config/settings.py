@@ -111,6 +111,10 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "execapp.channel_layer.InMemoryChannelLayer"}}
 
+# Where a sign-in lands when its ?next= is refused (another site: //evil.example, https://...):
+# the admin, not Django's default /accounts/profile/, a 404 here.
+LOGIN_REDIRECT_URL = "admin:index"
+
 # A form's data, files aside, that Django reads (default 2.5 MiB): the admin's plugin form carries a
 # plugin's source as text, which may be 4 MiB (plugins.runtimes.registry.MAX_CODE_BYTES); at 2.5 MiB a
 # source pasted between the two was a bare "Bad Request (400)" (plugins.W001 checks it). Bodies stay
