@@ -20,7 +20,7 @@ def _directives(header: str) -> dict[str, list[str]]:
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("url", ["/admin/login/", "/admin/execapp/dashboard/", "/admin/execapp/eventtrace/",
-                                 "/admin/plugins/plugin/", "/healthz", "/no-such-page"])
+                                 "/admin/plugins/plugin/", "/admin/", "/no-such-page"])
 def test_every_page_carries_the_policy(client: Any, url: str) -> None:
     client.force_login(User.objects.create_superuser("root", "root@example.com", None))
     response = client.get(url)
