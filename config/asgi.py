@@ -8,17 +8,18 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
-from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from execapp.http_limits import RequestBodyLimit  # noqa: E402
 from execapp.routing import websocket_application  # noqa: E402
+from execapp.static_files import StaticFiles  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
         # The embedded default serves the admin's static files itself; put a CDN or a
         # static file server in front in production if the admin sees heavy use. Every request
-        # body is bounded in size and time before Django reads it (execapp/http_limits.py).
-        "http": RequestBodyLimit(ASGIStaticFilesHandler(django_asgi_app)),
+        # body is bounded in size and time before Django reads it (execapp/http_limits.py); a
+        # static path with ../ in it is a 404 (execapp/static_files.py).
+        "http": RequestBodyLimit(StaticFiles(django_asgi_app)),
         "websocket": websocket_application,
     }
 )

@@ -12,6 +12,7 @@ import dj_database_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
+# The default is public: refused (execapp.E130, execapp/checks.py) once ALLOWED_HOSTS has a non-local name.
 SECRET_KEY = os.environ.get("SECRET_KEY", "dev-only-insecure-key-change-me-in-production")
 DEBUG = os.environ.get("DEBUG", "0") == "1"
 ALLOWED_HOSTS = [h for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1],testserver").split(",") if h]
@@ -39,6 +40,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Scripts only from this site's files, no framing (execapp/security_headers.py).
+    "execapp.security_headers.ContentSecurityPolicyMiddleware",
     "django_prometheus.middleware.PrometheusAfterMiddleware",
 ]
 
@@ -113,6 +116,10 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "execapp.channel_layer.InMemoryChannelLayer"}}
 
+# Where a sign-in lands when its ?next= is refused (another site: //evil.example, https://...):
+# the admin, not Django's default /accounts/profile/, a 404 here.
+LOGIN_REDIRECT_URL = "admin:index"
+
 # A form's data, files aside, that Django reads (default 2.5 MiB): the admin's plugin form carries a
 # plugin's source as text, which may be 4 MiB (plugins.runtimes.registry.MAX_CODE_BYTES); at 2.5 MiB a
 # source pasted between the two was a bare "Bad Request (400)" (plugins.W001 checks it). Bodies stay
@@ -154,6 +161,10 @@ LOGGING = {
     "loggers": {
         "execapp": {"handlers": ["console"], "level": os.environ.get("EXECAPP_LOG_LEVEL", "INFO")},
         "plugins": {"handlers": ["console"], "level": os.environ.get("EXECAPP_LOG_LEVEL", "INFO")},
+        # A view's unhandled exception (a 500), with its traceback. Django's own handler for it
+        # writes only with DEBUG=1 (and mails ADMINS, none here): a server error left no line at all.
+        # ERROR only: its 4xx warnings are in uvicorn's access log already.
+        "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False},
     },
 }
 

@@ -4,14 +4,20 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from django.contrib import admin, messages
+from django.contrib import admin
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import reverse
 from django.utils import timezone
+from django.utils.cache import add_never_cache_headers
 from django.utils.html import format_html
 
 from .auth_watch import revoked_connections_note
 from .models import ApiToken, hash_token
+
+#: The request attribute holding a token created by this request (shown by response_add, then gone).
+_NEW_TOKEN = "_execapp_new_token"
 
 
 @admin.register(ApiToken)
@@ -38,7 +44,23 @@ class ApiTokenAdmin(admin.ModelAdmin):
         raw = secrets.token_urlsafe(32)  # same format as ApiToken.issue
         obj.token_hash, obj.prefix = hash_token(raw), raw[:8]
         super().save_model(request, obj, form, change)
-        messages.warning(request, f"Token for {obj.name!r}: {raw}  (copy it now: only its hash is stored)")
+        # Shown by response_add in this very response, never as a message: Django's message
+        # storage carried it to the next page in the `messages` cookie (readable in the browser's
+        # cookie store and by anything that logs cookies) or in the session's database row.
+        setattr(request, _NEW_TOKEN, raw)
+
+    def response_add(self, request: HttpRequest, obj: ApiToken, post_url_continue: str | None = None) -> HttpResponse:
+        """The new token's raw value, once, on a page no cache keeps (instead of a redirect)."""
+        raw = getattr(request, _NEW_TOKEN, None)
+        if raw is None:
+            return super().response_add(request, obj, post_url_continue)
+        context = {**self.admin_site.each_context(request), "title": f"Token for {obj.name!r}",
+                   "opts": self.model._meta, "token": obj, "raw": raw,
+                   "list_url": reverse("admin:execapp_apitoken_changelist", current_app=self.admin_site.name),
+                   "add_url": reverse("admin:execapp_apitoken_add", current_app=self.admin_site.name)}
+        response = TemplateResponse(request, "execapp/token_created.html", context)
+        add_never_cache_headers(response)  # admin_view does too; this page must not depend on it
+        return response
 
     # Revoking is a change: hidden from (and refused to) a user without change_apitoken.
     @admin.action(description="Revoke selected tokens", permissions=["change"])
@@ -49,7 +71,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
 # -- Observability: persisted execution profiles and the live pool dashboard ---------------------
 
-from .dashboard import DashboardAdmin  # noqa: E402
+from .dashboard import EVENTS_PERMISSION, HIDDEN_NOTE, DashboardAdmin  # noqa: E402
 from .history_admin import EventTraceAdmin, events_url  # noqa: E402
 from .models import Dashboard, EventTrace, ExecProfileRecord  # noqa: E402
 
@@ -67,6 +89,26 @@ class ExecProfileRecordAdmin(admin.ModelAdmin):
     @admin.display(description="recent failures")
     def failures_link(self, obj: ExecProfileRecord) -> str:
         return format_html('<a href="{}">events</a>', events_url(matcher=obj.matcher, outcome="failed"))
+
+    # last_error is a plugin's text about a client's event (a tenant's data): like the Events page
+    # and the dashboard, shown and searched only with the Events permission.
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        fields = list(super().get_readonly_fields(request, obj))
+        if request.user.has_perm(EVENTS_PERMISSION):
+            return fields
+        return ["last_error_hidden" if f == "last_error" else f for f in fields]
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        fields = super().get_fields(request, obj)
+        return fields if request.user.has_perm(EVENTS_PERMISSION) else [f for f in fields if f != "last_error"]
+
+    def get_search_fields(self, request: HttpRequest) -> Any:
+        fields = super().get_search_fields(request)
+        return fields if request.user.has_perm(EVENTS_PERMISSION) else [f for f in fields if f != "last_error"]
+
+    @admin.display(description="last error")
+    def last_error_hidden(self, obj: ExecProfileRecord) -> str:
+        return f"({HIDDEN_NOTE})" if obj.last_error else "-"
 
     @admin.display(description="p50 (ms)", ordering="p50_seconds")
     def p50_ms(self, obj: ExecProfileRecord) -> str:

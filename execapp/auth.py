@@ -156,8 +156,10 @@ class _SessionGate:
                               "WebSocket must come from a page of this site (Origin equal to the request's scheme "
                               "and Host, the Host in ALLOWED_HOSTS; or an origin listed in CSRF_TRUSTED_ORIGINS)")
         # A staff session is its own owner: its user (never a tenant of tokens; docs/protocol.md).
+        session = scope.get("session")
         scope["execapp_auth"] = {"kind": "session", "name": user.get_username(), "owner": f"user:{user.pk}",
-                                 "user_id": user.pk}  # re-checked while open (auth_watch)
+                                 "user_id": user.pk,  # re-checked while open, with the session (auth_watch)
+                                 "session_key": getattr(session, "session_key", None)}
         return await self.inner(scope, receive, send)
 
 

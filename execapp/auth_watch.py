@@ -4,9 +4,11 @@ A client is judged at the handshake only, and a WebSocket may stay open for days
 revokes (or deletes) a leaked token expects its holder to be cut off, not only refused its next
 connection; one who moves a token to another tenant (a device handed on) expects it to stop
 reading the old tenant's sessions; one who deactivates a staff user, or takes its staff status,
-expects its dashboard sockets to go. Every ``EXECAPP['AUTH_RECHECK_SECONDS']`` (10 s) each event
-loop with such connections looks up, in one query per kind (tokens, users), the credentials they
-were let in with, and closes with 1008 and a reason naming the fix those whose credential is
+expects its dashboard sockets to go, and a staff user who logs out (or changes the password
+after a cookie was stolen) expects those of that session to go. Every
+``EXECAPP['AUTH_RECHECK_SECONDS']`` (10 s) each event loop with such connections looks up, in one
+query per kind (tokens, users; one session load per staff socket), the credentials they were let
+in with, and closes with 1008 and a reason naming the fix those whose credential is
 gone, or whose owner is no longer the one they connected as (docs/protocol.md,
 "Authentication"). 0 turns the re-check off (a withdrawn credential then refuses new
 connections only).
@@ -35,14 +37,17 @@ CLOSE_REVOKED = 1008
 REVOKED_REASON = "token revoked: this connection's API token was revoked or deleted; reconnect with a live token"
 MOVED_REASON = ("token moved: this connection's API token now belongs to another tenant; reconnect to use its "
                 "new tenant's sessions")
-STAFF_REASON = "staff session ended: this user is no longer active staff; log in again as active staff"
+#: (A close reason holds at most 123 bytes.)
+STAFF_REASON = ("staff session ended: logged out, expired, password changed, or no longer active staff; log in again "
+                "as active staff")
 #: Ids per query (SQLite's older builds allow 999 variables in one statement).
 _CHUNK = 500
 
 #: What the watch closes: the consumer's coroutine that closes one connection with a reason.
 Closer = Callable[[str], Coroutine[Any, Any, None]]
 #: A watched credential: ("token", ApiToken pk) or ("user", User pk).
-Key = tuple[str, int]
+#: A credential: ("token", token id), ("session", session key) or ("user", user id).
+Key = tuple[str, int | str]
 
 
 def revoked_connections_note() -> str:
@@ -79,13 +84,43 @@ def _live(keys: list[Key]) -> dict[Key, str]:
         for start in range(0, len(users), _CHUNK):
             rows = get_user_model().objects.filter(pk__in=users[start:start + _CHUNK], is_active=True, is_staff=True)
             live.update((("user", pk), f"user:{pk}") for pk in rows.values_list("pk", flat=True))
+        live.update(_live_sessions([str(i) for kind, i in keys if kind == "session"]))
         return live
+
+
+def _live_sessions(session_keys: list[str]) -> dict[Key, str]:
+    """Each session still logged in as active staff, as Django's own get_user judges it: not
+    logged out, flushed or expired, and its password hash still the user's (a password change
+    ends a stolen cookie's sessions). One session load per key: staff sockets are few."""
+    from importlib import import_module
+
+    from django.conf import settings
+    from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
+    from django.utils.crypto import constant_time_compare
+
+    if not session_keys:
+        return {}
+    engine = import_module(settings.SESSION_ENGINE)
+    held = {}
+    for key in session_keys:
+        data = engine.SessionStore(session_key=key).load()  # {} when gone or expired
+        if data.get(SESSION_KEY) is not None:
+            held[key] = (str(data[SESSION_KEY]), str(data.get(HASH_SESSION_KEY) or ""))
+    model = get_user_model()
+    users = {str(u.pk): u for u in model.objects.filter(pk__in={model._meta.pk.to_python(pk) for pk, _ in
+                                                               held.values()}, is_active=True, is_staff=True)}
+    live: dict[Key, str] = {}
+    for key, (pk, digest) in held.items():
+        user = users.get(pk)
+        if user is not None and constant_time_compare(digest, user.get_session_auth_hash()):
+            live[("session", key)] = f"user:{user.pk}"
+    return live
 
 
 def _reason(kind: str, owner: str | None) -> tuple[str, str]:
     """The close reason, and what the log says, for a credential of ``kind`` now owned by ``owner``."""
-    if kind == "user":
-        return STAFF_REASON, "no longer active staff"
+    if kind in ("user", "session"):
+        return STAFF_REASON, "logged out, expired or no longer active staff"
     return (REVOKED_REASON, "revoked or deleted") if owner is None else (MOVED_REASON, f"moved to {owner}")
 
 
@@ -140,7 +175,7 @@ class AuthWatch:
             if not gone:
                 continue
             reason, why = _reason(key[0], owner)
-            log.info("closing %d connection(s) of %s %r: %s", len(gone), "API token" if key[0] == "token" else "user",
+            log.info("closing %d connection(s) of %s %r: %s", len(gone), "API token" if key[0] == "token" else "staff",
                      closers[gone[0]][0], why)
             for closer in gone:
                 self.discard(key, closer)
@@ -178,6 +213,10 @@ def watch(scope_auth: dict[str, Any], closer: Closer) -> Key | None:
     ident = scope_auth.get("token_id" if kind == "token" else "user_id")
     if kind not in ("token", "session") or not isinstance(ident, int) or interval() <= 0:
         return None
-    key: Key = ("token" if kind == "token" else "user", ident)
+    session_key = scope_auth.get("session_key") if kind == "session" else None
+    # A staff socket lives as long as the session it was opened with (logging out ends it), not
+    # only as long as its user is active staff.
+    key: Key = ("session", session_key) if isinstance(session_key, str) and session_key else (
+        "token" if kind == "token" else "user", ident)
     current().add(key, str(scope_auth.get("name", "")), str(scope_auth.get("owner", "")), closer)
     return key

@@ -526,3 +526,26 @@ def check_health_and_metrics_access(app_configs: Any = None, **kwargs: Any) -> l
                                      hint="Use a long random value, e.g. python -c 'import secrets; "
                                           "print(secrets.token_urlsafe(32))'.", id="execapp.W061"))
     return errors
+
+
+#: config/settings.py's SECRET_KEY when the environment sets none: public (it is in the repository).
+DEV_SECRET_KEY = "dev-only-insecure-key-change-me-in-production"
+#: Host names only this machine reaches the site by (`make run`'s defaults and Django's test client).
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1", "testserver"})
+
+
+@checks.register()
+def check_secret_key(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """The public development SECRET_KEY is refused once ALLOWED_HOSTS lets in any non-local host name."""
+    if settings.SECRET_KEY != DEV_SECRET_KEY:
+        return []
+    public = [h for h in settings.ALLOWED_HOSTS if h not in LOCAL_HOSTS]
+    if not public:
+        return []  # the embedded default: reachable from this machine only
+    return [checks.Error(
+        f"SECRET_KEY is the public development default while ALLOWED_HOSTS serves {', '.join(map(repr, public))}: "
+        "anyone can sign what Django signs with it (e.g. the admin's messages cookie, whose HTML a forged one "
+        "puts in every admin page)",
+        hint="Set the SECRET_KEY environment variable to a long random value, the same on every worker and "
+             "across restarts: python -c 'import secrets; print(secrets.token_urlsafe(50))'.",
+        id="execapp.E130")]

@@ -15,13 +15,35 @@ from django.urls import path, reverse
 
 from .dashboard_data import collect
 
+#: The Events page's permission: event contents (failure messages, event ids) on the dashboard need it too.
+EVENTS_PERMISSION = "execapp.view_eventtrace"
+HIDDEN_NOTE = "the message needs the 'Can view event' permission (Events)"
+
+
+def without_event_contents(data: dict[str, Any]) -> dict[str, Any]:
+    """The dashboard data with each matcher's last failure reduced to its code, time and plugin.
+
+    A failure's message is a plugin's text built from a client's event (a tenant's data) and the
+    event id is the client's: the Events page shows them only with ``EVENTS_PERMISSION``, and
+    every active staff member may open the dashboard."""
+    for m in data.get("matchers", []):
+        last = m.get("last_failure")
+        code = (last or {}).get("code")
+        m["last_error"] = f"{code or 'error'} ({HIDDEN_NOTE})" if m.get("last_error") or last else ""
+        m["last_failure"] = {"ts": last.get("ts"), "code": code, "plugin": last.get("plugin")} if last else None
+    return data
+
 
 def dashboard_data(request: HttpRequest) -> JsonResponse:
     """GET .../data/: every worker's snapshot, the total, chart history, matchers and plugin pools.
 
     It reads what the workers published and starts nothing: a worker of this process (if any)
-    re-publishes first, so its own numbers are exact; the others' are at most SNAPSHOT_SECONDS old."""
-    return JsonResponse(collect(refresh=True))
+    re-publishes first, so its own numbers are exact; the others' are at most SNAPSHOT_SECONDS old.
+    Event contents are left out for a user without the Events permission (without_event_contents)."""
+    data = collect(refresh=True)
+    if not request.user.has_perm(EVENTS_PERMISSION):
+        data = without_event_contents(data)
+    return JsonResponse(data)
 
 
 class DashboardAdmin(admin.ModelAdmin):
@@ -43,8 +65,11 @@ class DashboardAdmin(admin.ModelAdmin):
         return False
 
     def get_urls(self) -> list:
-        data = self.admin_site.admin_view(self._data_view)
-        return [path("data/", data, name="execapp_dashboard_data")] + super().get_urls()
+        """The page and its data, nothing else: ModelAdmin's own change, history and delete views
+        would show the proxied ExecProfileRecord rows (last errors included) to every staff member."""
+        info = self.opts.app_label, self.opts.model_name
+        return [path("data/", self.admin_site.admin_view(self._data_view), name="%s_%s_data" % info),
+                path("", self.admin_site.admin_view(self.changelist_view), name="%s_%s_changelist" % info)]
 
     def _data_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_view_permission(request):

@@ -46,9 +46,14 @@ class PluginForm(forms.ModelForm):
         for name in QUOTA_FIELDS:
             if name in self.fields:
                 self.fields[name].required = False
-        self.fields["upload"].help_text = "Replaces the code: " + "; ".join(map(_upload_kinds, registry.all_runtimes()))
-        self.fields["source"].help_text = "The code as text: " + "; ".join(
-            f"{r.label} ({' or '.join(r.source_extensions)})" for r in registry.all_runtimes() if r.source_extensions)
+        # Only the fields the user may edit are here: a view-only page (view_plugin) has none of
+        # the model's (its KeyError was a 500 for every view-only operator opening a plugin).
+        helps = {"upload": "Replaces the code: " + "; ".join(map(_upload_kinds, registry.all_runtimes())),
+                 "source": "The code as text: " + "; ".join(f"{r.label} ({' or '.join(r.source_extensions)})"
+                                                            for r in registry.all_runtimes() if r.source_extensions)}
+        for name, text in helps.items():
+            if name in self.fields:
+                self.fields[name].help_text = text
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean()

@@ -5,7 +5,7 @@ import json as _json
 import json.encoder as _json_encoder
 from typing import Any, Callable, Protocol
 
-from execapp.protocol import json_depth
+from execapp.engine.json_depth import json_depth
 
 from ..spec import PluginSpec
 

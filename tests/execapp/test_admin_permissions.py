@@ -205,3 +205,78 @@ def test_tokens_are_added_only_with_add_apitoken(admin: Client) -> None:
     assert not ApiToken.objects.filter(name="sneaky").exists()
     staff("issuer", VIEW_ONLY + ["execapp.add_apitoken"]).post(f"{TOKENS}add/", {"name": "issued"})
     assert ApiToken.objects.filter(name="issued").exists()
+
+
+def test_every_admin_page_opens_for_a_user_who_may_only_view_it(admin: Client) -> None:
+    """Each registered model's list and change page answer 200 to staff holding only its view
+    permission (the plugin page's form assumed the editable fields: a 500 for view-only operators)."""
+    from django.contrib import admin as django_admin
+
+    from execapp.models import ExecProfileRecord
+
+    objects = [lua_plugin(), KVEntry.objects.create(plugin="p", key="k", value="v"),
+               ApiToken.objects.create(name="t", token_hash="0" * 64, prefix="00000000"),
+               ExecProfileRecord.objects.create(matcher="command:ping", plugin="p", last_error="boom")]
+    opened = []
+    for obj in objects:
+        meta = type(obj)._meta
+        assert type(obj) in django_admin.site._registry, meta.label
+        viewer = staff(f"viewer-{meta.model_name}", [f"{meta.app_label}.view_{meta.model_name}"])
+        base = f"/admin/{meta.app_label}/{meta.model_name}/"
+        for url in (base, _change_url(base, obj)):
+            response = viewer.get(url)
+            assert response.status_code == 200, (url, response.status_code)
+            opened.append(url)
+        assert viewer.post(_change_url(base, obj), {}).status_code == 403  # looking is all it may do
+    assert len(opened) == 8
+
+
+def test_a_profiles_last_error_needs_the_events_permission() -> None:
+    """A persisted profile's last error is a plugin's text about a tenant's event: without
+    view_eventtrace it is neither shown nor searchable (a search would reveal it a guess at a time)."""
+    from execapp.models import ExecProfileRecord
+
+    record = ExecProfileRecord.objects.create(matcher="command:pay", plugin="p", last_error="card 4111 of acme")
+    page = _change_url("/admin/execapp/execprofilerecord/", record)
+    search = "/admin/execapp/execprofilerecord/?q=4111"
+    viewer = staff("profiles-only", ["execapp.view_execprofilerecord"])
+    shown = viewer.get(page)
+    assert shown.status_code == 200 and "4111" not in shown.content.decode()
+    assert "needs the &#x27;Can view event&#x27; permission" in shown.content.decode()
+    assert "command:pay" not in viewer.get(search).content.decode()
+    reader = staff("events-reader", ["execapp.view_execprofilerecord", "execapp.view_eventtrace"])
+    assert "card 4111 of acme" in reader.get(page).content.decode()
+    assert "command:pay" in reader.get(search).content.decode()
+
+
+def test_a_staff_user_without_permissions_opens_no_model_view_but_the_dashboard() -> None:
+    """Every URL every registered ModelAdmin serves (lists, rows, history, add, delete, custom
+    views), filled with a real row's id: a staff user holding no permission gets none of them, the
+    live dashboard's page and data (open to all staff, docs/operations.md) aside."""
+    from django.contrib import admin as django_admin
+    from django.urls import URLPattern
+    from django.utils import timezone
+
+    from execapp.models import EventTrace, ExecProfileRecord
+
+    rows = [lua_plugin(), KVEntry.objects.create(plugin="p", key="k", value="v"),
+            ApiToken.objects.create(name="t", token_hash="0" * 64, prefix="00000000"),
+            ExecProfileRecord.objects.create(matcher="command:ping", plugin="p", last_error="boom"),
+            EventTrace.objects.create(uid="w-1", event_id="e1", owner="acme", outcome="failed", codes="x",
+                                      created_at=timezone.now())]
+    pks = {type(r): str(r.pk) for r in rows}
+    nobody = staff("nobody", [])
+    opened, checked = [], []
+    for model, model_admin in django_admin.site._registry.items():
+        base = f"/admin/{model._meta.app_label}/{model._meta.model_name}/"
+        pk = pks.get(model) or pks.get(model._meta.concrete_model) or "1"
+        for pattern in model_admin.get_urls():
+            assert isinstance(pattern, URLPattern)
+            route = str(pattern.pattern)
+            url = base + route.replace("<path:object_id>", pk).replace("<int:pk>", pk).replace("<id>", pk)
+            assert "<" not in url, route  # a parameter this test does not fill: extend it
+            checked.append(url)
+            if nobody.get(url).status_code == 200:
+                opened.append(url)
+    assert len(checked) >= 30  # 9 models' lists, rows, add, history, delete and custom views
+    assert sorted(opened) == ["/admin/execapp/dashboard/", "/admin/execapp/dashboard/data/"]

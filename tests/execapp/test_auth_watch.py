@@ -223,3 +223,35 @@ def test_a_connection_that_left_since_the_check_is_not_closed_again() -> None:
     consumer.conn = SimpleNamespace(closed=False, close=lambda: None)  # type: ignore[assignment]
     asyncio.run(consumer._withdrawn(auth_watch.REVOKED_REASON))  # leaves while being closed: no error escapes
     assert sent == [1008]
+
+
+@pytest.mark.parametrize("end", ["logout", "password"])
+def test_a_staff_socket_ends_with_the_session_it_was_opened_with(server: str, settings: Any, end: str) -> None:
+    """Logging out (or a password change, which Django makes end every session) ends the staff
+    sockets opened with that session: a stolen session cookie's socket ran on for as long as the
+    user stayed active staff. Another session of the same user keeps its socket."""
+    from django.contrib.auth import get_user_model
+    from django.test import Client as HttpClient
+
+    settings.ALLOWED_HOSTS = ["127.0.0.1"]
+    user = get_user_model().objects.create_user(f"session-{end}", is_staff=True)
+    stolen, other = HttpClient(), HttpClient()
+    stolen.force_login(user)
+    other.force_login(user)
+    origin = server.split("/ws/")[0].replace("ws://", "http://")
+
+    def open_with(http: HttpClient) -> ClientConnection:
+        return connect(server, additional_headers={"Cookie": f"sessionid={http.cookies['sessionid'].value}"},
+                       origin=origin, open_timeout=5)
+
+    with open_with(stolen) as ws, open_with(other) as kept:
+        assert _pings(ws, "s1") and _pings(kept, "k1")
+        if end == "logout":
+            stolen.logout()  # the browser's "Log out": the session is flushed
+            assert _closed(ws, 5) == (1008, auth_watch.STAFF_REASON)
+            assert _closed(kept, 4 * RECHECK) is None and _pings(kept, "k2")
+        else:
+            user.set_password("a-new-pw-41")  # as the admin's password change does, every session ends
+            user.save()
+            assert _closed(ws, 5) == (1008, auth_watch.STAFF_REASON)
+            assert _closed(kept, 5) == (1008, auth_watch.STAFF_REASON)

@@ -51,6 +51,16 @@ FRAME = """() => {
 }"""
 
 
+def _wait(page: Any, expression: str, timeout: int = 30_000) -> None:
+    """Poll a JavaScript expression until true. Playwright's wait_for_function evaluates it with
+    eval() inside the page, which the page's Content-Security-Policy (script-src 'self') refuses;
+    page.evaluate goes through the DevTools protocol, which the policy does not apply to."""
+    deadline = time.monotonic() + timeout / 1000
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"not true after {timeout} ms: {expression}"
+        time.sleep(0.1)
+
+
 def _chromium() -> str:
     if os.path.exists(CHROMIUM):
         return CHROMIUM
@@ -147,7 +157,12 @@ def test_dashboard_shows_load_moving_in_headless_chromium(sqlite_env: dict[str, 
             page.fill("#id_password", PASSWORD)
             page.click("input[type=submit]")
             page.wait_for_url(f"**{PAGE}")
-            page.wait_for_function("Number(document.getElementById('dash').dataset.updates || 0) >= 1")
+            _wait(page, "Number(document.getElementById('dash').dataset.updates || 0) >= 1")
+            # The dashboard runs under the Content-Security-Policy, which runs no inline script:
+            # one a string from a client or plugin smuggled into the page would stay inert.
+            page.evaluate("() => { const s = document.createElement('script');"
+                          " s.textContent = 'window.__inline_ran = true'; document.body.appendChild(s); }")
+            assert page.evaluate("window.__inline_ran === undefined")
             assert page.text_content("#card-submitted").strip() == "0"
             assert page.text_content("#backend").strip() == "local"
             # A dashboard starts no worker (bare uvicorn, no execapp.serve): none is shown until
@@ -161,14 +176,14 @@ def test_dashboard_shows_load_moving_in_headless_chromium(sqlite_env: dict[str, 
             for wave in range(waves):
                 threads, results, refusals, errors = _load(ws_url)
                 # Under load: the pool fills, saturation and running rise, submissions count up.
-                page.wait_for_function(
+                _wait(page,
                     "parseFloat(document.getElementById('card-saturation').textContent) > 10"
                     " && parseInt(document.getElementById('card-running').textContent) > 0", timeout=20_000)
                 under_load.append(page.evaluate(FRAME))
                 assert page.locator("#workers-table tbody tr[data-worker]").count() == 1
                 if wave == waves - 1:  # one more poll: the charts show the climb
                     polls = under_load[-1]["updates"]
-                    page.wait_for_function(f"Number(document.getElementById('dash').dataset.updates || 0) > {polls}",
+                    _wait(page, f"Number(document.getElementById('dash').dataset.updates || 0) > {polls}",
                                            timeout=20_000)
                     under_load.append(page.evaluate(FRAME))
                     page.screenshot(path=str(shot), full_page=True)
@@ -187,15 +202,15 @@ def test_dashboard_shows_load_moving_in_headless_chromium(sqlite_env: dict[str, 
                 assert frame["clipped"] == [], frame  # every table fits: none needs its scroll bar
                 assert frame["workerCellHeight"] < 2 * frame["rowHeight"] + 4, frame
             # Load over: every handler finished; the page sees the pool empty again.
-            page.wait_for_function(
+            _wait(page,
                 "document.getElementById('card-running').textContent.trim().startsWith('0 ')"
                 " && document.getElementById('card-queued').textContent.trim().startsWith('0 ')", timeout=20_000)
             total = waves * CONNECTIONS * IN_FLIGHT
-            page.wait_for_function(f"parseInt(document.getElementById('card-submitted').textContent"
+            _wait(page, f"parseInt(document.getElementById('card-submitted').textContent"
                                    f".replace(/[^0-9]/g, '')) >= {total}", timeout=10_000)
             # The refusals the clients were told are the ones shown, with their code.
             assert told == ["rate_limited"] * (waves * REFUSED)
-            page.wait_for_function(f"document.getElementById('card-refused').textContent.trim() === "
+            _wait(page, f"document.getElementById('card-refused').textContent.trim() === "
                                    f"'{waves * REFUSED}'", timeout=10_000)
             after = page.evaluate(FRAME)
             assert_one_snapshot(after)

@@ -9,9 +9,9 @@ import types
 from typing import Any, Iterator
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Permission, User
 
-from execapp import dashboard_data, snapshots
+from execapp import dashboard, dashboard_data, snapshots
 from execapp import worker as worker_module
 from execapp.engine import Event
 
@@ -74,6 +74,15 @@ def test_dashboard_requires_staff(client: Any, process_worker: worker_module.Wor
     assert 'href="/admin/execapp/dashboard/"' in index  # reachable from the admin index
 
 
+@pytest.fixture
+def reader_client(client: Any, db: None) -> Any:
+    """Staff who may read Events (execapp.view_eventtrace): the dashboard shows them failure messages."""
+    user = User.objects.create_user("reader", password="pw", is_staff=True)
+    user.user_permissions.add(Permission.objects.get(codename="view_eventtrace", content_type__app_label="execapp"))
+    client.force_login(user)
+    return client
+
+
 def _ok(ctx: Any) -> str:
     return "ok"
 
@@ -82,7 +91,7 @@ def _boom(ctx: Any) -> None:
     raise RuntimeError("boom")
 
 
-def test_dashboard_data_matches_engine_stats(staff_client: Any, process_worker: worker_module.Worker) -> None:
+def test_dashboard_data_matches_engine_stats(reader_client: Any, process_worker: worker_module.Worker) -> None:
     engine = process_worker.engine
     gate = threading.Event()
     engine.add(engine.make_matcher("command", "fast", _ok, plugin="demo"))
@@ -93,7 +102,7 @@ def test_dashboard_data_matches_engine_stats(staff_client: Any, process_worker: 
     assert engine.process_event(Event(text="/boom")).wait(LIVENESS) is not None
     held = [engine.process_event(Event(text="/hold")) for _ in range(6)]  # 4 running + 2 queued
 
-    data = staff_client.get(DATA).json()
+    data = reader_client.get(DATA).json()
     gate.set()
     for h in held:
         assert h.wait(LIVENESS) is not None
@@ -425,8 +434,12 @@ def test_the_data_answers_with_what_it_has_while_redis_is_down(staff_client: Any
     assert data["total"]["events"] == 1 and [m["plugin"] for m in data["matchers"]] == ["demo"]
     settings.REDIS_URL = ""
     assert staff_client.get(DATA).json()["warning"] == ""
+    from django.contrib.staticfiles import finders
+
     page = staff_client.get(PAGE).content.decode()
-    assert "d.warning ?" in page  # the page's status line shows the warning
+    assert 'src="/static/execapp/dashboard.js"' in page  # the page's script (a file: the CSP runs no inline one)
+    script = open(finders.find("execapp/dashboard.js"), encoding="utf-8").read()
+    assert "d.warning ?" in script  # the page's status line shows the warning
 
 
 def test_a_matcher_pinned_to_the_pool_on_any_worker_shows_why() -> None:
@@ -458,3 +471,52 @@ def test_a_worker_whose_clock_was_stepped_costs_the_total_series_its_points_only
     assert len(out) <= 3 * 5  # at most three slots per point
     assert [p[f["in_flight"]] for p in out if p[f["t"]] < 100] == [1, 1, 1]  # 1970: alone, live 2.5 periods
     assert out[-1][f["in_flight"]] == 2  # now: both workers
+
+
+def _leak(ctx: Any) -> None:
+    raise RuntimeError("card 4111-1111 of tenant acme")
+
+
+def test_failure_messages_need_the_events_permission(client: Any, staff_client: Any,
+                                                     process_worker: worker_module.Worker) -> None:
+    """A handler's error is a plugin's text about a tenant's event: staff who may not open Events
+    (403 there) see its code on the dashboard, not the text; with the permission, the text."""
+    engine = process_worker.engine
+    engine.add(engine.make_matcher("command", "leak", _leak, plugin="demo"))
+    assert engine.process_event(Event(text="/leak")).wait(LIVENESS) is not None
+    assert staff_client.get("/admin/execapp/eventtrace/").status_code == 403
+    hidden = staff_client.get(DATA)
+    assert b"4111" not in hidden.content
+    row = {m["matcher"]: m for m in hidden.json()["matchers"]}["command:leak"]
+    assert row["errors"] == 1 and row["last_error"] == f"error ({dashboard.HIDDEN_NOTE})"
+    reader = User.objects.create_user("reader", password="pw", is_staff=True)
+    reader.user_permissions.add(Permission.objects.get(codename="view_eventtrace", content_type__app_label="execapp"))
+    client.force_login(reader)
+    shown = {m["matcher"]: m for m in client.get(DATA).json()["matchers"]}["command:leak"]
+    assert shown["last_error"] == "card 4111-1111 of tenant acme"
+
+
+def test_a_recorded_failure_keeps_only_its_code_time_and_plugin() -> None:
+    last = {"ts": 5.0, "code": "handler_error", "message": "lua error: secret", "event_id": "client-id-7",
+            "uid": "w1-3", "plugin": "oops"}
+    data = {"matchers": [{"matcher": "oops.oops", "last_error": "handler_error: lua error: secret",
+                          "last_failure": dict(last)}, {"matcher": "fine", "last_error": "", "last_failure": None}]}
+    out = dashboard.without_event_contents(data)
+    assert "secret" not in json.dumps(out) and "client-id-7" not in json.dumps(out) and "w1-3" not in json.dumps(out)
+    assert out["matchers"][0]["last_failure"] == {"ts": 5.0, "code": "handler_error", "plugin": "oops"}
+    assert out["matchers"][0]["last_error"].startswith("handler_error (")
+    assert out["matchers"][1]["last_error"] == "" and out["matchers"][1]["last_failure"] is None
+
+
+@pytest.mark.django_db
+def test_the_dashboard_serves_its_page_and_data_only(staff_client: Any) -> None:
+    """Dashboard proxies ExecProfileRecord: the views ModelAdmin adds for a row (change, history,
+    delete) showed any staff member a persisted profile, its last error (a tenant's text) with it."""
+    from execapp.models import ExecProfileRecord
+
+    record = ExecProfileRecord.objects.create(matcher="command:pay", plugin="p", last_error="card 4111 of acme")
+    for suffix in (f"{record.pk}/change/", f"{record.pk}/history/", f"{record.pk}/delete/", f"{record.pk}/", "add/"):
+        response = staff_client.get(PAGE + suffix)
+        assert response.status_code == 404 and b"4111" not in response.content, (suffix, response.status_code)
+    assert staff_client.get(PAGE).status_code == 200
+    assert staff_client.get(DATA).status_code == 200

@@ -57,3 +57,21 @@ def test_a_client_text_in_an_exception_message_cannot_start_a_line_of_its_own() 
     assert head.endswith("failed") and len(rest) > 6
     assert all(t.startswith("  | ") for t in rest), rest
     assert "  | 2025-01-01 00:00:00,000 ERROR execapp.auth forged\\x1b[31m" in rest
+
+
+def test_a_server_error_is_logged_with_its_traceback_without_debug() -> None:
+    """A view's unhandled exception is written to the server's log as the server configures it
+    (DEBUG off): Django's default handler for it writes only with DEBUG=1, and a 500 left no line."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import django, logging; django.setup()\n"
+            "try:\n    raise KeyError('source')\n"
+            "except KeyError:\n    logging.getLogger('django.request').error('Internal Server Error: %s', "
+            "'/admin/x/', exc_info=True)\n")
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings", "DEBUG": "0", "LOG_FORMAT": "plain"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ERROR django.request Internal Server Error: /admin/x/" in done.stderr
+    assert "KeyError: 'source'" in done.stderr

@@ -339,3 +339,16 @@ def test_a_plugin_timeout_above_the_longest_allowed_is_refused(settings: Any) ->
     with pytest.raises(PluginInvalid, match="timeout_ms 6000 is above the longest handler timeout"):
         Plugin(name="long", runtime="lua", source="function f(e) return 1 end", timeout_ms=6000).save()
     Plugin(name="ok", runtime="lua", source="function f(e) return 1 end", timeout_ms=5000).save()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("next_url", ["//evil.example/", "https://evil.example/admin/", "/\\evil.example"])
+def test_a_sign_in_with_another_sites_next_lands_on_the_admin(client: Any, next_url: str) -> None:
+    """A link to the login with ?next= pointing elsewhere: Django refuses the redirect, and the
+    user landed on its default /accounts/profile/, a 404 here."""
+    from django.contrib.auth.models import User
+
+    User.objects.create_user("op", password="pw-login-test-5", is_staff=True)
+    response = client.post(f"/admin/login/?next={next_url}", {"username": "op", "password": "pw-login-test-5",
+                                                               "next": next_url})
+    assert response.status_code == 302 and response["Location"] == "/admin/"

@@ -89,3 +89,22 @@ def test_warnings_alone_do_not_stop_the_server(settings: Any) -> None:
     assert settings_pass_checks()
     settings.EXECAPP = {"SNAPSHOT_SECONDS": 0}
     assert not settings_pass_checks()
+
+
+def test_the_public_secret_key_is_refused_once_a_non_local_host_is_served(settings: Any) -> None:
+    """With the repository's SECRET_KEY anyone signs Django's signed values (a forged messages
+    cookie put its HTML into the admin): fine on 127.0.0.1, refused once the site has a real name."""
+    from execapp.checks import DEV_SECRET_KEY, check_secret_key
+    from execapp.serve import settings_pass_checks
+
+    settings.SECRET_KEY = DEV_SECRET_KEY
+    settings.ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]", "testserver"]  # make run's defaults
+    assert check_secret_key() == [] and settings_pass_checks()
+    for hosts in (["execapp.example.com"], ["*"], ["127.0.0.1", "10.0.0.5"]):
+        settings.ALLOWED_HOSTS = hosts
+        (error,) = check_secret_key()
+        assert error.id == "execapp.E130" and error.is_serious() and repr(hosts[-1]) in error.msg
+        assert "SECRET_KEY environment variable" in error.hint
+        assert not settings_pass_checks()
+    settings.SECRET_KEY = "a-real-one-" + "x" * 50
+    assert check_secret_key() == []
