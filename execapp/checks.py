@@ -123,23 +123,31 @@ def _password_check_checks() -> list[checks.CheckMessage]:
     return []
 
 
-def _login_throttle_checks() -> list[checks.CheckMessage]:
-    """Failed sign-ins per client network and username (execapp/login_throttle.py)."""
+def _failures_checks(prefix: str, burst_hint: str, rate_hint: str, ids: tuple[str, str]
+                     ) -> list[checks.CheckMessage]:
+    """EXECAPP[prefix + '_BURST'] (a whole number >= 0) and [prefix + '_PER_MINUTE'] (finite, > 0) of a
+    failures throttle (execapp/auth_throttle.py, execapp/login_throttle.py)."""
     out: list[checks.CheckMessage] = []
-    burst = conf.get("LOGIN_FAILURES_BURST")
+    burst = conf.get(f"{prefix}_BURST")
     if not _number(burst, True) or burst < 0:
         out.append(checks.Error(
-            f"EXECAPP['LOGIN_FAILURES_BURST'] is {burst!r}{_from('LOGIN_FAILURES_BURST')}, it must be a whole number "
-            "of at least 0", hint="Default 10: failed sign-ins per client network (and per username) before its "
-            "attempts are refused unhashed (0 turns that off, and a flood of wrong passwords refuses everyone).",
-            id="execapp.E120"))
-    rate = conf.get("LOGIN_FAILURES_PER_MINUTE")
+            f"EXECAPP['{prefix}_BURST'] is {burst!r}{_from(f'{prefix}_BURST')}, it must be a whole number of at "
+            "least 0", hint=burst_hint, id=ids[0]))
+    rate = conf.get(f"{prefix}_PER_MINUTE")
     if not _number(rate) or not 0 < rate < float("inf"):
         out.append(checks.Error(
-            f"EXECAPP['LOGIN_FAILURES_PER_MINUTE'] is {rate!r}{_from('LOGIN_FAILURES_PER_MINUTE')}, it must be a "
-            "finite positive number", hint="Default 6.0: how many failed sign-ins a minute a throttled network or "
-            "username earns back.", id="execapp.E121"))
+            f"EXECAPP['{prefix}_PER_MINUTE'] is {rate!r}{_from(f'{prefix}_PER_MINUTE')}, it must be a finite "
+            "positive number", hint=rate_hint, id=ids[1]))
     return out
+
+
+def _login_throttle_checks() -> list[checks.CheckMessage]:
+    """Failed sign-ins per client network and username (execapp/login_throttle.py)."""
+    return _failures_checks(
+        "LOGIN_FAILURES", "Default 10: failed sign-ins per client network (and per username) before its attempts "
+        "are refused unhashed (0 turns that off, and a flood of wrong passwords refuses everyone).",
+        "Default 6.0: how many failed sign-ins a minute a throttled network or username earns back.",
+        ("execapp.E120", "execapp.E121"))
 
 
 def _pending_body_checks() -> list[checks.CheckMessage]:
@@ -155,19 +163,11 @@ def _pending_body_checks() -> list[checks.CheckMessage]:
 
 def _auth_throttle_checks() -> list[checks.CheckMessage]:
     """Failed authentications per client network (execapp/auth_throttle.py)."""
-    out: list[checks.CheckMessage] = []
-    burst = conf.get("AUTH_FAILURES_BURST")
-    if not _number(burst, True) or burst < 0:
-        out.append(checks.Error(
-            f"EXECAPP['AUTH_FAILURES_BURST'] is {burst!r}{_from('AUTH_FAILURES_BURST')}, it must be a whole number "
-            "of at least 0", hint="Default 20: failed WebSocket authentications per client network before its "
-            "handshakes are closed unjudged (0 turns that off).", id="execapp.E093"))
-    rate = conf.get("AUTH_FAILURES_PER_MINUTE")
-    if not _number(rate) or not rate > 0:
-        out.append(checks.Error(
-            f"EXECAPP['AUTH_FAILURES_PER_MINUTE'] is {rate!r}{_from('AUTH_FAILURES_PER_MINUTE')}, it must be a "
-            "positive number", hint="Default 30.0: how many failures a minute a throttled client network earns "
-            "back.", id="execapp.E094"))
+    out = _failures_checks(
+        "AUTH_FAILURES", "Default 20: failed WebSocket authentications per client network before its handshakes "
+        "are closed unjudged (0 turns that off).",
+        "Default 30.0: how many failures a minute a throttled client network earns back.",
+        ("execapp.E093", "execapp.E094"))
     recheck = conf.get("AUTH_RECHECK_SECONDS")
     if not _number(recheck) or not recheck >= 0:
         out.append(checks.Error(
