@@ -168,26 +168,10 @@ CROSSINGS = {
 
 @pytest.mark.parametrize("case", CROSSINGS)
 def test_what_crosses_into_python_is_bounded_before_it_crosses(case: str) -> None:
-    import tracemalloc
-
     from plugins.errors import GuestError
-    from plugins.runtimes.js import JsCompiled
-    from plugins.spec import PluginSpec
 
     code, message = CROSSINGS[case]
-    spec = PluginSpec(name="crossing", runtime="js", code=code, timeout=5.0, memory_bytes=64 * MIB,
-                      permissions=frozenset({"log", "kv"}))
-    inst = JsCompiled(spec).new_instance()
-    tracemalloc.start()
-    try:
-        try:
-            outcome: Any = inst.call("f", event(), time.monotonic() + 5.0)
-        except GuestError as exc:
-            outcome = exc
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-        inst.close()
+    outcome, peak = _call_traced(code, name="crossing", memory_bytes=64 * MIB)
     if message is None:
         assert outcome == "logged"
     else:
@@ -342,7 +326,8 @@ def fresh_kv() -> Iterator[_FreshKV]:
     kvstore.install(previous)
 
 
-def _call_traced(code: str, handler: str = "f") -> tuple[Any, int]:
+def _call_traced(code: str, handler: str = "f", name: str = "batches",
+                 memory_bytes: int | None = None) -> tuple[Any, int]:
     """(the reply or the GuestError of one call on a fresh JS instance, peak bytes Python allocated)."""
     import tracemalloc
 
@@ -350,7 +335,8 @@ def _call_traced(code: str, handler: str = "f") -> tuple[Any, int]:
     from plugins.runtimes.js import JsCompiled
     from plugins.spec import PluginSpec
 
-    spec = PluginSpec(name="batches", runtime="js", code=code, timeout=5.0, permissions=frozenset({"log", "kv"}))
+    spec = PluginSpec(name=name, runtime="js", code=code, timeout=5.0, permissions=frozenset({"log", "kv"}),
+                      **({} if memory_bytes is None else {"memory_bytes": memory_bytes}))
     inst = JsCompiled(spec).new_instance()
     tracemalloc.start()
     try:
