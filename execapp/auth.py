@@ -11,8 +11,9 @@ import logging
 from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qs
 
-from channels.auth import AuthMiddlewareStack
+from channels.auth import AuthMiddleware, get_user
 from channels.db import database_sync_to_async
+from channels.sessions import CookieMiddleware, SessionMiddleware
 from django.core.handlers.asgi import ASGIRequest
 from django.db import Error as DatabaseError
 from django.middleware.csrf import CsrfViewMiddleware
@@ -128,8 +129,23 @@ def database_unavailable(path: Any, exc: BaseException) -> str:
     return "database unavailable: the server cannot check credentials now; try again later"
 
 
+@database_sync_to_async
+def _session_user(scope: Scope) -> Any:
+    """Channels' get_user (the session cookie's session, then its user) within the lookup deadline."""
+    with statement_deadline():  # a locked django_session or auth_user fails it (1013), never holds it
+        return get_user.func(scope)
+
+
+class _DeadlineAuthMiddleware(AuthMiddleware):
+    """Channels' AuthMiddleware whose session and user lookups have the token lookup's deadline: they
+    run on the worker's one sync thread too, and a locked table held every handshake behind them."""
+
+    async def resolve_scope(self, scope: Scope) -> None:
+        scope["user"]._wrapped = await _session_user(scope)
+
+
 class _SessionGate:
-    """Inside Channels' AuthMiddlewareStack: lets through active staff from an allowed Origin."""
+    """Inside Channels' session and auth middleware: lets through active staff from an allowed Origin."""
 
     def __init__(self, inner: ASGIApp) -> None:
         self.inner = inner
@@ -172,7 +188,8 @@ class TokenAuthMiddleware:
 
     def __init__(self, inner: ASGIApp) -> None:
         self.inner = inner
-        self.session_app = AuthMiddlewareStack(_SessionGate(inner))
+        # Channels' AuthMiddlewareStack, its lookups under the deadline.
+        self.session_app = CookieMiddleware(SessionMiddleware(_DeadlineAuthMiddleware(_SessionGate(inner))))
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "websocket":

@@ -1,6 +1,7 @@
 """Credential lookups have a deadline on PostgreSQL (execapp/db_deadline.py): a locked
-execapp_apitoken fails a handshake's lookup in about LOOKUP_DEADLINE_SECONDS instead of holding it
-(and every handshake queued behind it on the worker's one sync thread) for as long as the lock."""
+execapp_apitoken (or django_session, for a staff cookie) fails a handshake's lookup in about
+LOOKUP_DEADLINE_SECONDS instead of holding it (and every handshake queued behind it on the worker's
+one sync thread) for as long as the lock."""
 from __future__ import annotations
 
 import os
@@ -21,15 +22,22 @@ django.setup()
 import psycopg
 from django.db import connection
 from execapp import auth, auth_watch
+from django.contrib.sessions.backends.db import SessionStore
+from django.contrib.sessions.models import Session
 from execapp.models import ApiToken
 
 with connection.schema_editor() as editor:
     editor.create_model(ApiToken)
+    editor.create_model(Session)
 connection.close()
 with psycopg.connect(os.environ["DATABASE_URL"]) as locker:
     locker.execute("LOCK TABLE execapp_apitoken IN ACCESS EXCLUSIVE MODE")
+    locker.execute("LOCK TABLE django_session IN ACCESS EXCLUSIVE MODE")
+    session = {"session": SessionStore(session_key="k" * 32)}  # a staff cookie's session, to be loaded
     for name, call in (("handshake", lambda: auth._authenticate("some-token")),
-                       ("recheck", lambda: auth_watch._live([("token", 1)]))):
+                       ("recheck", lambda: auth_watch._live([("token", 1)])),
+                       ("session", lambda: auth._session_user(session)),
+                       ("session_recheck", lambda: auth_watch._live([("session", "k" * 32)]))):
         started = time.monotonic()
         try:
             asyncio.run(asyncio.wait_for(call(), 20))
@@ -43,7 +51,7 @@ with psycopg.connect(os.environ["DATABASE_URL"]) as locker:
 
 
 @pytest.mark.postgres
-def test_a_locked_token_table_fails_the_lookups_at_their_deadline(postgres_url: str) -> None:
+def test_a_locked_credential_table_fails_the_lookups_at_their_deadline(postgres_url: str) -> None:
     import psycopg
 
     name = "deadline_" + os.urandom(4).hex()
@@ -57,7 +65,7 @@ def test_a_locked_token_table_fails_the_lookups_at_their_deadline(postgres_url: 
                               timeout=90)
         assert proc.returncode == 0, proc.stderr
         lines = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines())
-        for lookup in ("handshake", "recheck"):
+        for lookup in ("handshake", "recheck", "session", "session_recheck"):
             outcome, seconds = lines[lookup].split()
             assert outcome == "OperationalError" and float(seconds) < 5, proc.stdout
     finally:
