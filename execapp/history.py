@@ -39,7 +39,7 @@ from .engine.event import Completion, Event, Failure, Reply
 from .engine.pool import count_value
 from .engine.profile import ExecClass
 from .engine.ratelog import RateLimitedLog
-from .history_query import cutoff, detail, get, prune, prune_owners, search
+from .history_query import DB_LOCKED_RETRY_SECONDS, cutoff, detail, get, prune, prune_owners, search
 from .history_record import (
     H_CODE,
     H_MATCHER,
@@ -89,10 +89,6 @@ DB_ROWS_PER_FLUSH = 2000
 #: Longest one write of failed traces may take on PostgreSQL (a locked or hung execapp_eventtrace):
 #: past it the batch is skipped and counted (db_skipped), and the housekeeper's other work goes on.
 DB_WRITE_DEADLINE_SECONDS = 5.0
-#: Waits before writing a flush's failure rows again when SQLite says a table is locked (another
-#: connection of this process mid-transaction: its shared cache answers at once, without the busy
-#: timeout). The rows are the lasting record of failures; ignore_conflicts makes a retry safe.
-DB_LOCKED_RETRY_SECONDS = (0.05, 0.2, 0.5)
 #: How often a worker deletes database traces older than HISTORY_FAILURE_DAYS.
 PRUNE_SECONDS = 3600.0
 #: Outcome of an event whose done never came (its worker stopped first).
@@ -556,6 +552,8 @@ class Recorder:
                            created_at=dt.datetime.fromtimestamp(r.ts, dt.timezone.utc), duration_seconds=r.duration,
                            trace=clean_json(json.loads(to_json(r))))
                 for r in failed]
+        # A locked table (SQLite's shared cache): written again after DB_LOCKED_RETRY_SECONDS; the rows
+        # are the lasting record of failures, and ignore_conflicts makes a retry safe.
         for retry in (*DB_LOCKED_RETRY_SECONDS, None):
             try:
                 close_old_connections()

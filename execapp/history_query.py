@@ -10,8 +10,10 @@ import datetime as dt
 import json
 import logging
 import re
-from typing import Any
+import time
+from typing import Any, Callable, TypeVar
 
+from django.db import OperationalError
 from django.utils import timezone
 
 from . import conf
@@ -22,6 +24,25 @@ from .history_store import Filters, Summary, store
 
 log = logging.getLogger("execapp.history")
 _rare = RateLimitedLog(log, 60.0)
+
+
+
+#: Waits before a database read is tried again when SQLite says a table is locked (its shared cache
+#: answers that at once, without the busy timeout, while the housekeeper writes failure traces).
+DB_LOCKED_RETRY_SECONDS = (0.05, 0.2, 0.5)
+_T = TypeVar("_T")
+
+
+def when_unlocked(query: Callable[[], _T]) -> _T:
+    """``query()``, run again after DB_LOCKED_RETRY_SECONDS while a table is locked (off the loop only)."""
+    for retry in (*DB_LOCKED_RETRY_SECONDS, None):
+        try:
+            return query()
+        except OperationalError as exc:
+            if retry is None or "locked" not in str(exc):
+                raise
+            time.sleep(retry)
+    raise AssertionError("unreachable")
 
 
 def get(owner: str, event_id: str) -> dict[str, Any] | None:
@@ -39,8 +60,8 @@ def get(owner: str, event_id: str) -> dict[str, Any] | None:
     from .models import EventTrace
 
     # Stored cleaned (execapp.dbtext), so looked up cleaned: a NUL would fail the query on PostgreSQL.
-    row = EventTrace.objects.filter(owner=clean_text(owner), event_id=clean_text(event_id)).order_by(
-        "-created_at").first()
+    row = when_unlocked(EventTrace.objects.filter(owner=clean_text(owner), event_id=clean_text(event_id)).order_by(
+        "-created_at").first)
     return None if row is None else dict(row.trace)
 
 
