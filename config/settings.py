@@ -38,6 +38,8 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # A browser that signs in gets a device cookie: its own sign-in lane (execapp/login_device.py).
+    "execapp.login_device.LoginDeviceMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     # Scripts only from this site's files, no framing (execapp/security_headers.py).

@@ -18,7 +18,10 @@ check running may not take the last free slot (it is kept for another network), 
 sign-ins are counted per client network and per username (``execapp/login_throttle.py``): past
 ``LOGIN_FAILURES_BURST`` of them an attempt from that network, or for that username from a network
 that never signed it in, is refused before hashing (code ``login_throttled``, with the seconds to
-wait). Refusals are counted in ``execapp_password_checks_refused_total{reason}``.
+wait). A browser that signed the username in before (a device cookie, ``execapp/login_device.py``)
+is judged by its own device's failures and may use one more slot, kept for such browsers, so a
+flood from many networks at once holds neither its name nor every slot against it. Refusals are
+counted in ``execapp_password_checks_refused_total{reason}``.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.backends import ModelBackend
 from django.core.exceptions import ValidationError
 
-from . import conf, login_throttle, metrics
+from . import conf, login_device, login_throttle, metrics
 from .engine.ratelog import RateLimitedLog
 
 log = logging.getLogger("execapp.login_limit")
@@ -47,6 +50,10 @@ LOGIN_THROTTLED = "login_throttled"
 _lock = threading.Lock()
 _running: dict[str, int] = {}
 _total = 0
+#: Checks running in the slot kept for device holders (0 or 1), past MAX_PASSWORD_CHECKS.
+_kept = 0
+#: The key of a check that runs in the kept slot (it is not counted in _running or _total).
+_KEPT = object()
 
 
 def _refuse_busy(limit: int) -> None:
@@ -64,35 +71,45 @@ def _refuse_throttled(reason: str, wait: float, network: str | None) -> None:
                   "(EXECAPP['LOGIN_FAILURES_BURST']); last from network %s", f"for its {reason}", network)
     if reason == login_throttle.NETWORK:
         text = f"Too many failed sign-ins from your network; try again in {seconds} s."
+    elif reason == login_throttle.DEVICE:
+        text = f"Too many failed sign-ins from this browser; try again in {seconds} s."
     else:
         text = (f"Too many failed sign-ins for this username; try again in {seconds} s, or from a network "
                 "it signed in from before.")
     raise ValidationError(text, code=LOGIN_THROTTLED)
 
 
-def _begin(network: str | None) -> None:
-    """Count one password check in, or raise ``login_busy`` when the worker is at its cap (or at
-    its last slot, and this network already has a check running)."""
-    global _total
+def _begin(network: str | None, device: str | None = None) -> Any:
+    """Count one password check in and return its key for ``_end``, or raise ``login_busy`` when the
+    worker is at its cap (or at its last slot, and this network already has a check running); a
+    known ``device`` may then take the one slot kept for device holders."""
+    global _total, _kept
     limit = int(conf.get("MAX_PASSWORD_CHECKS"))
-    key = network or ""
+    key: Any = network or ""
     with _lock:
         mine = _running.get(key, 0)
         # No address (a Unix socket): every client would share one key, so the global cap alone.
         if _total >= limit or (mine and network and _total >= limit - 1):
-            refused = True
+            if device is not None and not _kept:
+                _kept, key = 1, _KEPT
+            else:
+                key = None
         else:
-            refused = False
             _running[key] = mine + 1
             _total += 1
-    if refused:
+    if key is None:
         _refuse_busy(limit)
+    return key
 
 
-def _end(network: str | None) -> None:
-    global _total
-    key = network or ""
+def _end(key: Any) -> None:
+    """Count a check out, by the key ``_begin`` gave it (a network, None or "" for none, or the kept slot)."""
+    global _total, _kept
+    key = "" if key is None else key
     with _lock:
+        if key is _KEPT:
+            _kept = 0
+            return
         _total -= 1
         left = _running[key] - 1
         if left:
@@ -102,27 +119,30 @@ def _end(network: str | None) -> None:
 
 
 def running() -> int:
-    """Password checks running now in this process."""
-    return _total
+    """Password checks running now in this process (the device holders' kept slot included)."""
+    return _total + _kept
 
 
-def _admit(request: Any, username: Any) -> tuple[Any, str | None, str | None]:
-    """Refuse an attempt whose network or username is throttled, then count its check in."""
+def _admit(request: Any, username: Any) -> tuple[Any, str | None, str | None, str | None, Any]:
+    """Refuse an attempt whose device, network or username is throttled, then count its check in."""
     throttle = login_throttle.current()
     network, name = login_throttle.request_network(request), login_throttle.username_key(username)
-    refusal = throttle.refusal(network, name)
+    device = login_device.device(request, name)
+    refusal = throttle.refusal(network, name, device)
     if refusal is not None:
         _refuse_throttled(*refusal, network)
-    _begin(network)
-    return throttle, network, name
+    return throttle, network, name, device, _begin(network, device)
 
 
-def _judged(throttle: Any, network: str | None, name: str | None, user: Any) -> Any:
-    """Count a hashed attempt's outcome (no user: a failure)."""
+def _judged(request: Any, admitted: tuple[Any, str | None, str | None, str | None, Any], user: Any) -> Any:
+    """Count a hashed attempt's outcome (no user: a failure; a user: its browser gets a device cookie)."""
+    throttle, network, name, device, _ = admitted
     if user is None:
-        throttle.failed(network, name)
+        throttle.failed(network, name, device)
     else:
         throttle.succeeded(network, name)
+        if name is not None:
+            login_device.signed_in(request, name)
     return user
 
 
@@ -139,20 +159,20 @@ class LimitedModelBackend(ModelBackend):
                      **kwargs: Any) -> Any:
         if password is None:  # nothing to hash: ModelBackend returns at once
             return None
-        throttle, network, name = _admit(request, _username(username, kwargs))
+        admitted = _admit(request, _username(username, kwargs))
         try:
             user = super().authenticate(request, username, password, **kwargs)
         finally:
-            _end(network)  # an exception (the database) is no verdict on the password: not counted
-        return _judged(throttle, network, name, user)
+            _end(admitted[-1])  # an exception (the database) is no verdict on the password: not counted
+        return _judged(request, admitted, user)
 
     async def aauthenticate(self, request: Any, username: str | None = None, password: str | None = None,
                             **kwargs: Any) -> Any:
         if password is None:
             return None
-        throttle, network, name = _admit(request, _username(username, kwargs))
+        admitted = _admit(request, _username(username, kwargs))
         try:
             user = await super().aauthenticate(request, username, password, **kwargs)
         finally:
-            _end(network)  # an exception (the database) is no verdict on the password: not counted
-        return _judged(throttle, network, name, user)
+            _end(admitted[-1])  # an exception (the database) is no verdict on the password: not counted
+        return _judged(request, admitted, user)

@@ -10,7 +10,9 @@ for as long as the flood lasted. Here the failures are counted where they come f
   is empty that network's attempts are refused before hashing, and nobody else's are;
 - per username (case-folded): the same bucket, so guessing one account's password from many
   networks is slowed too; a network that signed that username in before (in this process) is not
-  held by it, so the account's owner is not locked out by a flood against their name.
+  held by it, so the account's owner is not locked out by a flood against their name;
+- per device (``execapp/login_device.py``): an attempt with a valid device cookie for its
+  username is judged by that device's bucket alone, wherever it comes from.
 
 The address is ``REMOTE_ADDR``, which Django takes from the ASGI scope: behind a proxy it is the
 proxy's own unless the proxy is listed in ``--forwarded-allow-ips`` (then uvicorn puts the
@@ -35,7 +37,7 @@ MAX_KEYS = 65_536
 MAX_USERNAME_CHARS = 150
 
 #: What an attempt was refused for (the ``reason`` label of execapp_password_checks_refused_total).
-NETWORK, USERNAME = "network", "username"
+NETWORK, USERNAME, DEVICE = "network", "username", "device"
 
 
 def request_network(request: Any) -> str | None:
@@ -61,13 +63,19 @@ class LoginThrottle:
         self.burst = burst
         self._networks = AuthThrottle(burst, per_minute, max_keys, clock)
         self._usernames = AuthThrottle(burst, per_minute, max_keys, clock)
+        self._devices = AuthThrottle(burst, per_minute, max_keys, clock)
         #: (username, network) pairs that signed in: the username's bucket does not hold them.
         self._known: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._max_keys = max_keys
 
-    def refusal(self, network: str | None, username: str | None) -> tuple[str, float] | None:
-        """(``"network"`` or ``"username"``, seconds to wait) if an attempt must be refused now, else None."""
+    def refusal(self, network: str | None, username: str | None,
+                device: str | None = None) -> tuple[str, float] | None:
+        """(``"network"``, ``"username"`` or ``"device"``, seconds to wait) if an attempt must be refused
+        now, else None. An attempt from a known ``device`` is judged by that device's failures only."""
         with self._lock:
+            if device is not None:
+                wait = self._devices.retry_after(device)
+                return (DEVICE, wait) if wait > 0 else None
             wait = self._networks.retry_after(network)
             if wait > 0:
                 return NETWORK, wait
@@ -76,9 +84,13 @@ class LoginThrottle:
             wait = self._usernames.retry_after(username)
             return (USERNAME, wait) if wait > 0 else None
 
-    def failed(self, network: str | None, username: str | None) -> None:
-        """An attempt was hashed and refused: one failure out of its network's and username's buckets."""
+    def failed(self, network: str | None, username: str | None, device: str | None = None) -> None:
+        """An attempt was hashed and refused: one failure out of its device's bucket if it had one,
+        else out of its network's and username's."""
         with self._lock:
+            if device is not None:
+                self._devices.failed(device)
+                return
             self._networks.failed(network)
             if username is not None and (network is None or (username, network) not in self._known):
                 self._usernames.failed(username)

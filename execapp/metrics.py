@@ -104,9 +104,9 @@ CONNECTIONS_CLOSED = Counter("execapp_connections_closed_total", "Connections th
 PASSWORD_CHECKS_REFUSED = Counter("execapp_password_checks_refused_total", "Sign-in attempts refused before "
                                   "any password hashing, by reason: busy (the worker already ran "
                                   "EXECAPP['MAX_PASSWORD_CHECKS'] checks, or its last slot is kept for another "
-                                  "network), network or username (too many failed sign-ins from it, "
+                                  "network), network, username or device (too many failed sign-ins from it, "
                                   "EXECAPP['LOGIN_FAILURES_BURST']) (execapp.login_limit).", ["reason"])
-for _reason in ("busy", "network", "username"):  # a fixed set, present at 0 from the start
+for _reason in ("busy", "network", "username", "device"):  # a fixed set, present at 0 from the start
     PASSWORD_CHECKS_REFUSED.labels(_reason)
 HISTORY_TRACES = Counter("execapp_history_traces_total", "Event traces recorded (docs/observability.md).")
 HISTORY_DROPPED = Counter("execapp_history_dropped_total", "Trace items dropped because the recorder's buffer was "
