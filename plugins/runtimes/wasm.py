@@ -16,7 +16,7 @@ ABI (docs/plugins.md has the full text):
   plugins.runtimes.host.Host serves all host calls of one guest call and is closed when it returns.
 
 Limits: one process-wide Engine with epoch interruption, ticked by a daemon thread every
-``EPOCH_TICK`` seconds while a guest call runs (``_Ticker``); each call sets its store's
+``EPOCH_TICK`` seconds of the clock while a guest call runs (``_Ticker``); each call sets its store's
 deadline from the call's deadline (trap code INTERRUPT -> timeout). An instance is
 instantiated by its first call, so a start function runs inside that call's deadline (an
 inline call's too), not a budget of its own.
@@ -94,6 +94,24 @@ def _make_engine() -> wasmtime.Engine:
 ENGINE = _make_engine()
 
 
+#: The most ticks one late wake of the ticker adds (a minute's): past a stopped process's pause.
+MAX_CATCH_UP_TICKS = int(60 / EPOCH_TICK)
+
+# wasmtime_engine_increment_epoch through a handle that keeps the GIL (ctypes.PyDLL): through
+# wasmtime-py's (ctypes.CDLL) every call gives the GIL up and waits to take it back, another
+# switch interval (5 ms) per tick while other threads run Python. It is one atomic add.
+_increment_epoch = ctypes.PyDLL(str(ffi.filename)).wasmtime_engine_increment_epoch
+_increment_epoch.argtypes = [ctypes.POINTER(ffi.wasm_engine_t)]
+_increment_epoch.restype = None
+
+
+def _advance_epoch(ticks: int) -> None:
+    """Advance ENGINE's epoch by ``ticks`` without giving up the GIL (the ticker's late wakes)."""
+    engine = ENGINE.ptr()
+    for _ in range(ticks):
+        _increment_epoch(engine)
+
+
 class _Ticker:
     """The process's epoch ticker: one daemon thread (started at the first guest call) that
     advances ENGINE's epoch every EPOCH_TICK while a guest call is inside wasmtime, and waits
@@ -123,13 +141,25 @@ class _Ticker:
         # Ticking only while calls run: a thread that woke 200 times a second for ever took the
         # GIL from the event loop each time in every worker, WASM plugin or not. Deadlines
         # count ticks from the epoch at the call's start, so a paused epoch loses nothing.
+        # The epoch follows the clock, not the wakes: a wake needs the GIL, and with other Python
+        # threads busy each came ~10-20 ms late (a 0.3 s budget ran 3.4 s beside one busy
+        # thread, 1 s ran 7.8 s beside four); a late wake adds every tick it missed.
         cv = self._cv
+        last = time.monotonic()
         while True:
             with cv:
-                while not self._active:
-                    cv.wait()
+                if not self._active:
+                    while not self._active:
+                        cv.wait()
+                    last = time.monotonic()  # idle time is no call's: count from now
             time.sleep(EPOCH_TICK)
-            ENGINE.increment_epoch()
+            now = time.monotonic()
+            ticks = int((now - last) / EPOCH_TICK)
+            if ticks > MAX_CATCH_UP_TICKS:  # the process was stopped (SIGSTOP, a debugger): cap the burst
+                ticks, last = MAX_CATCH_UP_TICKS, now
+            else:
+                last += ticks * EPOCH_TICK
+            _advance_epoch(ticks)
 
 
 _ticker = _Ticker()

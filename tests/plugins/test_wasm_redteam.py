@@ -7,6 +7,7 @@ that says how far past the budget it runs at a 1 GiB memory cap.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -182,3 +183,28 @@ def test_a_failed_host_call_is_still_reported_as_itself() -> None:
     with pytest.raises(HandlerError, match="host call failed: pointer 65530\\+100 is outside linear memory"):
         call(module(body, imports=LOG))
     assert wasm_func.LAST_EXCEPTION is None  # this thread's own exception was taken back out of the slot
+
+
+def test_a_deadline_holds_while_other_threads_run_python() -> None:
+    # The epoch ticker needs the GIL at each wake: beside threads running Python each wake came
+    # late, and a deadline counted in wakes (ticks) ran long: a 1 s budget took 2.5 s beside one
+    # busy thread, 9 s beside four. The epoch follows the clock instead (wasm._Ticker).
+    plugin = LoadedPlugin(spec(module(handler("(loop $l (br $l)) (i64.const 0)")), timeout=1.0))
+    stop = threading.Event()
+
+    def busy() -> None:  # the event loop decoding frames, another runtime, the ORM...
+        while not stop.is_set():
+            sum(range(1000))
+
+    threads = [threading.Thread(target=busy, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(HandlerTimeout):
+            bounded(lambda: plugin.call("run", dict(EVENT), True, None))
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        plugin.close()
+    assert 1.0 <= took < 1.0 + 0.5, f"a 1 s budget took {took:.2f} s beside two busy threads"
