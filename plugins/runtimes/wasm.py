@@ -23,7 +23,7 @@ inline call's too), not a budget of its own.
 Each store has one linear memory, capped by ``Store.set_limits`` (``memory.grow`` returns -1
 past it), at most ``MAX_TABLES`` tables of ``MAX_TABLE_ELEMENTS``, and reserves
 ``MEMORY_RESERVATION`` bytes of address space instead of wasmtime's default 4 GiB; the GC
-proposal (a second heap of its own) is off. Compiling cannot be interrupted: its cost is
+proposal and exception handling (a second heap of their own) are off. Compiling cannot be interrupted: its cost is
 bounded before it starts (``MAX_MODULE_BYTES``, the section counts of ``MAX_COUNTS``) and it
 runs in a child process limited to ``COMPILE_TIMEOUT_SECONDS`` and ``COMPILE_MEMORY_BYTES``.
 """
@@ -80,8 +80,11 @@ _tls = threading.local()
 
 #: The Engine's settings (the compiling child process builds the same Engine from them). GC
 #: objects would live in a heap of their own, capped apart from linear memory: a second cap.
+#: So would thrown exceptions (wasmtime allocates each on that GC heap): a guest that kept
+#: caught ones in an exnref table held its whole memory cap again (8 MiB of linear memory plus
+#: 8 MiB of exceptions at an 8 MiB cap).
 ENGINE_SETTINGS: dict[str, Any] = {"epoch_interruption": True, "memory_reservation": MEMORY_RESERVATION,
-                                   "memory_guard_size": 64 << 10, "wasm_gc": False}
+                                   "memory_guard_size": 64 << 10, "wasm_gc": False, "wasm_exceptions": False}
 
 
 def _make_engine() -> wasmtime.Engine:
@@ -398,6 +401,15 @@ def _out_of_memory(message: str) -> bool:
                                          "memory allocation", "failed to allocate"))
 
 
+def _proposal_hint(message: str) -> str:
+    """What to rebuild without when wasmtime refused a proposal the host turns off ("" otherwise)."""
+    text = message.lower()
+    if "exception" in text and ("not enabled" in text or "without the exception handling feature" in text):
+        return (" (WebAssembly exception handling is off: each thrown exception would take memory outside the "
+                "plugin's memory cap; build without it, e.g. without -fwasm-exceptions, or with panic=abort)")
+    return ""
+
+
 def _compile_bounded(wasm: bytes) -> wasmtime.Module:
     """``wasm`` compiled in a child process bounded by COMPILE_TIMEOUT_SECONDS and
     COMPILE_MEMORY_BYTES (wasmtime cannot interrupt a compile), loaded into ENGINE."""
@@ -414,7 +426,7 @@ def _compile_bounded(wasm: bytes) -> wasmtime.Module:
         try:
             return wasmtime.Module(ENGINE, wasm)
         except wasmtime.WasmtimeError as exc:
-            raise CompileError(f"the module does not compile: {exc}") from None
+            raise CompileError(f"the module does not compile: {exc}{_proposal_hint(str(exc))}") from None
     out = done.stdout
     if done.returncode or out[:1] not in (b"M", b"E"):
         # Out of address space, wasmtime aborts ("memory allocation of N bytes failed") or Python
@@ -428,7 +440,7 @@ def _compile_bounded(wasm: bytes) -> wasmtime.Module:
         if _out_of_memory(message):  # wasmtime reported the allocation failure instead of aborting
             raise CompileError(f"compiling the module failed within its {COMPILE_MEMORY_BYTES >> 20} MiB of memory "
                                f"({message[:200]}); make it smaller", code="memory_limit")
-        raise CompileError(f"the module does not compile: {message}")
+        raise CompileError(f"the module does not compile: {message}{_proposal_hint(message)}")
     # Trusted: these bytes are what this process's own child serialized with this wasmtime.
     return wasmtime.Module.deserialize(ENGINE, out[1:])
 

@@ -228,7 +228,6 @@ RUNAWAYS = {
         "(loop $l (table.fill 0 (i32.const 0) (ref.null func) (i32.const 100000)) (br $l)) (i64.const 0)"),
     "tail_call": "(func $t (param i32) (result i32) (return_call $t (local.get 0)))" + handler(
         "(drop (call $t (i32.const 0))) (i64.const 0)"),
-    "exceptions": "(tag $e)" + handler("(loop $l (try_table (catch_all 0) (throw $e)) (br $l)) (i64.const 0)"),
 }
 HOST_FLOODS = {
     "log": ('(import "env" "log" (func $h (param i32 i32)))', "(call $h (i32.const 0) (i32.const 60000))"),
