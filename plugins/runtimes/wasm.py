@@ -645,10 +645,17 @@ class WasmInstance:
         return GuestError(f"{type(exc).__name__}: {exc}", poison=True)
 
     def close(self) -> None:
+        """Free the instance's store (its linear memory) now; the instance is not used again."""
+        store, self.store = self.store, None
         self.handlers = {}
         self.compiled = None
         self.instance = None  # type: ignore[assignment]
-        self.store = None
+        if store is not None:
+            # Now, not when its last Python reference goes: a failed call's exception holds the
+            # store through the frames of its traceback, in a reference cycle only the cyclic GC
+            # breaks (measured: each failed call at a 1 GiB cap kept its 250 MiB of touched memory
+            # after returning, four calls 1 GiB, until a collection ran).
+            store.close()
 
 
 def _limits_hint(message: str, spec: Any) -> str:
