@@ -232,13 +232,24 @@ def _mem(caller: wasmtime.Caller) -> wasmtime.Memory:
     return mem
 
 
-def _read(caller: wasmtime.Caller, ptr: int, length: int, limit: int = MAX_REPLY_BYTES) -> str:
+def _read(caller: wasmtime.Caller, ptr: int, length: int, what: str = "", limit: int = MAX_REPLY_BYTES) -> str:
+    """The UTF-8 string at ``ptr``; ``what`` (a kv key, a URL) must be valid UTF-8, else the host
+    call traps naming it. Without ``what`` (a log line) bad bytes become U+FFFD."""
     if length < 0 or length > limit:
         raise _HostTrap(f"string of {length} bytes is over the {limit}-byte limit")
     mem = _mem(caller)
     if ptr < 0 or ptr + length > mem.data_len(caller):
         raise _HostTrap(f"pointer {ptr}+{length} is outside linear memory")
-    return bytes(mem.read(caller, ptr, ptr + length)).decode("utf-8", "replace")
+    data = bytes(mem.read(caller, ptr, ptr + length))
+    if not what:
+        return data.decode("utf-8", "replace")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        # Replaced, two different byte strings were one key (b"a\xff" and b"a\xfe" both "a\ufffd"):
+        # a write to one silently overwrote the other.
+        raise _HostTrap(f"{what} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}); send "
+                        "text, or encode binary data (hex, base64)") from None
 
 
 def _write(caller: wasmtime.Caller, data: bytes, out: int, cap: int) -> int:
@@ -275,13 +286,13 @@ def _h_log(caller: wasmtime.Caller, ptr: int, length: int) -> None:
 
 @_host_import
 def _h_kv_get(caller: wasmtime.Caller, kptr: int, klen: int, out: int, cap: int) -> int:
-    value = _host().kv_get(_read(caller, kptr, klen))
+    value = _host().kv_get(_read(caller, kptr, klen, "kv_get: the key"))
     return -1 if value is None else _write(caller, value.encode(), out, cap)
 
 
 @_host_import
 def _h_kv_set(caller: wasmtime.Caller, kptr: int, klen: int, vptr: int, vlen: int) -> None:
-    _host().kv_set(_read(caller, kptr, klen), _read(caller, vptr, vlen))
+    _host().kv_set(_read(caller, kptr, klen, "kv_set: the key"), _read(caller, vptr, vlen, "kv_set: the value"))
 
 
 @_host_import
@@ -291,7 +302,7 @@ def _h_sleep(ms: int) -> None:
 
 @_host_import
 def _h_http_get(caller: wasmtime.Caller, uptr: int, ulen: int, out: int, cap: int) -> int:
-    return _write(caller, _host().http_get(_read(caller, uptr, ulen)).encode(), out, cap)
+    return _write(caller, _host().http_get(_read(caller, uptr, ulen, "http_get: the URL")).encode(), out, cap)
 
 
 def _make_linker() -> wasmtime.Linker:

@@ -261,3 +261,48 @@ def test_a_failed_call_frees_its_memory_when_it_returns(monkeypatch: pytest.Monk
         with pytest.raises(ValueError, match="closed"):
             store.ptr()  # type: ignore[attr-defined]
     assert grown < 100, f"4 failed calls that touched 61 MiB each left {grown} MiB"
+
+
+class _DictKV:
+    def __init__(self) -> None:
+        self.data: dict[tuple[str, str], str] = {}
+
+    def get(self, plugin: str, key: str, timeout: float) -> str | None:
+        return self.data.get((plugin, key))
+
+    def set(self, plugin: str, key: str, value: str, timeout: float, quotas: object = None) -> None:
+        self.data[(plugin, key)] = value
+
+    def usage(self, plugin: str) -> tuple[int, int]:
+        return len(self.data), 0
+
+
+KV = ('(import "env" "kv_set" (func $kv_set (param i32 i32 i32 i32)))'
+      '(import "env" "kv_get" (func $kv_get (param i32 i32 i32 i32) (result i32)))')
+
+
+@pytest.mark.parametrize("body, what, offset", [
+    # b"a\xff" and b"a\xfe" were both read as "a\ufffd": one key, the second write overwrote the first
+    ("(call $kv_set (i32.const 0) (i32.const 2) (i32.const 4) (i32.const 1))", "kv_set: the key", 1),
+    ("(call $kv_set (i32.const 4) (i32.const 1) (i32.const 0) (i32.const 2))", "kv_set: the value", 1),
+    ("(drop (call $kv_get (i32.const 1) (i32.const 1) (i32.const 8) (i32.const 8)))", "kv_get: the key", 0),
+], ids=["key", "value", "get"])
+def test_kv_text_that_is_not_utf8_is_refused_not_replaced(body: str, what: str, offset: int) -> None:
+    from plugins.runtimes import kvstore
+
+    previous = kvstore.install(_DictKV())
+    try:
+        code = module('(data (i32.const 0) "a\\ff\\fe\\00x")' + handler(f"{body} (i64.const 0)"), imports=KV)
+        with pytest.raises(HandlerError, match=rf"{what} is not valid UTF-8 \(byte 0x(ff|fe) at offset {offset}\); "
+                                               "send text, or encode binary data"):
+            plugin = LoadedPlugin(replace(spec(code), permissions=frozenset({"kv"})))
+            bounded(lambda: plugin.call("run", dict(EVENT), True, None))
+    finally:
+        kvstore.install(previous)
+
+
+def test_a_log_line_that_is_not_utf8_is_still_written(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="plugins.guest")
+    call(module('(data (i32.const 0) "a\\ffb")' + handler("(call $log (i32.const 0) (i32.const 3)) (i64.const 0)"),
+                imports=LOG))
+    assert "[hostile] a\ufffdb" in caplog.text
