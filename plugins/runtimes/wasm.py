@@ -108,6 +108,10 @@ _increment_epoch.argtypes = [ctypes.POINTER(ffi.wasm_engine_t)]
 _increment_epoch.restype = None
 
 
+#: The ticker's wait between wakes (tests stall it).
+_tick_sleep = time.sleep
+
+
 def _advance_epoch(ticks: int) -> None:
     """Advance ENGINE's epoch by ``ticks`` without giving up the GIL (the ticker's late wakes)."""
     engine = ENGINE.ptr()
@@ -124,6 +128,8 @@ class _Ticker:
         self._cv = threading.Condition(threading.Lock())
         self._active = 0
         self._thread: threading.Thread | None = None
+        #: The time up to which the epoch counts (None while idle): read by other threads (owed).
+        self._last: float | None = None
 
     def enter(self) -> None:
         """A guest call is about to run under an epoch deadline: the epoch must advance."""
@@ -140,29 +146,43 @@ class _Ticker:
         with self._cv:
             self._active -= 1
 
+    def owed(self) -> int:
+        """Ticks of time already past that the ticker's next wake adds: a deadline set now adds
+        them too, or a call starting while a wake is late loses that much of its budget (after a
+        stopped process resumed: all of it)."""
+        last = self._last
+        if last is None:
+            return 0
+        return min(max(0, int((time.monotonic() - last) / EPOCH_TICK)), MAX_CATCH_UP_TICKS)
+
     def _run(self) -> None:
         # Ticking only while calls run: a thread that woke 200 times a second for ever took the
         # GIL from the event loop each time in every worker, WASM plugin or not. Deadlines
         # count ticks from the epoch at the call's start, so a paused epoch loses nothing.
         # The epoch follows the clock, not the wakes: a wake needs the GIL, and with other Python
         # threads busy each came ~10-20 ms late (a 0.3 s budget ran 3.4 s beside one busy
-        # thread, 1 s ran 7.8 s beside four); a late wake adds every tick it missed.
+        # thread, 1 s ran 7.8 s beside four); a late wake adds every tick it missed (owed).
         cv = self._cv
-        last = time.monotonic()
+        self._last = time.monotonic()
         while True:
             with cv:
                 if not self._active:
+                    self._last = None
                     while not self._active:
                         cv.wait()
-                    last = time.monotonic()  # idle time is no call's: count from now
-            time.sleep(EPOCH_TICK)
+                    self._last = time.monotonic()  # idle time is no call's: count from now
+            _tick_sleep(EPOCH_TICK)
             now = time.monotonic()
+            last = self._last
             ticks = int((now - last) / EPOCH_TICK)
             if ticks > MAX_CATCH_UP_TICKS:  # the process was stopped (SIGSTOP, a debugger): cap the burst
                 ticks, last = MAX_CATCH_UP_TICKS, now
             else:
                 last += ticks * EPOCH_TICK
+            # The epoch first, then _last: a deadline set in between counts those ticks twice
+            # (a few ms late), never not at all (early).
             _advance_epoch(ticks)
+            self._last = last
 
 
 _ticker = _Ticker()
@@ -557,7 +577,7 @@ class WasmInstance:
         ticker = _ticker
         ticker.enter()
         try:
-            store.set_epoch_deadline(_ticks(seconds))
+            store.set_epoch_deadline(_ticks(seconds) + ticker.owed())
             _tls.trap = None
             self.instance = _instantiate(compiled.pre, store)
         except wasmtime.Trap as exc:
@@ -602,7 +622,7 @@ class WasmInstance:
         ticker.enter()
         _tls.call, _tls.host, _tls.host_error, _tls.trap = (self.spec, deadline), None, None, None
         try:
-            store.set_epoch_deadline(_ticks(remaining))
+            store.set_epoch_deadline(_ticks(remaining) + ticker.owed())
             ptr = self.alloc(len(payload))
             if ptr <= 0 or ptr + len(payload) > self.memory.data_len(store):
                 raise GuestError(f"alloc({len(payload)}) returned {ptr}, outside linear memory", poison=True)
