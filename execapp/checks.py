@@ -485,6 +485,20 @@ def _watchdog_checks() -> list[checks.CheckMessage]:
 
 
 @checks.register()
+def check_plugin_log_rate(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """The plugins' log rate (lines and bytes a second per plugin and worker) is a number of 0 or more."""
+    errors: list[checks.CheckMessage] = []
+    for key in ("PLUGIN_LOG_LINES_PER_SECOND", "PLUGIN_LOG_BYTES_PER_SECOND"):
+        value = conf.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+            errors.append(checks.Error(
+                f"EXECAPP[{key!r}] is {value!r}, it must be a number of 0 or more (0: no limit)",
+                hint=f"Set it to a number (default {conf.DEFAULTS[key]:g}); until fixed, plugins' log lines are "
+                     "not limited across calls.", id="execapp.E068"))
+    return errors
+
+
+@checks.register()
 def check_health_and_metrics_access(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """Validate the /healthz check timings, the /metrics access settings (networks, token) and the
     networks plugins may reach."""

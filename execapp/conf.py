@@ -198,6 +198,12 @@ DEFAULTS: dict[str, Any] = {
     # Non-public networks plugins' http_get may reach (a list of CIDRs, or comma-separated text);
     # None: public addresses only (plugins/runtimes/deadline_net.py).
     "PLUGIN_HTTP_ALLOWED_NETWORKS": None,
+    # Log lines and bytes a second one plugin's calls may write in one worker process, across its
+    # calls (plugins/runtimes/log_rate.py; a burst of 10 s of each after a quiet spell). The per-call
+    # log quota bounds one call only: a plugin called in a loop wrote 8.5 MB of log a second from
+    # one thread. Past it lines are dropped and counted (one line per 10 s says how many). 0: no limit.
+    "PLUGIN_LOG_LINES_PER_SECOND": 200.0,
+    "PLUGIN_LOG_BYTES_PER_SECOND": 131_072.0,
     # Event history (execapp/history.py, docs/observability.md "Event history"): every event's
     # trace in a bounded recent store (Redis with REDIS_URL, else this process), failures also in
     # the database for HISTORY_FAILURE_DAYS (`manage.py prune_history`). 0 events: store none

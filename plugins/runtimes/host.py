@@ -10,7 +10,8 @@ first checks the remaining time; ``sleep`` and ``http_get`` get only what is lef
 GuestQuota (a KV or HTTP quota of plugins.spec.Quotas; the runtimes make it uncatchable, like a
 timeout). Log lines past the log quota are dropped, not refused. A denied call is logged once
 per call. The runtime calls ``close()`` when the guest call ends: it writes the one summary
-line of what was dropped or denied.
+line of what was dropped or denied. Across calls, every line a plugin's calls cause passes its
+log rate in this process (plugins.runtimes.log_rate): past it lines are dropped and counted.
 
 ``kv_get``/``kv_set`` go to the KV store the process installed (plugins.runtimes.kvstore): this
 module, like every runtime, knows no backend and imports no Django.
@@ -29,6 +30,7 @@ from ..errors import GuestQuota, GuestTimeout, HostDenied
 from ..spec import PluginSpec
 from . import deadline_net, kvstore
 from .kvstore import MAX_KEY_CHARS, MAX_VALUE_CHARS
+from .log_rate import LogRate
 
 # The logger names predate the move into runtimes/: they are what operators configure.
 log = logging.getLogger("plugins.host")
@@ -57,6 +59,17 @@ def install_allowed_networks(reader: Callable[[], Sequence[deadline_net.Network]
     """Set what ``http_get`` reads for the non-public networks an operator allowed."""
     global _allowed_networks
     _allowed_networks = reader
+
+
+#: The log lines and bytes a second one plugin's calls may write in this process, across calls
+#: (plugins.runtimes.log_rate): the plugins app installs a reader of EXECAPP's
+#: PLUGIN_LOG_LINES_PER_SECOND and PLUGIN_LOG_BYTES_PER_SECOND; no limit without it.
+log_rate = LogRate(lambda: (0.0, 0.0))
+
+
+def install_log_rate(reader: Callable[[], tuple[float, float]]) -> None:
+    """Set what the plugins' log rate reads: ``(lines, bytes)`` a second per plugin (0: unlimited)."""
+    log_rate.limits = reader
 
 
 class HostCallError(Exception):
@@ -96,7 +109,7 @@ class Host:
     def _deny(self, what: str, message: str) -> HostDenied:
         """Count a denied call; only the first of the call is logged (a guest may retry in a loop)."""
         self.denied += 1
-        if self.denied == 1:
+        if self.denied == 1 and log_rate.allow(self.spec.name, len(what)):
             log.warning("plugin %r: %s; further denials in this call are counted, not logged",
                         self.spec.name, what)
         return HostDenied(message)
@@ -110,12 +123,20 @@ class Host:
         if self.closed:
             return
         self.closed = True
-        if self.log_dropped:
+        name = self.spec.name
+        if self.log_dropped and log_rate.allow(name, 100):
             q = self.quotas
             guest_log.warning("plugin %r: %d log lines dropped (limit %d lines and %d bytes per call)",
                               self.spec.name, self.log_dropped, q.log_lines, q.log_bytes)
-        if self.denied > 1:
-            log.info("plugin %r: %d host calls denied in one call", self.spec.name, self.denied)
+        if self.denied > 1 and log_rate.allow(name, 60):
+            log.info("plugin %r: %d host calls denied in one call", name, self.denied)
+        due = log_rate.due_summary(name)
+        if due is not None:  # at most one a SUMMARY_SECONDS per plugin: not itself rate-limited
+            lines, bytes_ = log_rate.limits()
+            guest_log.warning("plugin %r: %d log lines dropped in the last %.0f s, over its log rate in this worker "
+                              "process (%g lines and %g bytes a second: EXECAPP['PLUGIN_LOG_LINES_PER_SECOND'], "
+                              "EXECAPP['PLUGIN_LOG_BYTES_PER_SECOND']); log less per event", name, due[0], due[1],
+                              lines, bytes_)
 
     def __del__(self) -> None:
         # A safety net for a runtime that never called close(): CPython frees the Host when its
@@ -128,7 +149,8 @@ class Host:
     def log(self, message: Any) -> None:
         """Write one line to the 'plugins.guest' logger, tagged with the plugin's name.
 
-        Past the log quota of the call the line is dropped (and so is every later one).
+        Past the log quota of the call the line is dropped (and so is every later one); past the
+        plugin's log rate in this process (``log_rate``) too.
         """
         self._check("log", "log")
         text = str(message)[:MAX_LOG_CHARS]
@@ -139,7 +161,8 @@ class Host:
             return
         self.log_lines += 1
         self.log_bytes += size
-        guest_log.info("[%s] %s", self.spec.name, text)
+        if log_rate.allow(self.spec.name, size):
+            guest_log.info("[%s] %s", self.spec.name, text)
 
     def kv_get(self, key: Any) -> str | None:
         """The value stored under ``key`` in this plugin's namespace, or None."""
