@@ -192,9 +192,14 @@ class Host:
                                                 f"{q.kv_writes}; write less per event, or raise the quota")
         delta = _delta(delta)
         key = _key(key)
+        store = _kv("kv_incr")
+        incr = getattr(store, "incr", None)
+        if incr is None:  # a store a script installed before kv_incr existed
+            raise HostCallError(f"kv_incr: the installed KV store ({type(store).__name__}) has no incr(); give it one "
+                                "(plugins.runtimes.kvstore.KVStore) or install plugins.kv.ConfiguredKV")
         self.kv_writes += 1
         try:
-            return _kv("kv_incr").incr(self.spec.name, key, delta, self.remaining(), q)
+            return incr(self.spec.name, key, delta, self.remaining(), q)
         except TimeoutError:
             raise GuestTimeout("kv_incr: the KV store did not answer before the plugin's deadline") from None
         except KVValueError as exc:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from typing import Any, Iterator
 
@@ -23,6 +24,8 @@ from execapp.engine import HandlerError
 from plugins import kv
 from plugins.errors import GuestQuota, QuotaExceeded
 from plugins.loaded import LoadedPlugin
+from plugins.runtimes import kvstore
+from plugins.runtimes.host import Host, HostCallError
 from plugins.runtimes.kvstore import MAX_SAFE_INTEGER, KVValueError
 from plugins.runtimes.wasm import wat_to_wasm
 from plugins.spec import DEFAULT_QUOTAS, PluginSpec
@@ -337,3 +340,19 @@ def test_the_database_counts_every_add_of_many_processes_and_threads_exactly_onc
     seen = _add_in_processes(env)
     assert sorted(seen) == list(range(1, 3 * 4 * 20 + 1))
 
+
+
+def test_a_store_installed_without_incr_fails_kv_incr_with_what_to_do() -> None:
+    class OldStore:  # a script's store from before kv_incr (get/set/usage only)
+        def get(self, plugin: str, key: str, timeout: float) -> str | None:
+            return None
+
+    previous = kvstore.install(OldStore())  # type: ignore[arg-type]
+    try:
+        host = Host(PluginSpec(name="old", runtime="lua", code="", permissions=frozenset({"kv"})),
+                    time.monotonic() + 2.0)
+        with pytest.raises(HostCallError, match=r"the installed KV store \(OldStore\) has no incr\(\)"):
+            host.kv_incr("n")
+        assert host.kv_writes == 0  # nothing was written: no write counted
+    finally:
+        kvstore.install(previous)
