@@ -66,6 +66,10 @@ async function many(e) { for (let i = 0; i < 101; i++) await kv_incr("n"); retur
 async function caught(e) {
   try { return "counted " + await kv_incr(e.args); } catch (err) { return "refused: " + err.message; }
 }
+async function queued(e) {  // queued at once, crossing in one batch: each gets its own value, in order
+  const got = await Promise.all(Array.from({length: Number(e.args)}, () => kv_incr("q")));
+  return got.join(",");
+}
 async function delta(e) {
   const d = {nan: NaN, inf: -Infinity, half: 0.5, text: "2", none: undefined, obj: {a: 1}}[e.args];
   return String(await kv_incr("d", d));
@@ -176,6 +180,16 @@ def test_a_value_that_is_not_an_integer_is_a_catchable_error_naming_the_key(runt
         in reply and "store a number there with kv_set first, or count under another key" in reply
     assert stored("word") == "seven"
     assert plugin.call("caught", event("fresh")) == "counted 1"
+
+
+@pytest.mark.django_db
+def test_js_adds_queued_without_await_each_count_once_in_order() -> None:
+    plugin = loaded("js", JS)
+    assert plugin.call("queued", event("50")) == ",".join(str(n) for n in range(1, 51))
+    assert stored("q") == "50"
+    with pytest.raises(QuotaExceeded) as info:  # past the writes quota: the call ends, 100 counted
+        plugin.call("queued", event("150"))
+    assert info.value.code == "quota_kv_writes" and stored("q") == "150"
 
 
 @pytest.mark.django_db
