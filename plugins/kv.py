@@ -4,7 +4,8 @@ the database (the embedded default) or in Redis (when ``REDIS_URL`` is set).
 The runtimes know only the protocol (plugins.runtimes.kvstore.KVStore); the plugins app installs
 ``ConfiguredKV`` at ``AppConfig.ready``, which sends each call to the backend the settings name
 now. Both backends check a write against the plugin's quotas atomically with the write: the
-database in one transaction holding the plugin's KVUsage row, Redis in one Lua script. ``incr``
+database in one transaction holding the plugin's KVUsage row (its lock waits bounded by the call's
+deadline: plugins.kv_deadline), Redis in one Lua script. ``incr``
 reads, adds and writes in that same one step, so counts made at once by several threads and worker
 processes all land (a guest's kv_get then kv_set lost some: 40 ``/count`` over 3 workers counted 30).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
@@ -21,6 +23,7 @@ from django.utils import timezone
 
 from execapp import conf
 
+from .kv_deadline import write_transaction
 from .models import KVEntry, KVUsage
 from .runtimes.kvstore import (
     MAX_SAFE_INTEGER,
@@ -60,18 +63,22 @@ class DatabaseKV:
         return self._run(query, timeout)
 
     def set(self, plugin: str, key: str, value: str, timeout: float, quotas: Quotas | None = None) -> None:
+        deadline = time.monotonic() + timeout
+
         def write() -> None:
-            with transaction.atomic():
+            with write_transaction(deadline):
                 usage = _locked_usage(plugin)
                 old = KVEntry.objects.filter(plugin=plugin, key=key).values_list("pk", "value").first()
                 _write(plugin, key, value, quotas, usage, old, "kv_set")
         self._run(write, timeout)
 
     def incr(self, plugin: str, key: str, delta: int, timeout: float, quotas: Quotas | None = None) -> int:
+        deadline = time.monotonic() + timeout
+
         def add() -> int:
             # The read sits after _locked_usage's UPDATE: every write of this plugin, from any thread
             # or process, waits for that lock, so nothing can change the value between read and write.
-            with transaction.atomic():
+            with write_transaction(deadline):
                 usage = _locked_usage(plugin)
                 old = KVEntry.objects.filter(plugin=plugin, key=key).values_list("pk", "value").first()
                 value = incremented(key, old[1] if old else None, delta)
