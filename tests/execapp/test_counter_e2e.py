@@ -117,7 +117,7 @@ def _read(path: str) -> str:
 
 
 async def _count_runs(c: Counting) -> tuple[list[dict], dict[int, int]]:
-    """PER_CONNECTION `/count` at once on each of CONNECTIONS connections (all open first): every
+    """PER_CONNECTION `/count` on each of CONNECTIONS connections at once (all open first): every
     frame until each event's done, and which worker held each connection."""
     async with contextlib.AsyncExitStack() as stack:
         sockets = [await stack.enter_async_context(connect(f"{c.ws_url}?token={c.token}")) for _ in range(CONNECTIONS)]
@@ -125,14 +125,15 @@ async def _count_runs(c: Counting) -> tuple[list[dict], dict[int, int]]:
                                          {ws.local_address[1] for ws in sockets})
 
         async def runs(n: int, ws: ClientConnection) -> list[dict]:
+            # One at a time per connection: CONNECTIONS runs race over the workers at any moment,
+            # and no burst queues for SQLite's write lock past a call's budget on a busy machine.
             frames: list[dict] = []
             for i in range(PER_CONNECTION):
                 await ws.send(json.dumps({"type": "message", "text": "/count", "id": f"count-{n}-{i}"}))
-            done = 0
-            while done < PER_CONNECTION:
-                frame = json.loads(await asyncio.wait_for(ws.recv(), WAIT))
-                frames.append(frame)
-                done += frame["type"] == "done"
+                frame: dict = {}
+                while frame.get("type") != "done":
+                    frame = json.loads(await asyncio.wait_for(ws.recv(), WAIT))
+                    frames.append(frame)
             return frames
 
         got = await asyncio.gather(*(runs(n, ws) for n, ws in enumerate(sockets)))
