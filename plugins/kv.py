@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from execapp import conf
 
-from .kv_deadline import write_transaction
+from . import kv_deadline
 from .models import KVEntry, KVUsage
 from .runtimes.kvstore import (
     MAX_SAFE_INTEGER,
@@ -57,16 +57,18 @@ class DatabaseKV:
         return self._hop.submit(_with_connection_cleanup, fn).result(timeout=max(timeout, 0.001))
 
     def get(self, plugin: str, key: str, timeout: float) -> str | None:
+        deadline = time.monotonic() + timeout
+
         def query() -> str | None:
-            row = KVEntry.objects.filter(plugin=plugin, key=key).values_list("value", flat=True).first()
-            return row
+            with kv_deadline.read(deadline):
+                return KVEntry.objects.filter(plugin=plugin, key=key).values_list("value", flat=True).first()
         return self._run(query, timeout)
 
     def set(self, plugin: str, key: str, value: str, timeout: float, quotas: Quotas | None = None) -> None:
         deadline = time.monotonic() + timeout
 
         def write() -> None:
-            with write_transaction(deadline):
+            with kv_deadline.write_transaction(deadline):
                 usage = _locked_usage(plugin)
                 old = KVEntry.objects.filter(plugin=plugin, key=key).values_list("pk", "value").first()
                 _write(plugin, key, value, quotas, usage, old, "kv_set")
@@ -78,7 +80,7 @@ class DatabaseKV:
         def add() -> int:
             # The read sits after _locked_usage's UPDATE: every write of this plugin, from any thread
             # or process, waits for that lock, so nothing can change the value between read and write.
-            with write_transaction(deadline):
+            with kv_deadline.write_transaction(deadline):
                 usage = _locked_usage(plugin)
                 old = KVEntry.objects.filter(plugin=plugin, key=key).values_list("pk", "value").first()
                 value = incremented(key, old[1] if old else None, delta)

@@ -1,4 +1,4 @@
-"""A KV write transaction that waits for the database's locks no longer than its host call's budget.
+"""Database KV calls that wait for the database's locks no longer than their host call's budget.
 
 ``kv_set`` and ``kv_incr`` on the database first lock the plugin's KVUsage row (on SQLite: the
 database's write lock, taken at BEGIN IMMEDIATE). Off the event loop they ran on the guest's own
@@ -8,6 +8,8 @@ a stuck writer of another worker) a call with a 0.2 s budget returned after 20.1
 pool thread all along. Here the wait ends with what is left of the budget: SQLite's busy timeout is
 set to it for the transaction, PostgreSQL's ``statement_timeout`` (local to the transaction) too, and
 a lock wait cut short raises TimeoutError, which the host reports as the guest's ``timeout``.
+``kv_get`` too (``read``): an ACCESS EXCLUSIVE lock on PostgreSQL (a migration, VACUUM FULL) held a
+read with a 0.2 s budget until it was released.
 """
 from __future__ import annotations
 
@@ -26,10 +28,7 @@ _PG_CUT_SHORT = frozenset({"57014", "55P03"})
 def write_transaction(deadline: float) -> Iterator[None]:
     """``transaction.atomic()`` whose lock waits end by ``deadline`` (time.monotonic()); TimeoutError
     when one did, or when no time is left before it starts."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("no time left of the call's budget for the KV write")
-    ms = max(1, math.ceil(left * 1000))
+    ms = _ms_left(deadline)
     try:
         if connection.vendor == "sqlite":
             with _sqlite_busy_timeout(ms), transaction.atomic():
@@ -41,9 +40,39 @@ def write_transaction(deadline: float) -> Iterator[None]:
             with transaction.atomic():
                 yield
     except OperationalError as exc:
-        if _cut_short(exc):
-            raise TimeoutError(f"the KV store's lock was not free within the call's budget ({ms} ms)") from exc
-        raise
+        raise _timeout(exc, ms) from exc
+
+
+@contextmanager
+def read(deadline: float) -> Iterator[None]:
+    """Queries whose lock waits end by ``deadline``, as ``write_transaction``'s. SQLite's read is not
+    made a transaction (IMMEDIATE would take the write lock); PostgreSQL's is, for the local timeout."""
+    ms = _ms_left(deadline)
+    try:
+        if connection.vendor == "sqlite":
+            with _sqlite_busy_timeout(ms):
+                yield
+        elif connection.vendor == "postgresql":
+            with transaction.atomic(), _pg_statement_timeout(ms):
+                yield
+        else:
+            yield
+    except OperationalError as exc:
+        raise _timeout(exc, ms) from exc
+
+
+def _ms_left(deadline: float) -> int:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("no time left of the call's budget for the KV call")
+    return max(1, math.ceil(left * 1000))
+
+
+def _timeout(exc: OperationalError, ms: int) -> Exception:
+    """TimeoutError for a lock wait the deadline cut short, else ``exc`` itself."""
+    if _cut_short(exc):
+        return TimeoutError(f"the KV store's lock was not free within the call's budget ({ms} ms)")
+    return exc
 
 
 @contextmanager

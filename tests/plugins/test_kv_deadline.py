@@ -33,7 +33,7 @@ release = threading.Timer(3.0, lambda: {release})
 release.start()
 spec = PluginSpec(name="held", runtime="lua", code="", permissions=frozenset({{"kv"}}), timeout=0.2)
 results = {{}}
-for call, args in (("kv_incr", ("n",)), ("kv_set", ("n", "5"))):
+for call, args in {calls}:
     host = Host(spec, time.monotonic() + 0.2)
     started = time.monotonic()
     try:
@@ -48,16 +48,20 @@ print("RESULT " + json.dumps(results))
 """
 
 
-def _run(env: dict[str, str], hold: str, release: str) -> dict:
-    proc = subprocess.run([sys.executable, "manage.py", "shell", "-c", _SCRIPT.format(hold=hold, release=release)],
+WRITES = (("kv_incr", ("n",)), ("kv_set", ("n", "5")))
+
+
+def _run(env: dict[str, str], hold: str, release: str, calls: tuple = WRITES) -> dict:
+    script = _SCRIPT.format(hold=hold, release=release, calls=repr(calls))
+    proc = subprocess.run([sys.executable, "manage.py", "shell", "-c", script],
                           cwd=ROOT, env={**os.environ, "REDIS_URL": "", **env}, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
-def _check(results: dict) -> None:
-    for call in ("kv_incr", "kv_set"):
+def _check(results: dict, calls: tuple = WRITES) -> None:
+    for call, _ in calls:
         took, outcome = results[call]
         assert outcome.startswith(f"GuestTimeout: {call}: the KV store did not answer before the plugin's deadline"), \
             results
@@ -74,11 +78,29 @@ def test_a_held_sqlite_write_lock_ends_a_kv_write_at_the_call_s_deadline(sqlite_
                 "holder.execute('COMMIT')"))
 
 
-@pytest.mark.postgres
-def test_a_held_postgresql_row_lock_ends_a_kv_write_at_the_call_s_deadline(postgres_url: str) -> None:
+@pytest.fixture(scope="module")
+def pg_env(postgres_url: str) -> dict[str, str]:
     env = {"DATABASE_URL": postgres_url}
     migrated = manage("migrate", "--noinput", env={**env, "REDIS_URL": ""}, timeout=180)
     assert migrated.returncode == 0, migrated.stderr
+    return env
+
+
+@pytest.mark.postgres
+def test_a_held_postgresql_table_lock_ends_every_kv_call_at_the_call_s_deadline(pg_env: dict[str, str]) -> None:
+    # An ACCESS EXCLUSIVE lock (a migration, VACUUM FULL, LOCK TABLE) blocks reads too: kv_get waited
+    # for it on a pool thread, however short its budget.
+    calls = (("kv_get", ("n",)), *WRITES)
+    _check(_run(pg_env,
+                f"import psycopg\nholder = psycopg.connect({pg_env['DATABASE_URL']!r})\n"
+                "holder.execute('LOCK TABLE plugins_kventry IN ACCESS EXCLUSIVE MODE')",
+                "holder.commit()", calls), calls)
+
+
+@pytest.mark.postgres
+def test_a_held_postgresql_row_lock_ends_a_kv_write_at_the_call_s_deadline(pg_env: dict[str, str]) -> None:
+    postgres_url = pg_env["DATABASE_URL"]
+    env = pg_env
     _check(_run(env,
                 f"import psycopg\nholder = psycopg.connect({postgres_url!r})\n"
                 "holder.execute(\"UPDATE plugins_kvusage SET keys = keys WHERE plugin = 'held'\")",
