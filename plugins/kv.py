@@ -5,9 +5,9 @@ The runtimes know only the protocol (plugins.runtimes.kvstore.KVStore); the plug
 ``ConfiguredKV`` at ``AppConfig.ready``, which sends each call to the backend the settings name
 now. Both backends check a write against the plugin's quotas atomically with the write: the
 database in one transaction holding the plugin's KVUsage row (its lock waits bounded by the call's
-deadline: plugins.kv_deadline), Redis in one Lua script. ``incr``
-reads, adds and writes in that same one step, so counts made at once by several threads and worker
-processes all land (a guest's kv_get then kv_set lost some: 40 ``/count`` over 3 workers counted 30).
+deadline: plugins.kv_deadline), Redis in one Lua script. ``incr`` reads, adds and writes in that
+same one step, so counts made at once by several threads and worker processes all land (a guest's
+kv_get then kv_set lost some: 40 ``/count`` over 3 workers counted 30).
 """
 from __future__ import annotations
 
@@ -261,7 +261,7 @@ if stored then
   if math.abs(old) > max_int then return {3, stored, #stored, 0} end
 end
 local new = old + delta
-if math.abs(new) > max_int then return {4, stored, 0, 0} end
+if math.abs(new) > max_int then return {4, stored or '0', 0, 0} end
 local text = string.format('%d', new)
 local total = tonumber(redis.call('HGET', usage, plugin) or '')
 if not total then

@@ -259,6 +259,8 @@ def test_both_stores_add_exactly_up_to_the_safe_integers(store: Any, value: str 
         store.set("adds", "k", value, 5.0)
     assert store.incr("adds", "k", delta, 5.0) == result
     assert store.get("adds", "k", 5.0) == str(result)
+    with pytest.raises(KVValueError, match="'fresh' holds 0, and adding 9007199254740992 would give"):
+        store.incr("adds", "fresh", MAX_SAFE_INTEGER + 1, 5.0)  # (the host refuses such a delta first)
     if result:
         with pytest.raises(KVValueError, match="outside the integers kv_incr keeps"):
             store.incr("adds", "k", MAX_SAFE_INTEGER if result > 0 else -MAX_SAFE_INTEGER, 5.0)
