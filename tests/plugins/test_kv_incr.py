@@ -229,10 +229,10 @@ def test_a_lua_delta_must_be_an_integer() -> None:
 
 # -- the stores ------------------------------------------------------------------------------------
 
-@pytest.fixture(params=["database", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(params=[pytest.param("database", marks=pytest.mark.django_db),
+                        pytest.param("redis", marks=pytest.mark.redis)])
 def store(request: pytest.FixtureRequest) -> Iterator[Any]:
     if request.param == "database":
-        request.getfixturevalue("db")
         yield kv.kv_store()
         return
     with override_settings(REDIS_URL=request.getfixturevalue("redis_url")):
