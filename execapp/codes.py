@@ -33,8 +33,8 @@ ERROR_CODES: dict[str, str] = {
     "memory_limit": "a handler ran into its plugin's memory cap",
     "permission_denied": "a handler called a host function its plugin has no permission for",
     # Host quotas (plugins.errors.QUOTA_CODES): the call was ended, the event still gets its done.
-    "quota_kv": "a handler's kv_set would take its plugin's stored KV keys or bytes past their quota",
-    "quota_kv_writes": "a handler made more kv_set calls in one call than its plugin's quota",
+    "quota_kv": "a handler's kv_set or kv_incr would take its plugin's stored KV keys or bytes past their quota",
+    "quota_kv_writes": "a handler made more kv_set and kv_incr calls in one call than its plugin's quota",
     "quota_http": "a handler made more http_get requests or received more response bytes in one call than its "
                   "plugin's quota",
 }

@@ -92,8 +92,8 @@ class CompileError(Exception):
 
 #: Each quota code a plugin can meet, and what it means (execapp.protocol.ERROR_CODES repeats them).
 QUOTA_CODES: dict[str, str] = {
-    "quota_kv": "a kv_set would take the plugin's stored KV data past its key or byte quota",
-    "quota_kv_writes": "a handler called kv_set more times in one call than its plugin allows",
+    "quota_kv": "a kv_set or kv_incr would take the plugin's stored KV data past its key or byte quota",
+    "quota_kv_writes": "a handler called kv_set or kv_incr more times in one call than its plugin allows",
     "quota_http": "a handler made more http_get requests, or received more response bytes, in one call "
                   "than its plugin allows",
 }

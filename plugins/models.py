@@ -26,11 +26,12 @@ NAME_VALIDATOR = RegexValidator(r"^[a-z0-9][a-z0-9_-]{0,62}$",
 #: field, one entry here (importing this module fails without it) and a migration.
 QUOTA_TEXTS: dict[str, tuple[str, type[models.Field], str]] = {
     "kv_keys": ("KV keys", models.PositiveIntegerField,
-                "Keys the plugin may keep in its KV namespace (a kv_set of a new key past it fails: quota_kv)."),
+                "Keys the plugin may keep in its KV namespace (a kv_set or kv_incr of a new key past it fails: "
+                "quota_kv)."),
     "kv_bytes": ("KV bytes", models.PositiveBigIntegerField,
                  "UTF-8 bytes of keys plus values the plugin may keep in its KV namespace (quota_kv)."),
     "kv_writes": ("KV writes per call", models.PositiveIntegerField,
-                  "kv_set calls one handler call may make; one more ends the call (quota_kv_writes)."),
+                  "kv_set and kv_incr calls one handler call may make; one more ends the call (quota_kv_writes)."),
     "log_lines": ("log lines per call", models.PositiveIntegerField,
                   "Log lines one handler call may write; later lines are dropped and counted in one summary line."),
     "log_bytes": ("log bytes per call", models.PositiveIntegerField,

@@ -1,7 +1,6 @@
 -- counter: /count -> 1, 2, 3, ... kept in the host key-value store, so it survives restarts.
--- max_concurrency 1 serializes the read-increment-write within a worker process.
+-- kv_incr adds and stores in one atomic step of the store, so /count runs at once, on any thread
+-- of any worker process, each count exactly once (a kv_get then kv_set lost counts between them).
 function count(event)
-  local n = (tonumber(kv_get("count")) or 0) + 1
-  kv_set("count", n)
-  return tostring(n)
+  return tostring(kv_incr("count"))
 end

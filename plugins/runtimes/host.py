@@ -1,7 +1,8 @@
 """The host API every runtime exposes to guests: one ``Host`` per guest call, checked against the
 plugin's permissions, its deadline and its quotas.
 
-``log(msg)``, ``kv_get(key)``, ``kv_set(key, value)``, ``sleep(ms)``, ``http_get(url)``. A
+``log(msg)``, ``kv_get(key)``, ``kv_set(key, value)``, ``kv_incr(key, delta=1)``, ``sleep(ms)``,
+``http_get(url)``. A
 denied or failing call raises here; each runtime turns that into an error inside the guest
 (Lua ``error``, a rejected JS promise, a WASM trap), which the guest may catch.
 
@@ -13,7 +14,7 @@ per call. The runtime calls ``close()`` when the guest call ends: it writes the 
 line of what was dropped or denied. Across calls, every line a plugin's calls cause passes its
 log rate in this process (plugins.runtimes.log_rate): past it lines are dropped and counted.
 
-``kv_get``/``kv_set`` go to the KV store the process installed (plugins.runtimes.kvstore): this
+``kv_get``/``kv_set``/``kv_incr`` go to the KV store the process installed (plugins.runtimes.kvstore): this
 module, like every runtime, knows no backend and imports no Django.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, Callable, Sequence
 from ..errors import GuestQuota, GuestTimeout, HostDenied
 from ..spec import PluginSpec
 from . import deadline_net, kvstore
-from .kvstore import MAX_KEY_CHARS, MAX_VALUE_CHARS
+from .kvstore import MAX_KEY_CHARS, MAX_SAFE_INTEGER, MAX_VALUE_CHARS, KVValueError
 from .log_rate import LogRate
 
 # The logger names predate the move into runtimes/: they are what operators configure.
@@ -179,7 +180,7 @@ class Host:
         q = self.quotas
         if self.kv_writes >= q.kv_writes:
             raise GuestQuota("quota_kv_writes", f"kv_set: plugin {self.spec.name!r} already made {self.kv_writes} "
-                                                f"kv_set calls in this call, its KV writes per call quota is "
+                                                f"kv_set/kv_incr calls in this call, its KV writes per call quota is "
                                                 f"{q.kv_writes}; write less per event, or raise the quota")
         if isinstance(value, bool):
             value = "true" if value else "false"
@@ -198,6 +199,34 @@ class Host:
             _kv("kv_set").set(self.spec.name, key, value, self.remaining(), q)
         except TimeoutError:
             raise GuestTimeout("kv_set: the KV store did not answer before the plugin's deadline") from None
+
+    def kv_incr(self, key: Any, delta: Any = None) -> int:
+        """Add ``delta`` (an integer; None: 1) to the integer stored under ``key`` (missing: 0) in one
+        atomic step of the store, across every thread and worker process; the new value.
+
+        One write against the call's KV writes quota, like ``kv_set``; a stored value that is not
+        an integer, or a result past +-MAX_SAFE_INTEGER, is a failed call (the value unchanged).
+        """
+        self._check("kv", "kv_incr")
+        q = self.quotas
+        if self.kv_writes >= q.kv_writes:
+            raise GuestQuota("quota_kv_writes", f"kv_incr: plugin {self.spec.name!r} already made {self.kv_writes} "
+                                                f"kv_set/kv_incr calls in this call, its KV writes per call quota is "
+                                                f"{q.kv_writes}; write less per event, or raise the quota")
+        delta = _delta(delta)
+        key = _key(key)
+        store = _kv("kv_incr")
+        incr = getattr(store, "incr", None)
+        if incr is None:  # a store a script installed before kv_incr existed
+            raise HostCallError(f"kv_incr: the installed KV store ({type(store).__name__}) has no incr(); give it one "
+                                "(plugins.runtimes.kvstore.KVStore) or install plugins.kv.ConfiguredKV")
+        self.kv_writes += 1
+        try:
+            return incr(self.spec.name, key, delta, self.remaining(), q)
+        except TimeoutError:
+            raise GuestTimeout("kv_incr: the KV store did not answer before the plugin's deadline") from None
+        except KVValueError as exc:
+            raise HostCallError(str(exc)) from None
 
     def sleep(self, ms: Any) -> None:
         """Wait ``ms`` milliseconds (the stand-in for an external call), within the deadline."""
@@ -390,6 +419,22 @@ def _key(key: Any) -> str:
         raise HostCallError(f"kv key must be a non-empty string of at most {MAX_KEY_CHARS} chars, got {got}")
     _check_text("kv key", key)
     return key
+
+
+def _delta(delta: Any) -> int:
+    """``kv_incr``'s delta as an int: None is 1; an integral float (JS numbers, Lua's 2.0) counts."""
+    if delta is None:
+        return 1
+    if delta.__class__ is float and delta.is_integer():
+        delta = int(delta)
+    if delta.__class__ is not int:  # (a bool is an int subclass: refused, as a string or a fraction)
+        shown = repr(delta)[:40] if isinstance(delta, (str, float, bool)) else type(delta).__name__
+        raise HostCallError(f"kv_incr: delta must be an integer number, got {shown}; pass a whole number such as "
+                            "1 or -1 (or no delta: 1)")
+    if abs(delta) > MAX_SAFE_INTEGER:
+        raise HostCallError(f"kv_incr: delta {delta} is outside +-{MAX_SAFE_INTEGER} (JavaScript's safe integers, "
+                            "the range kv_incr keeps); count in larger units")
+    return delta
 
 
 def _check_text(what: str, text: str) -> None:

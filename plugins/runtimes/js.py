@@ -71,7 +71,7 @@ MAX_BATCH_CHARS = 1 << 20
 #: the hot path guarded and unguarded; the checks after jobs and before host calls stay.
 GUARDED = True
 #: The host calls a guest's requests may name (the prelude's; anything else breaks the protocol).
-_HOST_OPS = frozenset({"log", "kv_get", "kv_set", "sleep", "http_get"})
+_HOST_OPS = frozenset({"log", "kv_get", "kv_set", "kv_incr", "sleep", "http_get"})
 
 _PRELUDE = r"""
 (function () {
@@ -187,6 +187,11 @@ __NATIVE_GUARDS__
   });
   define("kv_get", (key) => request("kv_get", () => arg(key, __MAX_KEY__)));
   define("kv_set", (key, value) => request("kv_set", () => arg(key, __MAX_KEY__) + "," + arg(value, __MAX_VALUE__)));
+  // No delta: 1. NaN and the infinities cross as their names, which the host refuses (their JSON is
+  // null, which would have counted 1).
+  define("kv_incr", (key, delta) => request("kv_incr", () => arg(key, __MAX_KEY__) + "," +
+    (delta === undefined ? "1" : delta !== delta || delta === 1 / 0 || delta === -1 / 0 ? '"' + delta + '"' :
+     arg(delta, 32))));
   define("sleep", (ms) => request("sleep", () => arg(ms, 16)));
   define("http_get", (url) => request("http_get", () => arg(url, __MAX_URL__)));
   // One step's JSON, written here from texts (no guest code but a reply's toJSON): the state and the

@@ -241,6 +241,7 @@ local base = {
   end,
   kv_get = function(k) local v = host_call("kv_get", k); return v end,
   kv_set = function(k, v) host_call("kv_set", k, v) end,
+  kv_incr = function(k, d) local v = host_call("kv_incr", k, d); return v end,
   sleep = function(ms) host_call("sleep", ms) end,
   http_get = function(url) local v = host_call("http_get", url); return v end,
 }

@@ -9,7 +9,8 @@ ABI (docs/plugins.md has the full text):
   data, anything else is text. ``alloc`` may reuse memory of earlier calls (bump allocator);
 - host functions are imported from module ``env`` (all optional): ``log(ptr, len)``,
   ``kv_get(kptr, klen, out, cap) -> i32`` (-1 if missing, else the value's byte length; at
-  most ``cap`` bytes copied), ``kv_set(kptr, klen, vptr, vlen)``, ``sleep(ms: i32)``,
+  most ``cap`` bytes copied), ``kv_set(kptr, klen, vptr, vlen)``,
+  ``kv_incr(kptr, klen, delta: i64) -> i64`` (the new value), ``sleep(ms: i32)``,
   ``http_get(uptr, ulen, out, cap) -> i32`` (body length, at most ``cap`` bytes copied). A
   denied or failing host call traps with the host's message; so does one past the deadline
   (reported as ``timeout``) or past a host quota (reported with the quota's code). One
@@ -316,6 +317,11 @@ def _h_kv_set(caller: wasmtime.Caller, kptr: int, klen: int, vptr: int, vlen: in
 
 
 @_host_import
+def _h_kv_incr(caller: wasmtime.Caller, kptr: int, klen: int, delta: int) -> int:
+    return _host().kv_incr(_read(caller, kptr, klen), delta)
+
+
+@_host_import
 def _h_sleep(ms: int) -> None:
     _host().sleep(ms)
 
@@ -326,17 +332,20 @@ def _h_http_get(caller: wasmtime.Caller, uptr: int, ulen: int, out: int, cap: in
 
 
 def _make_linker() -> wasmtime.Linker:
-    i32 = wasmtime.ValType.i32()
+    i32, i64 = wasmtime.ValType.i32(), wasmtime.ValType.i64()
     linker = wasmtime.Linker(ENGINE)
     linker.define_func("env", "log", wasmtime.FuncType([i32, i32], []), _h_log, access_caller=True)
     linker.define_func("env", "kv_get", wasmtime.FuncType([i32] * 4, [i32]), _h_kv_get, access_caller=True)
     linker.define_func("env", "kv_set", wasmtime.FuncType([i32] * 4, []), _h_kv_set, access_caller=True)
+    linker.define_func("env", "kv_incr", wasmtime.FuncType([i32, i32, i64], [i64]), _h_kv_incr, access_caller=True)
     linker.define_func("env", "sleep", wasmtime.FuncType([i32], []), _h_sleep)
     linker.define_func("env", "http_get", wasmtime.FuncType([i32] * 4, [i32]), _h_http_get, access_caller=True)
     return linker
 
 
 LINKER = _make_linker()
+#: The imports LINKER defines (module ``env``).
+HOST_IMPORTS = frozenset({"log", "kv_get", "kv_set", "kv_incr", "sleep", "http_get"})
 
 # -- compiled modules -----------------------------------------------------------------------------
 
@@ -736,9 +745,9 @@ class WasmCompiled(FreshInstanceIsolation):
             code = wat_to_wasm(code)
         self.module = compile_module(spec.version, bytes(code))
         for imp in self.module.imports:
-            if imp.module != "env" or imp.name not in ("log", "kv_get", "kv_set", "sleep", "http_get"):
+            if imp.module != "env" or imp.name not in HOST_IMPORTS:
                 raise CompileError(f"unknown import {imp.module}.{imp.name}: the host provides env.log, env.kv_get, "
-                                   "env.kv_set, env.sleep and env.http_get")
+                                   "env.kv_set, env.kv_incr, env.sleep and env.http_get")
         try:
             self.pre = LINKER.instantiate_pre(self.module)
         except wasmtime.WasmtimeError as exc:

@@ -521,7 +521,8 @@ def test_a_redis_kv_call_waits_no_longer_than_the_call_s_deadline() -> None:
         with override_settings(REDIS_URL=url):
             store = kv.kv_store()
             assert isinstance(store, kv.RedisKV)
-            for call in (lambda: store.get("kvslow", "k", 0.1), lambda: store.set("kvslow", "k", "v", 0.1)):
+            for call in (lambda: store.get("kvslow", "k", 0.1), lambda: store.set("kvslow", "k", "v", 0.1),
+                         lambda: store.incr("kvslow", "n", 1, 0.1)):
                 started = time.monotonic()
                 with pytest.raises(TimeoutError):
                     call()
@@ -530,6 +531,11 @@ def test_a_redis_kv_call_waits_no_longer_than_the_call_s_deadline() -> None:
             started = time.monotonic()
             with pytest.raises(GuestTimeout, match="kv_get: the KV store did not answer"):
                 host.kv_get("k")
+            assert time.monotonic() - started < 1.0
+            host = Host(spec, time.monotonic() + 0.1)
+            started = time.monotonic()
+            with pytest.raises(GuestTimeout, match="kv_incr: the KV store did not answer"):
+                host.kv_incr("n")
             assert time.monotonic() - started < 1.0
     finally:
         stop.set()

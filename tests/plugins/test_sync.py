@@ -117,10 +117,11 @@ def test_timeouts_and_errors_reach_the_engine_with_their_codes(engine: Engine) -
 
 
 async def test_inline_handlers_on_the_event_loop_never_wait_for_a_slot(engine: Engine) -> None:
-    # counter allows one call at a time: while a pool thread holds it, an inline call on the
+    # While pool threads hold every one of counter's max_concurrency slots, an inline call on the
     # loop is refused with plugin_busy instead of blocking the loop.
     loaded = sync.manager.get("counter")
-    assert loaded.slots.acquire(True, 1.0)
+    held = loaded.spec.max_concurrency
+    assert all(loaded.slots.acquire(True, 1.0) for _ in range(held))
     try:
         matcher = next(m for m in engine.matchers if m.name == "counter.count")
         for _ in range(40):  # make it "proven fast" so the engine runs it inline
@@ -133,7 +134,8 @@ async def test_inline_handlers_on_the_event_loop_never_wait_for_a_slot(engine: E
         assert completion.errors[0].exec_class.value == "sync"
         eng.shutdown(1)
     finally:
-        loaded.slots.release()
+        for _ in range(held):
+            loaded.slots.release()
 
 
 def test_counter_keeps_counting_after_a_restart(engine: Engine) -> None:
