@@ -24,7 +24,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from .chunked_framing import ChunkedFramingLimit
 
 if TYPE_CHECKING:  # the rest lazily: the supervisor (execapp.serve) imports this module and stays light
     from .engine.ratelog import RateLimitedLog
@@ -124,9 +124,10 @@ def pending() -> PendingConnections:
     return _pending
 
 
-class HandshakeDeadlineProtocol(HttpToolsProtocol):
+class HandshakeDeadlineProtocol(ChunkedFramingLimit):
     """uvicorn's httptools HTTP protocol with a deadline on each request's line and headers, the
-    connection counted among its worker's pending ones until they are in (``PendingConnections``)."""
+    connection counted among its worker's pending ones until they are in (``PendingConnections``);
+    a chunked body's framing bounded as well (execapp.chunked_framing, fed a slice at a time here)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
