@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -32,6 +33,23 @@ log = logging.getLogger("execapp.serve")
 STARTUP_READY_SECONDS = 30
 #: The close a WebSocket client gets when it connects to a worker that is shutting down.
 DRAINING_CLOSE = (1012, "draining: this worker is restarting; reconnect")
+
+
+def freeze_startup_heap() -> int:
+    """Move every object alive now (Django, the plugins, the worker's services) out of the cyclic GC's
+    reach, once the worker is ready and before it listens: the number moved.
+
+    A full collection scans every tracked object, and it comes after every few frames that build
+    many containers: a client sending 64 KB frames of ``[[],[],...]`` (15,000 lists each) triggered
+    one every ~6 frames, each scanning the worker's ~77,000 startup objects for ~100 ms with the
+    loop held (measured: a bystander's /ping p99 150 ms, max 290 ms; 85% of such a frame's cost was
+    the collector). Those objects live as long as the process, so scanning them finds nothing; frozen,
+    a full collection scans only what was made since (~5 ms in the same measure). Cyclic garbage
+    among them is never collected: there is none worth the scans.
+    """
+    gc.collect()  # what startup left behind goes first, not into the permanent generation
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 class DrainGate:
@@ -86,6 +104,7 @@ class ExecServer(uvicorn.Server):
         if not await asyncio.to_thread(self.worker.ready.wait, STARTUP_READY_SECONDS):
             log.warning("worker %s: services not ready after %d s; serving anyway", self.worker.id,
                         STARTUP_READY_SECONDS)
+        freeze_startup_heap()
         if self.watch is not None and self.watch.slot.drained:
             await self._start_drained()
         elif self.watch is not None and self.watch.slots.drained_siblings(self.watch.slot.index, watchdog.HELD_ALL):

@@ -384,3 +384,12 @@ def test_a_handshake_the_parser_refuses_is_answered_431_and_closed(line: str, he
             sock.close()
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
     assert b"at most 8192 bytes" in answer and b"128 headers" in answer, answer
+
+
+async def test_the_worker_s_startup_heap_is_out_of_the_cyclic_gc_s_reach(server: Server) -> None:
+    # A full collection scanned the ~77,000 objects of a worker's startup (~100 ms, the loop held)
+    # after every few 64 KB frames of [[],[],...]: frozen before listening, it scans what came since.
+    async with connect(server.ws_url) as ws:
+        await ws.send('{"id": "g", "text": "/gcfrozen"}')
+        reply = json.loads(await asyncio.wait_for(ws.recv(), 10))
+    assert reply["type"] == "reply" and int(reply["text"]) > 10_000, reply
