@@ -63,11 +63,12 @@ def wedge(ctx: Any) -> str:
     return "unwedged"
 
 
-def gc_frozen(ctx: Any) -> str:
-    """/gcfrozen: how many objects this process moved out of the cyclic GC's reach (gc.freeze)."""
+def gc_state(ctx: Any) -> dict:
+    """/gcstate: how many objects this process moved out of the cyclic GC's reach (gc.freeze), and
+    the GC's thresholds."""
     import gc
 
-    return str(gc.get_freeze_count())
+    return {"frozen": gc.get_freeze_count(), "threshold": list(gc.get_threshold())}
 
 
 #: The engine-level timeout of /wedge (seconds): its pooled runs are reported `timeout` then.
@@ -80,7 +81,7 @@ def register(engine: Engine) -> None:
                           ("late", late)):
         engine.add(engine.make_matcher("command", name, handler, plugin="test"))
     engine.add(engine.make_matcher("command", "stall", stall, plugin="test"))
-    engine.add(engine.make_matcher("command", "gcfrozen", gc_frozen, plugin="test"))
+    engine.add(engine.make_matcher("command", "gcstate", gc_state, plugin="test"))
     engine.add(engine.make_matcher("command", "wedge", wedge, plugin="test", timeout=WEDGE_TIMEOUT))
     engine.add(engine.make_matcher("event", "tick", lambda ctx: {"seen": ctx.event.data}, plugin="test"))
 
