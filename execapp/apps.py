@@ -9,6 +9,8 @@ class ExecAppConfig(AppConfig):
 
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)
+        from .client_noise import install_client_noise_filter
         from .logtext import install_token_redactor
 
         install_token_redactor()  # no ?token=<t> in uvicorn's request lines
+        install_client_noise_filter()  # no log line per malformed request

@@ -24,7 +24,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from .chunked_framing import ChunkedFramingLimit
 
 if TYPE_CHECKING:  # the rest lazily: the supervisor (execapp.serve) imports this module and stays light
     from .engine.ratelog import RateLimitedLog
@@ -37,7 +37,9 @@ HANDSHAKE_TIMEOUT = "handshake_timeout"
 PENDING_CAP = "pending_cap"
 #: The ``reason`` label of execapp_connections_closed_total: a request line and headers past MAX_HEADER_BYTES.
 HEADER_TOO_LARGE = "header_too_large"
-REASONS = (HANDSHAKE_TIMEOUT, PENDING_CAP, HEADER_TOO_LARGE)
+#: The ``reason`` label of execapp_connections_closed_total: a request the HTTP parser refused (answered 400).
+BAD_REQUEST = "bad_request"
+REASONS = (HANDSHAKE_TIMEOUT, PENDING_CAP, HEADER_TOO_LARGE, BAD_REQUEST)
 #: Requests one keep-alive connection may have queued behind the one running (HTTP/1.1 pipelining)
 #: before the rest of what it sent waits unparsed. uvicorn parses a whole socket read (up to 256 KiB)
 #: at once and queues every request in it, and reads on after each response: 200 KB of 31-byte
@@ -124,9 +126,10 @@ def pending() -> PendingConnections:
     return _pending
 
 
-class HandshakeDeadlineProtocol(HttpToolsProtocol):
+class HandshakeDeadlineProtocol(ChunkedFramingLimit):
     """uvicorn's httptools HTTP protocol with a deadline on each request's line and headers, the
-    connection counted among its worker's pending ones until they are in (``PendingConnections``)."""
+    connection counted among its worker's pending ones until they are in (``PendingConnections``);
+    a chunked body's framing bounded as well (execapp.chunked_framing, fed a slice at a time here)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -209,6 +212,14 @@ class HandshakeDeadlineProtocol(HttpToolsProtocol):
         """Closed, by either side: no longer pending."""
         pending().remove(self)
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request its parser refused: counted (its log line is rate-limited,
+        execapp.client_noise), then uvicorn's 400 and close."""
+        from . import metrics  # here, not at import: the supervisor imports this module too
+
+        metrics.CONNECTIONS_CLOSED.labels(BAD_REQUEST).inc()
+        super().send_400_response(msg)
 
     def close_pending(self, reason: str) -> None:
         """Close this connection waiting for its headers: its deadline passed, or it is the oldest past the cap."""

@@ -92,14 +92,16 @@ EVENT_REFUSALS = Counter("execapp_event_refusals_total", "Events refused before 
 SESSION_FRAMES_DROPPED = Counter("execapp_session_frames_dropped_total", "Frames of other session members dropped "
                                  "for a member that fell behind (it then gets one `lagged` frame), by worker slot.",
                                  ["worker"])
-# From execapp.handshake (before a request's headers are all in), execapp.http_limits (bodies) and
-# execapp.ws_flow (after a WebSocket handshake).
+# From execapp.handshake (before a request's headers are all in), execapp.http_limits and
+# execapp.chunked_framing (bodies) and execapp.ws_flow (after a WebSocket handshake).
 CONNECTIONS_CLOSED = Counter("execapp_connections_closed_total", "Connections the server closed for a protocol "
                              "limit, by reason: handshake_timeout (request line and headers not in "
                              "EXECAPP['HANDSHAKE_TIMEOUT_SECONDS']), pending_cap (the oldest waiting past "
                              "EXECAPP['MAX_PENDING_CONNECTIONS']), header_too_large (request line and headers "
-                             "over 64 KiB), body_too_large, body_timeout, body_pending_cap (execapp.http_limits), "
-                             "too_many_control_frames, too_many_fragments, handshake_refused (execapp.ws_flow).",
+                             "over 64 KiB), bad_request (refused by the HTTP parser), body_too_large, body_timeout, "
+                             "body_pending_cap (execapp.http_limits), body_framing (execapp.chunked_framing), "
+                             "too_many_control_frames, too_many_fragments, handshake_refused, invalid_utf8 "
+                             "(execapp.ws_flow).",
                              ["reason"])
 PASSWORD_CHECKS_REFUSED = Counter("execapp_password_checks_refused_total", "Sign-in attempts refused before "
                                   "any password hashing, by reason: busy (the worker already ran "

@@ -6,6 +6,7 @@ import copy
 import itertools
 import logging
 import os
+import pickle
 import threading
 from dataclasses import dataclass, field
 from time import monotonic
@@ -165,6 +166,26 @@ Outcome = Union[Reply, Failure, Completion]
 OutcomeCallback = Callable[[Outcome], None]
 
 
+def _private_copy(data: Any) -> Any:
+    """A deep copy of ``data``, made on the dispatching thread (the event loop, for the protocol's events).
+
+    copy.deepcopy walks the data in Python: a 60 KB event of 15,000 empty lists took ~30 ms of the
+    loop per pooled handler it matched (measured: another tenant's /ping p99 48 ms against 26 ms
+    for the same frames matching nothing). A pickle round trip is the same deep copy (shared and
+    cyclic references kept) in C, ~5 ms for that event. Data pickle cannot take (a lock, a
+    function, a local class) is deep-copied as before, with the same errors.
+    """
+    try:
+        return _loads(_dumps(data, _PICKLE_PROTOCOL))
+    except RecursionError:
+        raise
+    except Exception:  # not picklable: deepcopy copies what it can and refuses the rest
+        return copy.deepcopy(data)
+
+
+_dumps, _loads, _PICKLE_PROTOCOL = pickle.dumps, pickle.loads, pickle.HIGHEST_PROTOCOL
+
+
 class Context:
     """What a handler receives: the event, its command arguments, ``reply()`` and ``deadline``.
 
@@ -196,15 +217,15 @@ class Context:
 
     @staticmethod
     def for_pool(event: Event, args: str, matcher: Any) -> "Context":
-        """A pool thread's own context: the event's data is deep-copied, so no handler can see or
+        """A pool thread's own context: the event's data is deep-copied (``_private_copy``), so no handler can see or
         tear another's, and the caller may reuse its event once dispatch returns.
 
         Raises BadEvent when the data cannot be copied (nested too deep for the copy, or a
         value that is not plain data): the engine reports it as that handler's failure."""
         data = event.data
         try:
-            # An empty dict (every message from the protocol) needs no deepcopy machinery (~1.5 us).
-            data = {} if not data and type(data) is dict else copy.deepcopy(data)
+            # An empty dict (every message from the protocol) needs no copy machinery (~1.5 us).
+            data = {} if not data and type(data) is dict else _private_copy(data)
         except RecursionError:
             raise BadEvent(f"event {event.id}: its data is nested too deeply to be copied for a pooled handler "
                            f"({getattr(matcher, 'name', matcher)!r}); send data nested a few dozen levels at most "

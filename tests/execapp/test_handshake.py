@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -371,3 +372,36 @@ def test_the_checks_warn_of_a_cap_over_half_the_open_file_limit(settings: Any,
     assert "execapp.W066" in {m.id for m in checks.check_execapp_settings()}
     settings.EXECAPP = {}  # the default, 256, is a quarter of it
     assert "execapp.W066" not in {m.id for m in checks.check_execapp_settings()}
+
+
+@pytest.mark.e2e
+def test_malformed_requests_are_answered_400_counted_and_logged_once_a_minute(server: Server) -> None:
+    # uvicorn logged a WARNING for each: ~6,000 lines a second from one client, no login needed.
+    before, log_before = server.closed(handshake.BAD_REQUEST), server.log_path.stat().st_size
+    for _ in range(50):
+        with server.raw() as sock:
+            sock.sendall(b"GARBAGE\r\n\r\n")
+            assert read_response(sock).startswith(b"HTTP/1.1 400 ")
+    assert server.closed(handshake.BAD_REQUEST) >= before + 50
+    logged = server.log_path.read_bytes()[log_before:]
+    assert logged.count(b"Invalid HTTP request received.") <= 1, logged[-2000:]
+
+
+def test_client_caused_lines_are_let_through_once_an_interval_with_the_count_held_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from execapp import client_noise
+
+    now = [1000.0]
+    monkeypatch.setattr(client_noise.time, "monotonic", lambda: now[0])
+    noise = client_noise.ClientNoiseFilter()
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, msg, None, None)
+
+    assert noise.filter(record("Invalid HTTP request received."))
+    assert not any(noise.filter(record("Invalid HTTP request received.")) for _ in range(5))
+    assert noise.filter(record("Unsupported upgrade request."))  # its own interval
+    assert noise.filter(record("Something else."))  # not a client's: always through
+    now[0] += client_noise.INTERVAL_SECONDS
+    later = record("Invalid HTTP request received.")
+    assert noise.filter(later) and "and 5 more" in later.getMessage()

@@ -63,6 +63,14 @@ def wedge(ctx: Any) -> str:
     return "unwedged"
 
 
+def gc_state(ctx: Any) -> dict:
+    """/gcstate: how many objects this process moved out of the cyclic GC's reach (gc.freeze), and
+    the GC's thresholds."""
+    import gc
+
+    return {"frozen": gc.get_freeze_count(), "threshold": list(gc.get_threshold())}
+
+
 #: The engine-level timeout of /wedge (seconds): its pooled runs are reported `timeout` then.
 WEDGE_TIMEOUT = 0.2
 
@@ -73,6 +81,7 @@ def register(engine: Engine) -> None:
                           ("late", late)):
         engine.add(engine.make_matcher("command", name, handler, plugin="test"))
     engine.add(engine.make_matcher("command", "stall", stall, plugin="test"))
+    engine.add(engine.make_matcher("command", "gcstate", gc_state, plugin="test"))
     engine.add(engine.make_matcher("command", "wedge", wedge, plugin="test", timeout=WEDGE_TIMEOUT))
     engine.add(engine.make_matcher("event", "tick", lambda ctx: {"seen": ctx.event.data}, plugin="test"))
 
