@@ -363,7 +363,9 @@ def test_an_app_taking_a_backlog_of_messages_hands_the_loop_back_every_slice() -
             assert wait_until(lambda: taken[0] == 20_000, 30), taken[0]
         finally:
             sock.close()
-    assert gaps and max(gaps) < ws_flow.LOOP_SLICE_SECONDS + 0.1, f"the loop came back after {max(gaps):.3f} s"
+    # Without the slice the loop comes back once, after the whole backlog (~2 s of 0.1 ms
+    # messages); a loaded machine may deschedule the process ~0.1 s, so the bound leaves room.
+    assert gaps and max(gaps) < ws_flow.LOOP_SLICE_SECONDS + 0.4, f"the loop came back after {max(gaps):.3f} s"
 
 
 @pytest.mark.parametrize("line, header", [("x" * 9000, ""), ("", "".join(f"X-H{i}: 1\r\n" for i in range(200)))])
