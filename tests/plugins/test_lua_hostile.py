@@ -83,7 +83,7 @@ CASES: dict[str, tuple[str, tuple[str, ...], str | None]] = {
     "ephemerons_late_mode": (EPHEMERONS, ("timeout", "memory_limit"), None),
     "weak_mode_refused": ('return setmetatable({}, {__mode = "k"})', ("handler_error",),
                           "weak tables (__mode) are not available"),
-    # __call is off (lua_interrupt.retire_events): Lua 5.4 follows a chain of callable tables inside
+    # __call is off (lua_interrupt.retire_events): Lua follows a chain of callable tables inside
     # one call instruction, shifting the arguments once per link until the stack overflows; the
     # cycle below, set after setmetatable, ran for more than 4 minutes under a 16 MB cap, no hook
     # or watchdog reaching it
@@ -286,6 +286,33 @@ def test_weak_modes_are_inert_in_a_sandbox_runtime() -> None:
         return next(t) ~= nil and v[1] ~= nil""")
     assert kept is True
     assert lua_interrupt._tmname_at is not None and not lua_interrupt._weak_warned
+
+
+def test_the_interrupt_layout_found_is_lua_55s() -> None:
+    # lstate.h of Lua 5.5 (64-bit): hookcount at 192 in a 208-byte lua_State; global_State ends
+    # with its main thread, tmname 1,144 bytes before it (it was ~480 bytes after it in 5.4's LG).
+    spec = PluginSpec(name="layout", runtime="lua", code="function h(e) end")
+    lua._LuaVM(spec, lua.compile_bytecode(spec))
+    assert lupa.LUA_VERSION == (5, 5)
+    assert lua_interrupt._offset == 192 and not lua_interrupt._disabled
+    assert lua_interrupt._tmname_at == (-1144 // 8, 24)
+
+
+def test_a_layout_that_does_not_match_leaves_the_runtime_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = lupa.LuaRuntime()
+    rt.execute("debug.sethook(function() end, '', 1000)")
+    main = rt.execute("return tostring((coroutine.running()))")
+    state = lua_interrupt.thread_address(main)
+    monkeypatch.setattr(lua_interrupt, "_offset", None)
+    monkeypatch.setattr(lua_interrupt, "_disabled", False)
+    assert lua_interrupt.counter_address(state, 999) is None and lua_interrupt._disabled  # not its count
+    # event names in another order are not found: nothing is written, weak modes stay on
+    monkeypatch.setattr(lua_interrupt, "_tmname_at", None)
+    monkeypatch.setattr(lua_interrupt, "_weak_warned", False)
+    monkeypatch.setattr(lua_interrupt, "_EVENTS", tuple(reversed(lua_interrupt._EVENTS)))
+    before = bytes(lua_interrupt.ctypes.string_at(state - lua_interrupt._TMNAME_SCAN, lua_interrupt._TMNAME_SCAN))
+    assert lua_interrupt.retire_events(main) is False and lua_interrupt._weak_warned
+    assert lua_interrupt.ctypes.string_at(state - lua_interrupt._TMNAME_SCAN, lua_interrupt._TMNAME_SCAN) == before
 
 
 def test_compiling_the_source_stays_within_the_memory_cap() -> None:
