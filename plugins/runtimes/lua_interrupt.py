@@ -146,9 +146,10 @@ def retire_events(main_text: str) -> bool:
     ``main_text`` ("thread: 0x..."), which holds the strings MODE_NAME and CALL_NAME, before any
     guest code runs in it; False (logged once) if the layout is not confirmed and nothing was written.
 
-    ``__call``: Lua 5.4 and 5.5 follow a chain of callable tables (``mt.__call = t`` on t's own metatable,
+    ``__call``: Lua 5.4 followed a chain of callable tables (``mt.__call = t`` on t's own metatable,
     or any non-function ``__call``) inside one call instruction, shifting the arguments once per
-    link until the stack overflows: quadratic, minutes in one step no hook or watchdog reaches.
+    link until the stack overflowed: quadratic, minutes in one step no hook or watchdog reaches.
+    Lua 5.5 bounds the chain ("'__call' chain too long"); it stays off as defence in depth.
     The sandbox calls Python objects (lupa's ``POBJECT`` metatable) under CALL_NAME instead."""
     global _weak_warned, _tmname_at
     state = thread_address(main_text)

@@ -83,7 +83,7 @@ CASES: dict[str, tuple[str, tuple[str, ...], str | None]] = {
     "ephemerons_late_mode": (EPHEMERONS, ("timeout", "memory_limit"), None),
     "weak_mode_refused": ('return setmetatable({}, {__mode = "k"})', ("handler_error",),
                           "weak tables (__mode) are not available"),
-    # __call is off (lua_interrupt.retire_events): Lua follows a chain of callable tables inside
+    # __call is off (lua_interrupt.retire_events): Lua 5.4 followed a chain of callable tables inside
     # one call instruction, shifting the arguments once per link until the stack overflows; the
     # cycle below, set after setmetatable, ran for more than 4 minutes under a 16 MB cap, no hook
     # or watchdog reaching it
