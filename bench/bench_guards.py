@@ -46,7 +46,7 @@ def _plugin(name: str, runtime: str, code: str, handler: str, guarded: bool) -> 
 
 
 def _lua_bare() -> Callable[[], Any]:
-    import lupa.lua54 as lupa
+    import lupa.lua55 as lupa
 
     rt = lupa.LuaRuntime(register_eval=False, register_builtins=False)
     rt.execute(LUA)

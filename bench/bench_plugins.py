@@ -56,7 +56,7 @@ def _examples() -> dict[str, Any]:
 
 
 def _lua_bare(code: str) -> dict[str, Callable[[], Any]]:
-    import lupa.lua54 as lupa
+    import lupa.lua55 as lupa
 
     from plugins.runtimes.lua import _LuaVM, compile_bytecode
 

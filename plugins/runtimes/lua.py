@@ -1,4 +1,4 @@
-"""Lua 5.4 through lupa: a locked-down environment, an un-swallowable time budget and a memory cap.
+"""Lua 5.5 through lupa (``lupa.lua55``): a locked-down environment, an un-swallowable time budget and a memory cap.
 
 Sandbox (built once per lupa runtime, in Lua, while the standard library is still reachable):
 - guests see only a base table of safe functions: no os, io, debug, load/loadfile/dofile,
@@ -49,7 +49,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-import lupa.lua54 as lupa
+import lupa.lua55 as lupa
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from ..spec import PluginSpec

@@ -1,10 +1,12 @@
 """Compiling a Lua plugin's source to bytecode, bounded in memory (the plugin's cap) and in time.
 
 No hook runs inside Lua's parser, and its cost is not linear in the source: it keeps every
-constant in one table (``ls->h``) whose growth reinserts each key with a lookup, and integers
-are hashed without a seed (``k % (2^n - 1)``), so 65,537 integer constants chosen to collide
-(712 KB of source) took 11 s to compile, and it grows quadratically from there, on the thread
-that saves or loads the plugin. A source up to ``INPROCESS_BYTES`` (worst case measured ~0.15 s)
+constant in one table (``ls->h``), grown in one step, and numbers are hashed without a seed
+(``k % (2^n - 1)``). Under Lua 5.4 65,537 integer constants colliding at one place (712 KB of
+source) took 11 s to compile; Lua 5.5 grows a table without lookups, but as many constants
+placed on a displaced chain (tests/plugins/test_lua_hostile.py, 708 KB) still take ~2 s, and
+it grows quadratically from there, on the thread that saves or loads the plugin. A source up
+to ``INPROCESS_BYTES`` (worst case measured ~0.15 s)
 compiles in this process; a larger one in a child process stopped at ``TIMEOUT_SECONDS``, as
 WASM modules are (plugins/runtimes/wasm.py).
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import lupa.lua54 as lupa
+import lupa.lua55 as lupa
 
 from ..errors import CompileError
 from ..spec import PluginSpec
@@ -31,7 +33,7 @@ _DUMP = ("local src, name = ...; local f, e = load(src, name, 't') "
 # bytecode or b"E" + Lua's message.
 _CHILD = """
 import sys
-import lupa.lua54 as lupa
+import lupa.lua55 as lupa
 rt = lupa.LuaRuntime(encoding=None, register_eval=False, register_builtins=False, max_memory=int(sys.argv[1]))
 try:
     ok, out = rt.execute(sys.argv[3], sys.stdin.buffer.read(), sys.argv[2].encode())
@@ -47,7 +49,7 @@ def refuse_attributes(obj: object, name: object, is_setting: bool) -> object:
 
 
 def compile_bytecode(spec: PluginSpec) -> bytes:
-    """Compile plugin source once (text mode only) and return its Lua 5.4 bytecode."""
+    """Compile plugin source once (text mode only) and return its Lua 5.5 bytecode."""
     if not isinstance(spec.code, str):
         raise CompileError("Lua plugins are source text, not bytes")
     if spec.code.startswith("\x1bLua"):

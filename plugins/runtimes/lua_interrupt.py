@@ -7,7 +7,7 @@ million values, ``next`` scans a sparse table. A loop of them runs for seconds (
 a 128 MB cap) between two hooks, and no library guard sees them. So a watchdog thread checks
 every ``POLL_SECONDS`` (``IDLE_POLL_SECONDS`` when no call was running) which Lua calls are
 past their deadline and sets the running state's
-``hookcount`` to 1: Lua 5.4 decrements it at every instruction of a hooked state and calls
+``hookcount`` to 1: Lua 5.5 decrements it at every instruction of a hooked state and calls
 the hook when it reaches 0, and the hook raises the timeout. The run ends within one
 instruction (or one guarded C call) of the next poll after its deadline.
 
@@ -34,9 +34,11 @@ tables chained back and forth (3 MB) stall a 16 MB sandbox for 5 s, quadraticall
 larger cap. The collector reads a table's mode from its metatable under the event name
 ``g->tmname[TM_MODE]``, not from the string ``"__mode"``, so each sandbox runtime gets that name
 replaced by a random one no guest can write: ``__mode`` is then an ordinary field, whenever it is
-set (and ``__call`` the same way). The name array is found next to the main state (``LG`` holds
-the main ``lua_State`` and then the ``global_State``) as the 25 interned event names in order,
-each address checked; if they are not found nothing is written (logged once).
+set (and ``__call`` the same way). The name array is found before the main state (Lua 5.5's
+``global_State`` ends with its main thread, ``mainth``; ``tmname`` is 1,144 bytes before it on
+64-bit) as the 25 interned event names in order, each address checked; if they are not found
+nothing is written (logged once). Every scan stays inside the ``global_State`` or the
+``lua_State`` it reads (Lua 5.5's lstate.h).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ import threading
 import time
 import weakref
 
-import lupa.lua54 as lupa
+import lupa.lua55 as lupa
 
 log = logging.getLogger("plugins.lua")
 
@@ -58,8 +60,9 @@ log = logging.getLogger("plugins.lua")
 POLL_SECONDS = 0.005
 IDLE_POLL_SECONDS = 0.025
 LUA_MASKCOUNT = 8
-#: Bytes of a lua_State searched for the hook fields (they sit near its end, ~200 bytes in).
-_SCAN_BYTES = 240
+#: Bytes of a lua_State searched for the hook fields: sizeof(lua_State) in 64-bit Lua 5.5 (they sit
+#: at 188-200), and no further: a coroutine's lua_State ends its allocation.
+_SCAN_BYTES = 208
 
 _lib = ctypes.CDLL(lupa.__file__)  # the extension module itself: lupa links Lua statically
 _lib.lua_gethookcount.argtypes = [ctypes.c_void_p]
@@ -121,13 +124,14 @@ def _disable(why: str) -> None:
                     "guards, and an expensive instruction in a loop (a long string concatenation) can overrun", why)
 
 
-#: Lua 5.4's metamethod event names in TMS order (ltm.h); TM_MODE is the fourth, TM_CALL the 24th.
+#: Lua 5.5's metamethod event names in TMS order (ltm.h); TM_MODE is the fourth, TM_CALL the 24th.
 _EVENTS = tuple(b"__index __newindex __gc __mode __len __eq __add __sub __mul __mod __pow __div __idiv __band __bor "
                 b"__bxor __shl __shr __unm __bnot __lt __le __concat __call __close".split())
 _TM_MODE = 3
 _TM_CALL = 23
-#: Bytes after the main lua_State searched for tmname (it sits ~480 bytes in; LG is ~1.6 KB).
-_TMNAME_SCAN = 1024
+#: Bytes before the main lua_State searched for tmname: it starts 1,144 bytes before it, and the
+#: global_State holding both starts 1,416 bytes before it (64-bit Lua 5.5), so the scan stays inside.
+_TMNAME_SCAN = 1280
 _weak_warned = False
 #: The names the VM reads a table's weak mode and its ``__call`` under in sandbox runtimes: random
 #: per process (39 bytes, so short, interned strings). The sandbox holds them (alive, and interned
@@ -142,9 +146,10 @@ def retire_events(main_text: str) -> bool:
     ``main_text`` ("thread: 0x..."), which holds the strings MODE_NAME and CALL_NAME, before any
     guest code runs in it; False (logged once) if the layout is not confirmed and nothing was written.
 
-    ``__call``: Lua 5.4 follows a chain of callable tables (``mt.__call = t`` on t's own metatable,
+    ``__call``: Lua 5.4 followed a chain of callable tables (``mt.__call = t`` on t's own metatable,
     or any non-function ``__call``) inside one call instruction, shifting the arguments once per
-    link until the stack overflows: quadratic, minutes in one step no hook or watchdog reaches.
+    link until the stack overflowed: quadratic, minutes in one step no hook or watchdog reaches.
+    Lua 5.5 bounds the chain ("'__call' chain too long"); it stays off as defence in depth.
     The sandbox calls Python objects (lupa's ``POBJECT`` metatable) under CALL_NAME instead."""
     global _weak_warned, _tmname_at
     state = thread_address(main_text)
@@ -168,7 +173,7 @@ def retire_events(main_text: str) -> bool:
     return True
 
 
-_tmname_at: tuple[int, int] | None = None  # (word index after the main state, TString header size)
+_tmname_at: tuple[int, int] | None = None  # (word index from the main state, negative; TString header size)
 
 
 def _word(state: int, i: int) -> int:
@@ -186,12 +191,12 @@ def _name(state: int, name: bytes) -> int:
 
 def _find_tmname(state: int) -> tuple[int, int] | None:
     names = [_name(state, name) for name in _EVENTS]
-    words = struct.unpack(f"{_TMNAME_SCAN // 8}Q", ctypes.string_at(state, _TMNAME_SCAN))
-    for header in (24, 16, 32):  # offsetof(TString, contents): 24 on 64-bit Lua 5.4
+    words = struct.unpack(f"{_TMNAME_SCAN // 8}Q", ctypes.string_at(state - _TMNAME_SCAN, _TMNAME_SCAN))
+    for header in (24, 16, 32):  # offsetof(TString, contents): 24 on 64-bit Lua 5.5
         want = [p - header for p in names]
         for i in range(len(words) - len(want) + 1):
             if words[i] == want[0] and list(words[i:i + len(want)]) == want:
-                return i, header
+                return i - len(words), header
     return None
 
 

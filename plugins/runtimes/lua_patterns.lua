@@ -1,4 +1,4 @@
--- A pure-Lua port of Lua 5.4.8's pattern matcher (lstrlib.c) for the sandbox's guarded string
+-- A pure-Lua port of Lua 5.4.8's pattern matcher (lstrlib.c; 5.5's matches alike) for the sandbox's guarded string
 -- functions (plugins/runtimes/lua_guards.lua). The guards call the native C functions when a
 -- pattern's worst-case cost on the subject at hand is small; otherwise they call this port,
 -- whose steps are Lua instructions the count hook interrupts at the deadline.

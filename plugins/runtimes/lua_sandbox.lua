@@ -126,6 +126,8 @@ end
 -- The library tables the guest sees: copies of the natives, with the guards in place of every
 -- function whose cost depends on its arguments (lua_guards.lua).
 local str_lib, table_lib, utf8_lib, guest_tonumber = copy(string, {dump = true}), copy(table), copy(utf8), tonumber
+-- Bytes of built strings the collector does not count (lua_guards.lua, built()); true: and reset.
+local uncounted = function() return 0 end
 local MEM_MARK, plain_find = LIMITS and LIMITS.MEM_MARK, string.find
 if GUARDS_BC then
   local NAT = {
@@ -134,7 +136,7 @@ if GUARDS_BC then
     getmetatable = debug.getmetatable, getinfo = debug.getinfo, tointeger = math.tointeger, ult = math.ult,
     floor = math.floor, huge = math.huge, maxinteger = math.maxinteger, log = math.log,
     byte = string.byte, sub = string.sub, char = string.char, find = string.find, match = string.match,
-    concat = table.concat, unpack = table.unpack,
+    concat = table.concat, unpack = table.unpack, collect = collectgarbage,
   }
   -- The pattern matcher in Lua is compiled in this runtime only when a guard first needs it.
   local function load_port(...) return load(PATTERNS_BC, "=execapp", "b")(...) end
@@ -143,6 +145,7 @@ if GUARDS_BC then
   for k, v in next, G.table do table_lib[k] = v end
   for k, v in next, G.utf8 do utf8_lib[k] = v end
   guest_tonumber = G.tonumber
+  uncounted = G.uncounted
 end
 local str = readonly(str_lib, "string")
 local smt = getmetatable("")
@@ -356,7 +359,13 @@ end
 -- every thread that had run it, 2.6 GB for 4 threads of a plugin limited to one call at a time.
 -- The collection marks only the sandbox (the call's environment is garbage by then, its reply
 -- still referenced) and frees what the call allocated: work the call's own budget paid to build.
-local gc, GC_AT, KEEP = collectgarbage, LIMITS.memory / 2048, LIMITS.ISOLATED_KEEP / 1024 -- in KB
+-- What is allocated counts the large strings built since the last collection (Lua 5.5 does not).
+local GC_AT, KEEP = LIMITS.memory / 2048, LIMITS.ISOLATED_KEEP / 1024 -- in KB
+local function gc(count)
+  if count then return collectgarbage("count") + uncounted() / 1024 end
+  uncounted(true)
+  collectgarbage()
+end
 local function fresh_call(bytecode, name, handler, event, deadline)
   if gc("count") > GC_AT then gc() end
   if B.seeded then B.seeded = false; native_seed(math_tointeger(clock() * 1e9 // 1)) end
@@ -376,7 +385,7 @@ local function settle()
   if gc("count") > KEEP then gc() end
 end
 
-for _, f in next, {new_env, call, fresh_call, outcome, error_text, release, settle} do OWN[f] = true end
+for _, f in next, {new_env, call, fresh_call, outcome, error_text, release, settle, gc, uncounted} do OWN[f] = true end
 
 local function functions(env)
   local names = {}

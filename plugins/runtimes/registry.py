@@ -55,7 +55,7 @@ class Runtime:
 
     #: What ``Plugin.runtime`` and ``PluginSpec.runtime`` hold: lowercase letters, digits, '_'.
     name: str
-    #: What the admin shows (e.g. "Lua 5.4").
+    #: What the admin shows (e.g. "Lua 5.5").
     label: str
     #: The strategy a plugin with a blank ``strategy`` gets (one of STRATEGIES).
     default_strategy: str
@@ -200,7 +200,7 @@ def compile_plugin(spec: PluginSpec) -> Compiled:
 # default. WASM: a fresh Store+Instance per call is ~72 us against ~17 us pooled, so pooled.
 # JS: a new QuickJS Context per call is ~140 us against ~4 us reused, so pooled (a shared free
 # list of Contexts, each running one call at a time on whichever thread calls).
-register(Runtime("lua", "Lua 5.4", "per_request", "plugins.runtimes.lua:LuaCompiled", source_extensions=(".lua",)))
+register(Runtime("lua", "Lua 5.5", "per_request", "plugins.runtimes.lua:LuaCompiled", source_extensions=(".lua",)))
 register(Runtime("wasm", "WebAssembly", "pooled", "plugins.runtimes.wasm:WasmCompiled", binary=True,
                  source_extensions=(".wat",), binary_extensions=(".wasm",), binary_magic=b"\0asm",
                  text_to_binary="plugins.runtimes.wasm:wat_to_wasm"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-import lupa.lua54 as lupa
+import lupa.lua55 as lupa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

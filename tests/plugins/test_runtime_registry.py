@@ -153,7 +153,7 @@ def test_the_admin_list_shows_and_filters_runtimes_by_their_registry_labels(toy:
     lua = Plugin.objects.create(name="pl", runtime="lua", source="function a(ev) return 'a' end")
     toy_plugin = Plugin.objects.create(name="pt", runtime="toy", source=TOY)
     listing = admin_client.get("/admin/plugins/plugin/").content.decode()
-    assert "Lua 5.4" in listing and ">Toy<" in listing
+    assert "Lua 5.5" in listing and ">Toy<" in listing
     only_toy = admin_client.get("/admin/plugins/plugin/?runtime=toy").content.decode()
     assert f"/admin/plugins/plugin/{toy_plugin.pk}/change/" in only_toy
     assert f"/admin/plugins/plugin/{lua.pk}/change/" not in only_toy
