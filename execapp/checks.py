@@ -277,10 +277,15 @@ def _seconds_error(key: str, value: Any, zero: str, more: str, check_id: str) ->
                         hint=f"Set it to 0 ({zero}) {more} (default {conf.DEFAULTS[key]}).", id=check_id)
 
 
+#: Below this HISTORY_REDIS_MAX_BYTES keeps a few dozen large traces at most (execapp.W082).
+MIN_HISTORY_BYTES = 1024 * 1024
+
+
 def _history_checks() -> list[checks.CheckMessage]:
     """The event history's settings (execapp/history.py): sizes and retention."""
     errors: list[checks.CheckMessage] = []
     for key, integer, low in (("HISTORY_MAX_EVENTS", True, 0), ("HISTORY_LOCAL_MAX_BYTES", True, 0),
+                              ("HISTORY_REDIS_MAX_BYTES", True, 0),
                               ("HISTORY_FAILURE_DAYS", False, 0),
                               ("HISTORY_TEXT_CHARS", True, 0), ("HISTORY_REPLY_BYTES", True, 0)):
         value = conf.get(key)
@@ -289,6 +294,14 @@ def _history_checks() -> list[checks.CheckMessage]:
                 f"EXECAPP[{key!r}] is {value!r}{_from(key)}, it must be {'a whole number' if integer else 'a number'}"
                 f" >= {low}", hint=f"Set it to {conf.DEFAULTS[key]!r} (the default) or another value >= {low}.",
                 id="execapp.E080"))
+    redis_bytes = conf.get("HISTORY_REDIS_MAX_BYTES")
+    if _number(redis_bytes, True) and 0 <= redis_bytes < MIN_HISTORY_BYTES and conf.get("HISTORY_MAX_EVENTS"):
+        errors.append(checks.Warning(
+            f"EXECAPP['HISTORY_REDIS_MAX_BYTES'] is {redis_bytes!r}{_from('HISTORY_REDIS_MAX_BYTES')}: the recent "
+            "store in Redis evicts a trace as soon as the ones it holds pass it (a trace with large replies "
+            "is ~13 KB), so the Events page and resends find almost nothing",
+            hint=f"Set it to at least {MIN_HISTORY_BYTES} (1 MiB; default {conf.DEFAULTS['HISTORY_REDIS_MAX_BYTES']}), "
+                 "or HISTORY_MAX_EVENTS to 0 to keep no traces.", id="execapp.W082"))
     flush = conf.get("HISTORY_FLUSH_SECONDS")
     if not _number(flush) or not 0 < flush <= 60:
         errors.append(checks.Error(f"EXECAPP['HISTORY_FLUSH_SECONDS'] is {flush!r}{_from('HISTORY_FLUSH_SECONDS')}"

@@ -207,6 +207,11 @@ DEFAULTS: dict[str, Any] = {
     # many bytes of traces (oldest trimmed first), so traces of large replies and long plugin
     # error messages (up to ~13 KB each) cannot make 100,000 of them a gigabyte of the worker.
     "HISTORY_LOCAL_MAX_BYTES": 128 * 1024 * 1024,
+    # With Redis, the recent store keeps at most this many bytes of traces (their JSON bodies and
+    # ~400 bytes each besides), the oldest of the owner holding the most bytes evicted first: by
+    # count alone, 100,000 traces of ~13 KB (large replies, long plugin errors) were 1.3 GB of the
+    # Redis the channel layer needs too.
+    "HISTORY_REDIS_MAX_BYTES": 256 * 1024 * 1024,
     "HISTORY_FAILURE_DAYS": 7.0,
     # The database keeps at most this many failure traces per owner (the newest; the hourly prune
     # and `manage.py prune_history` delete the rest). A quota: one tenant whose events all fail

@@ -120,8 +120,9 @@ class EventTraceAdmin(admin.ModelAdmin):
     def _changelist(self, request: HttpRequest, extra_context: dict[str, Any] | None) -> HttpResponse:
         filters, raw, problems = filters_from(request)
         store = history.store()
+        usage = None
         try:  # Redis down (a restart): the page still answers with the database's failures, and says so
-            store.count()
+            usage = store.usage()
         except Exception as exc:
             problems.append(f"the recent store ({store.name}) cannot be read now ({type(exc).__name__}): only the "
                             "failures the database keeps are shown; events that ended ok are back once it answers")
@@ -150,6 +151,9 @@ class EventTraceAdmin(admin.ModelAdmin):
             "older_url": older,
             "newest_url": "?" + urlencode({k: v for k, v in raw.items() if v}) if request.GET.get("before") else None,
             "store": store.name,
+            "usage": usage.as_dict() if usage is not None else None,
+            "usage_mib": f"{usage.bytes / 1048576:.1f} of {usage.max_bytes / 1048576:.0f} MiB" if usage else "",
+            "evicted_bytes_when": _when(usage.by_bytes_ts) if usage and usage.by_bytes_ts else "",
             "recorder": recorder.stats() if recorder is not None else None,
             **(extra_context or {}),
         }
@@ -163,7 +167,8 @@ class EventTraceAdmin(admin.ModelAdmin):
         trace = history.detail(object_id)
         if trace is None:
             raise Http404(f"no trace {object_id!r}: it is older than the recent store keeps "
-                          "(EXECAPP['HISTORY_MAX_EVENTS']) and did not fail, or its failure was pruned")
+                          "(EXECAPP['HISTORY_MAX_EVENTS'] traces, EXECAPP['HISTORY_REDIS_MAX_BYTES'] or "
+                          "HISTORY_LOCAL_MAX_BYTES bytes: evicted) and did not fail, or its failure was pruned")
         context = {
             **self.admin_site.each_context(request),
             "title": f"Event {trace.get('id')}",

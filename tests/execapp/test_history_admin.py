@@ -252,3 +252,25 @@ def test_searches_past_the_cap_are_refused_at_once_and_served_again_after(settin
     assert answers == [200, 200]
     monkeypatch.setattr(history, "search", real_search)
     assert client.get(EVENTS).status_code == 200  # the places are free again
+
+
+def test_the_events_page_and_the_dashboard_say_when_traces_were_evicted_over_the_byte_bound(settings: Any) -> None:
+    """Traces evicted to keep the store within its bytes are missing from the Events page: it says
+    how many and when, and so does the dashboard's data; before, they were simply not there."""
+    from execapp.dashboard_data import collect
+
+    from .test_history import _record
+
+    settings.EXECAPP = {"HISTORY_LOCAL_MAX_BYTES": 200_000}
+    history_store.reset_local()
+    try:
+        history_store.store().add([_record(n, message="x" * 10_000, outcome="error") for n in range(100)])
+        page = staff("viewer", ["execapp.view_eventtrace"]).get(EVENTS)
+        usage = page.context["usage"]
+        assert usage["by_bytes"] > 0 and usage["bytes"] <= 200_000
+        text = page.content.decode()
+        assert f"{usage['by_bytes']} traces were evicted to keep it within its byte bound" in text
+        assert "HISTORY_LOCAL_MAX_BYTES" in text
+        assert collect(refresh=False)["history"]["by_bytes"] == usage["by_bytes"]
+    finally:
+        history_store.reset_local()

@@ -108,3 +108,12 @@ def test_the_public_secret_key_is_refused_once_a_non_local_host_is_served(settin
         assert not settings_pass_checks()
     settings.SECRET_KEY = "a-real-one-" + "x" * 50
     assert check_secret_key() == []
+
+
+def test_the_redis_history_byte_bound_is_checked(settings: Any) -> None:
+    [error] = _found(settings, HISTORY_REDIS_MAX_BYTES=-1)["execapp.E080"]
+    assert "HISTORY_REDIS_MAX_BYTES" in error.msg and "268435456" in error.hint
+    [warning] = _found(settings, HISTORY_REDIS_MAX_BYTES=4096)["execapp.W082"]
+    assert "4096" in warning.msg and "1048576" in warning.hint
+    assert "execapp.W082" not in _found(settings, HISTORY_REDIS_MAX_BYTES=4096, HISTORY_MAX_EVENTS=0)
+    assert not _found(settings, HISTORY_REDIS_MAX_BYTES=conf.DEFAULTS["HISTORY_REDIS_MAX_BYTES"])
