@@ -14,7 +14,7 @@ _POSITIVE_INTS = ("POOL_MAX_WORKERS", "POOL_QUEUE_SIZE", "PROFILE_WINDOW", "MAX_
                   "MAX_IN_FLIGHT_PER_CONNECTION", "MAX_FRAME_DEPTH", "MAX_CONNECTIONS_PER_OWNER",
                   "MAX_REQUEST_BODY_BYTES", "MAX_PENDING_BODY_BYTES", "HISTORY_FAILURES_PER_OWNER",
                   "INLINE_MAX_MEMORY_MB", "MAX_TOKEN_LOOKUPS", "MAX_PASSWORD_CHECKS", "MAX_BINDINGS_PER_PLUGIN",
-                  "MAX_REGEX_BINDINGS_PER_PLUGIN", "HISTORY_MAX_SEARCHES",
+                  "MAX_REGEX_BINDINGS_PER_PLUGIN", "HISTORY_MAX_SEARCHES", "DASHBOARD_MAX_REQUESTS",
                   "LAYER_MAX_CONNECTIONS", "SESSION_PUBLISHES_PER_OWNER", "SESSION_QUEUE_BYTES")
 _POSITIVE_NUMBERS = ("SLOW_THRESHOLD_SECONDS", "OVERFLOW_WAIT_SECONDS", "PROFILE_FLUSH_SECONDS",
                      "SNAPSHOT_SECONDS", "WORKER_STALE_SECONDS", "WORKER_DROP_SECONDS",
@@ -71,6 +71,18 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
             errors.append(checks.Error(f"EXECAPP[{key!r}] is {value!r}{_from(key)}, it must be a positive number "
                                        "of seconds", hint=f"Set it to a number above 0 (default "
                                        f"{conf.DEFAULTS[key]}).", id="execapp.E004"))
+    rate = conf.get("DASHBOARD_REQUESTS_PER_SECOND")
+    if not _number(rate) or not 0 < rate < float("inf"):
+        errors.append(checks.Error(
+            f"EXECAPP['DASHBOARD_REQUESTS_PER_SECOND'] is {rate!r}{_from('DASHBOARD_REQUESTS_PER_SECOND')}, it must "
+            "be a number of requests a second above 0", hint="The dashboard polls every 0.5-2 s: keep it at least 2 "
+            f"per open tab (default {conf.DEFAULTS['DASHBOARD_REQUESTS_PER_SECOND']}).", id="execapp.E047"))
+    elif rate < 1:
+        errors.append(checks.Warning(
+            f"EXECAPP['DASHBOARD_REQUESTS_PER_SECOND'] is {rate!r}{_from('DASHBOARD_REQUESTS_PER_SECOND')}: the "
+            "dashboard polls every 0.5-2 s, so an open tab is refused (429) part of the time",
+            hint=f"Keep it at least 2 per open tab (default {conf.DEFAULTS['DASHBOARD_REQUESTS_PER_SECOND']}).",
+            id="execapp.W047"))
     policy = conf.get("OVERFLOW_POLICY")
     if policy not in OVERFLOW_POLICIES:
         errors.append(checks.Error(f"EXECAPP['OVERFLOW_POLICY'] is {policy!r}",

@@ -166,6 +166,12 @@ DEFAULTS: dict[str, Any] = {
     "REGISTRY_POLL_SECONDS": 2.0,
     # Dashboard charts: how much history each worker keeps (one point per SNAPSHOT_SECONDS).
     "DASHBOARD_HISTORY_SECONDS": 300.0,
+    # The dashboard's data requests (~9 ms of CPU each, on a request thread sharing the GIL with the
+    # event loop), per worker process: at most this many at once (503 past it), and this many a
+    # second per user (429 past a burst of twice it); the page polls every 0.5-2 s
+    # (execapp/dashboard_limit.py).
+    "DASHBOARD_MAX_REQUESTS": 4,
+    "DASHBOARD_REQUESTS_PER_SECOND": 4.0,
     # Draining and shutdown.
     "DRAIN_TIMEOUT_SECONDS": 25.0,
     "SHUTDOWN_GRACE_SECONDS": 25.0,

@@ -282,6 +282,10 @@
   function refresh() {
     fetch(DATA_URL, {credentials: "same-origin", headers: {"Accept": "application/json"}})
       .then(function (r) {
+        // Refused (429: this user asks too often; 503: the worker answers enough already): wait
+        // what the server asks before the next poll.
+        var retry = Number(r.headers.get("Retry-After"));
+        if (retry > 0) pollMs = Math.max(pollMs, retry * 1000);
         if (r.status !== 200) throw new Error("HTTP " + r.status + (r.redirected ? " (logged out?)" : ""));
         return r.json();
       })
