@@ -18,6 +18,7 @@ from typing import Any
 from . import conf, extensions, history
 from . import metrics as m
 from .codes import REFUSAL_CODES
+from .metrics_forget import forget
 from .metrics_multiprocess import COMPACT_SECONDS, compact, multiprocess_dir, register_exit_hook
 from .outbox import SessionFrameTotals
 from .seams import WorkerLike
@@ -100,9 +101,30 @@ class MetricsUpdater:
             self._sync_profiles()
             self._sync_plugins()
             self._sync_history()
-        if multiprocess_dir() and time.monotonic() - self._last_compact >= COMPACT_SECONDS:
+        if time.monotonic() - self._last_compact >= COMPACT_SECONDS:
             self._last_compact = time.monotonic()
-            compact()
+            self.forget_gone()
+
+    def forget_gone(self) -> int:
+        """Compact dead processes' metric files and forget the series of plugins and matchers this
+        worker no longer serves (execapp.metrics_forget). Only once the worker is ready (its plugins
+        loaded): before, every plugin would look deleted. How many series went."""
+        keep = None
+        ready = getattr(self.worker, "ready", None)
+        if ready is None or ready.is_set():
+            from .metrics_view import live_filter
+
+            keep = live_filter(self.worker)
+        if keep is None:
+            if multiprocess_dir():
+                compact()
+            return 0
+        gone = forget(keep)
+        if gone:
+            # The cached children of forgotten series: a plugin that comes back gets new ones.
+            self._children = {k: c for k, c in self._children.items() if keep({"matcher": k[0], "plugin": k[1]})}
+            log.info("forgot %d metric series of plugins or matchers no longer served", gone)
+        return gone
 
     def _drain(self) -> None:
         # Batched per label set: each Prometheus increment takes the value's lock and, in
@@ -154,7 +176,12 @@ class MetricsUpdater:
         self._deltas.inc(self._dropped, ("outbox", "dropped"), SessionFrameTotals.dropped)
 
     def _sync_profiles(self) -> None:
+        # Profiles outlive their matchers (one re-added keeps its own): a removed matcher's series
+        # are not made again here once forgotten (forget_gone); they have no runs to count.
+        serving = {matcher.name for matcher in self.worker.engine.matchers}
         for name, profile in dict(self.worker.engine.profiles).items():
+            if name not in serving:
+                continue
             for field, counter in _PROFILE_COUNTERS:
                 self._deltas.inc(counter.labels(name), ("profile", field, name), getattr(profile, field))
 
