@@ -8,10 +8,11 @@ import secrets
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
-from ..conftest import ROOT, manage
+from ..conftest import POSTGRES_TEST_URL, ROOT, _database_url, manage, require_service
 
 COMMANDS = (("create_token", "ops"), ("revoke_token", "ops"), ("prune_history",), ("loadplugins",),
             ("runplugin", "ping", "ping"))
@@ -54,3 +55,32 @@ def test_loadplugins_run_by_every_replica_at_once_all_succeed(postgres_url: str,
     created = sum(out.count(": created") for out, _ in outputs)
     unchanged = sum(out.count(": unchanged") for out, _ in outputs)
     assert (created, unchanged) == (40, 120)  # each plugin created once; the others found it
+
+
+@pytest.fixture
+def empty_postgres_url() -> Iterator[str]:
+    """A PostgreSQL database of this test's own, never migrated; dropped after."""
+    import psycopg
+
+    base = require_service("PostgreSQL", POSTGRES_TEST_URL)
+    name = f"test_execapp_migrate_{secrets.token_hex(4)}"
+    with psycopg.connect(base, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield _database_url(base, name)
+    finally:
+        with psycopg.connect(base, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_migrate_run_by_every_replica_at_once_all_succeed(empty_postgres_url: str) -> None:
+    """Migrates that began together on an empty database all created the same tables and all but
+    one failed (duplicate pg_type key, exit 1). They now run one at a time; the others apply nothing."""
+    runs = [subprocess.Popen([sys.executable, "manage.py", "migrate", "--noinput"], cwd=ROOT,
+                             env={**os.environ, "DATABASE_URL": empty_postgres_url}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outputs = [run.communicate(timeout=300) for run in runs]
+    for run, (_out, err) in zip(runs, outputs):
+        assert run.returncode == 0 and "Traceback" not in err, err[-800:]
+    assert sum("No migrations to apply" in out for out, _ in outputs) == 2
+    assert manage("migrate", "--check", env={"DATABASE_URL": empty_postgres_url}).returncode == 0
