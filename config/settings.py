@@ -169,6 +169,9 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "execapp.channel_layer.InMemoryChannelLayer"}}
 
+# Error reports (the DEBUG=1 page, mails) hide passwords in URLs too: REDIS_URL, the channel layer's hosts.
+DEFAULT_EXCEPTION_REPORTER_FILTER = "execapp.safe_settings.SafeSettingsFilter"
+
 # Where a sign-in lands when its ?next= is refused (another site: //evil.example, https://...):
 # the admin, not Django's default /accounts/profile/, a 404 here.
 LOGIN_REDIRECT_URL = "admin:index"

@@ -574,3 +574,16 @@ def check_secret_key(app_configs: Any = None, **kwargs: Any) -> list[checks.Chec
         hint="Set the SECRET_KEY environment variable to a long random value, the same on every worker and "
              "across restarts: python -c 'import secrets; print(secrets.token_urlsafe(50))'.",
         id="execapp.E130")]
+
+
+@checks.register()
+def check_debug(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """DEBUG on while ALLOWED_HOSTS lets in a non-local host name: every client that meets an error
+    gets the traceback, the code around it and the settings."""
+    public = [h for h in settings.ALLOWED_HOSTS if h not in LOCAL_HOSTS]
+    if not settings.DEBUG or not public:
+        return []
+    return [checks.Warning(
+        f"DEBUG is on while ALLOWED_HOSTS serves {', '.join(map(repr, public))}: any client that meets an error "
+        "(a 500, and a 404's list of URL patterns) gets the traceback, local variables and settings",
+        hint="Unset the DEBUG environment variable (or set DEBUG=0) in production.", id="execapp.W131")]
