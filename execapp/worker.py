@@ -177,7 +177,7 @@ class Worker:
     def status(self) -> dict[str, Any]:
         """This worker's identity, drain state, engine counters and pool stats."""
         return {"worker": self.id, "pid": os.getpid(), "started_at": self.started_at, "draining": self.draining,
-                "recycling": self.recycling,
+                "stopping": self.stopping, "recycling": self.recycling,
                 "events_in_flight": self.events_in_flight, "events_finished": self.events_finished,
                 **self.engine.stats()}
 

@@ -192,6 +192,11 @@ def test_status_is_json_safe_and_printable(worker: Worker) -> None:
     assert status["events"] == 1 and status["pool"]["capacity"] == worker.pool.max_workers
     text = "\n".join(status_lines(status))
     assert "worker unit-worker" in text and "pool: running 0/" in text and "engine: events 1" in text
+    assert "  serving  " in text
+    # A shutting-down worker is told apart from one an operator drained (undrain resumes only that one).
+    assert "  DRAINING  " in status_lines({**status, "draining": True})[0]
+    worker.begin_stop()
+    assert "  STOPPING  " in status_lines(worker_status(worker))[0]
 
 
 # -- execapp.control over a channel layer -----------------------------------------------------------

@@ -114,12 +114,19 @@ def ms(seconds: Any) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
+def _state(answer: dict[str, Any]) -> str:
+    """serving, DRAINING (an operator's drain: `undrain` resumes it) or STOPPING (shutting down: it exits)."""
+    if answer.get("stopping"):
+        return "STOPPING"
+    return "DRAINING" if answer.get("draining") else "serving"
+
+
 def status_lines(answer: dict[str, Any]) -> list[str]:
     """A few lines about one worker: identity, pool, engine counters, instance pools."""
     pool = answer.get("pool") or {}
     lines = [
         f"worker {answer.get('worker')}  pid {answer.get('pid')}  up {answer.get('uptime_seconds', 0):.0f} s  "
-        f"{'DRAINING' if answer.get('draining') else 'serving'}  events in flight {answer.get('events_in_flight', 0)}"
+        f"{_state(answer)}  events in flight {answer.get('events_in_flight', 0)}"
         f" (finished {answer.get('events_finished', 0)})",
         f"  pool: running {pool.get('in_flight', 0)}/{pool.get('capacity', 0)}, queued {pool.get('queued', 0)}/"
         f"{pool.get('queue_capacity', 0)}, saturation {100 * (pool.get('saturation') or 0):.1f}%, threads "
