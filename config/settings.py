@@ -85,6 +85,9 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # /healthz (and /metrics with a token) by IP address, as Kubernetes' probes and Prometheus' pod
+    # discovery ask, whatever ALLOWED_HOSTS lists (execapp/probe_hosts.py).
+    "execapp.probe_hosts.ProbeHostMiddleware",
     "django_prometheus.middleware.PrometheusBeforeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
