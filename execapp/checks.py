@@ -92,6 +92,14 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
         errors.append(checks.Warning("WORKER_DROP_SECONDS is below WORKER_STALE_SECONDS: workers are dropped before "
                                      "they are ever shown as stale", hint="Make WORKER_DROP_SECONDS the larger.",
                                      id="execapp.W001"))
+    period = conf.get("SNAPSHOT_SECONDS")
+    if _number(period) and _number(stale) and period > 0 and stale > 0 and period * 2 > stale:
+        forgotten = ", and forgotten by the others (WORKER_DROP_SECONDS)" if _number(drop) and period >= drop else ""
+        errors.append(checks.Warning(
+            f"EXECAPP['SNAPSHOT_SECONDS'] is {period!r}{_from('SNAPSHOT_SECONDS')}, more than half of "
+            f"WORKER_STALE_SECONDS ({stale!r}): a live worker is shown stale (out of the totals) between two of its "
+            f"snapshots{forgotten}",
+            hint="Keep SNAPSHOT_SECONDS at most half WORKER_STALE_SECONDS (defaults 1 and 10).", id="execapp.W002"))
     publishes, pool = conf.get("SESSION_PUBLISHES_PER_OWNER"), conf.get("LAYER_MAX_CONNECTIONS")
     if isinstance(publishes, int) and isinstance(pool, int) and 0 < pool <= 2 * publishes:
         errors.append(checks.Warning(

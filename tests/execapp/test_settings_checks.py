@@ -117,3 +117,15 @@ def test_the_redis_history_byte_bound_is_checked(settings: Any) -> None:
     assert "4096" in warning.msg and "1048576" in warning.hint
     assert "execapp.W082" not in _found(settings, HISTORY_REDIS_MAX_BYTES=4096, HISTORY_MAX_EVENTS=0)
     assert not _found(settings, HISTORY_REDIS_MAX_BYTES=conf.DEFAULTS["HISTORY_REDIS_MAX_BYTES"])
+
+
+def test_snapshots_rarer_than_the_stale_mark_are_flagged(settings: Any) -> None:
+    # A worker publishing every 30 s was shown stale (and out of the totals) 20 s of every 30, and
+    # one publishing every 90 s was forgotten by every other worker's publish (WORKER_DROP_SECONDS).
+    [warning] = _found(settings, SNAPSHOT_SECONDS=30.0)["execapp.W002"]
+    assert "stale" in warning.msg and "forgotten" not in warning.msg
+    [warning] = _found(settings, SNAPSHOT_SECONDS=90.0)["execapp.W002"]
+    assert "forgotten by the others" in warning.msg
+    assert "execapp.W002" not in _found(settings, SNAPSHOT_SECONDS=5.0)
+    assert "execapp.W002" not in _found(settings, SNAPSHOT_SECONDS=30.0, WORKER_STALE_SECONDS=60.0,
+                                        WORKER_DROP_SECONDS=120.0)
