@@ -378,3 +378,24 @@ def test_drain_refuses_a_timeout_that_is_not_a_finite_number(monkeypatch: pytest
         with pytest.raises(CommandError, match=rf"--timeout {float(value)}: use a finite number of seconds >= 0"):
             call_command("drain", f"--timeout={value}")
     assert asked == []
+
+
+def test_ctrl_c_on_a_drain_says_the_workers_go_on_draining(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl+C while `manage.py drain` waited was a 40-line traceback, saying nothing of the workers,
+    which go on draining without it: now one line naming execstatus and undrain, exit status 130."""
+    from django.core.management import CommandError, call_command
+
+    from execapp.management.commands import _control
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_control, "request_sync", interrupted)
+    with pytest.raises(CommandError) as drained:
+        call_command("drain", "--timeout", "5")
+    assert drained.value.returncode == 130
+    assert str(drained.value).startswith("interrupted: the workers asked go on draining")
+    assert "`manage.py undrain` resumes them" in str(drained.value)
+    with pytest.raises(CommandError) as status:
+        call_command("execstatus")
+    assert str(status.value) == "interrupted: nothing was changed"

@@ -37,10 +37,18 @@ class ControlCommand(BaseCommand):
                 raise SystemExit(exc.returncode) from None  # the JSON is the whole answer: no plain-text line
             raise
 
+    #: What an interrupted command (Ctrl+C) says about the workers it asked: the op runs on them.
+    interrupted_note = "nothing was changed"
+
     def ask(self, worker: str | None, timeout: float | None = None) -> ControlResult:
-        """Send the op; operator errors (no shared layer, unknown worker) become CommandError."""
+        """Send the op; operator errors (no shared layer, unknown worker) and Ctrl+C become CommandError."""
         try:
             result = request_sync(self.op, worker=worker, timeout=timeout)
+        except KeyboardInterrupt:
+            # A traceback said nothing of the workers' state: a drain goes on without this command.
+            error = CommandError(f"interrupted: {self.interrupted_note}", returncode=130)
+            error.code = "interrupted"
+            raise error from None
         except ExecAppError as exc:
             error = CommandError(f"{exc.code}: {exc}")
             error.code = exc.code  # what --json reports
