@@ -83,6 +83,13 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
             "dashboard polls every 0.5-2 s, so an open tab is refused (429) part of the time",
             hint=f"Keep it at least 2 per open tab (default {conf.DEFAULTS['DASHBOARD_REQUESTS_PER_SECOND']}).",
             id="execapp.W047"))
+    searches = conf.get("HISTORY_SEARCHES_PER_MINUTE")
+    if not _number(searches) or not 0 < searches < float("inf"):
+        errors.append(checks.Error(
+            f"EXECAPP['HISTORY_SEARCHES_PER_MINUTE'] is {searches!r}{_from('HISTORY_SEARCHES_PER_MINUTE')}, it must "
+            "be a number of searches a minute above 0", hint="Each search of the Events page reads the recent store "
+            f"(~0.5 s of CPU at 100,000 traces); default {conf.DEFAULTS['HISTORY_SEARCHES_PER_MINUTE']}.",
+            id="execapp.E048"))
     policy = conf.get("OVERFLOW_POLICY")
     if policy not in OVERFLOW_POLICIES:
         errors.append(checks.Error(f"EXECAPP['OVERFLOW_POLICY'] is {policy!r}",

@@ -232,6 +232,9 @@ DEFAULTS: dict[str, Any] = {
     # the recent store (100,000: ~0.5 s of CPU on a request thread, which shares the GIL with the
     # event loop); past it the page answers 503 "busy" at once (execapp/history_admin.py).
     "HISTORY_MAX_SEARCHES": 2,
+    # ... and how many one staff user may start a minute on one worker process (a burst of 20):
+    # a browser tab stuck reloading the page kept one search (~0.5 s of CPU each) always running.
+    "HISTORY_SEARCHES_PER_MINUTE": 30.0,
     # The longest timeout a handler may have (a plugin's timeout_ms is refused above it), and the
     # fixed buckets of execapp_handler_duration_seconds: they reach past it (a run stopped at its
     # timeout plus the engine's grace still lands in a bucket) and no bucket from 1 s on is more

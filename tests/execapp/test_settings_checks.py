@@ -129,3 +129,9 @@ def test_snapshots_rarer_than_the_stale_mark_are_flagged(settings: Any) -> None:
     assert "execapp.W002" not in _found(settings, SNAPSHOT_SECONDS=5.0)
     assert "execapp.W002" not in _found(settings, SNAPSHOT_SECONDS=30.0, WORKER_STALE_SECONDS=60.0,
                                         WORKER_DROP_SECONDS=120.0)
+
+
+def test_the_events_search_rate_is_checked(settings: Any) -> None:
+    [error] = _found(settings, HISTORY_SEARCHES_PER_MINUTE=0)["execapp.E048"]
+    assert "HISTORY_SEARCHES_PER_MINUTE" in error.msg and "30.0" in error.hint
+    assert "execapp.E048" not in _found(settings, HISTORY_SEARCHES_PER_MINUTE=120.0)
