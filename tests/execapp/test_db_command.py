@@ -15,7 +15,7 @@ import pytest
 from ..conftest import POSTGRES_TEST_URL, ROOT, _database_url, manage, require_service
 
 COMMANDS = (("create_token", "ops"), ("revoke_token", "ops"), ("prune_history",), ("loadplugins",),
-            ("runplugin", "ping", "ping"))
+            ("runplugin", "ping", "ping"), ("migrate", "--noinput"))
 
 
 @pytest.mark.parametrize("args", COMMANDS, ids=lambda a: a[0])

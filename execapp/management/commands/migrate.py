@@ -6,12 +6,15 @@ from typing import Any
 from django.core.management.commands.migrate import Command as DjangoMigrate
 from django.db import connections
 
+from execapp.db_command import DatabaseCommand
+
 #: The PostgreSQL advisory lock a migrate holds for its whole run (any fixed number: "migrate").
 MIGRATE_LOCK_KEY = 0x6D696772617465
 
 
-class Command(DjangoMigrate):
-    """Django's migrate, holding a PostgreSQL advisory lock for the whole run.
+class Command(DatabaseCommand, DjangoMigrate):
+    """Django's migrate, holding a PostgreSQL advisory lock for the whole run; a database it cannot
+    reach is one line with a code (DatabaseCommand), not a traceback.
 
     Every replica of a deployment commonly runs `migrate && loadplugins` as it starts: two
     migrates that began together both created the same tables, and all but one failed
