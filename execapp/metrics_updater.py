@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from . import conf, extensions, history
 from . import metrics as m
@@ -106,15 +106,10 @@ class MetricsUpdater:
             self.forget_gone()
 
     def forget_gone(self) -> int:
-        """Compact dead processes' metric files and forget the series of plugins and matchers this
-        worker no longer serves (execapp.metrics_forget). Only once the worker is ready (its plugins
-        loaded): before, every plugin would look deleted. How many series went."""
-        keep = None
-        ready = getattr(self.worker, "ready", None)
-        if ready is None or ready.is_set():
-            from .metrics_view import live_filter
-
-            keep = live_filter(self.worker)
+        """Compact dead processes' metric files and forget the series of plugins and matchers no
+        worker of this process serves (execapp.metrics_forget). Only while every such worker is
+        ready (its plugins loaded): before, every plugin would look deleted. How many series went."""
+        keep = _process_keep()
         if keep is None:
             if multiprocess_dir():
                 compact()
@@ -221,6 +216,23 @@ class MetricsUpdater:
 
 
 _updaters: "weakref.WeakSet[MetricsUpdater]" = weakref.WeakSet()
+
+
+def _process_keep() -> Callable[[dict[str, str]], bool] | None:
+    """Keep a series that any running worker of this process serves (the registry is the process's:
+    one worker's filter alone dropped another's series); None while one is not ready (or none runs)."""
+    from .metrics_view import live_filter
+
+    keeps = []
+    for updater in list(_updaters):
+        ready = getattr(updater.worker, "ready", None)
+        keep = live_filter(updater.worker) if ready is None or ready.is_set() else None
+        if keep is None:
+            return None
+        keeps.append(keep)
+    if not keeps:
+        return None
+    return lambda labels: any(keep(labels) for keep in keeps)
 
 
 def observe_many(histogram: Any, amounts: list[float]) -> None:

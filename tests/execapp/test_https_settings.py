@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Iterator
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -74,7 +76,20 @@ def test_each_variable_overrides_https_and_bad_values_say_what_to_use(tmp_path: 
         assert f"{name}={value!r}" in done.stderr and hint in done.stderr, done.stderr[-500:]
 
 
-def test_the_probe_and_the_scrape_are_not_redirected(client: Any, settings: Any) -> None:
+@pytest.fixture
+def quiet_worker(monkeypatch: pytest.MonkeyPatch, install_worker: Any) -> Iterator[Any]:
+    """A Worker without services installed as this process's worker: /healthz would otherwise start
+    the process's own (with its metrics updater), which outlives the test."""
+    from execapp import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "SERVICE_FACTORIES", [])
+    worker = install_worker(worker_module.Worker("probe-test"))
+    worker.start()
+    yield worker
+    worker.stop(timeout=5)
+
+
+def test_the_probe_and_the_scrape_are_not_redirected(client: Any, settings: Any, quiet_worker: Any) -> None:
     settings.SECURE_SSL_REDIRECT = True
     assert client.get("/admin/login/").status_code == 301
     assert client.get("/healthz").status_code != 301

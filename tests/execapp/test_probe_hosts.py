@@ -2,12 +2,27 @@
 the Host, /metrics too when a token guards it; everything else keeps Django's Host check."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
 POD = "10.1.2.3:8000"  # the Host header of a request made to the pod's address
 TOKEN = "metrics-token-of-the-probe-test"
+
+
+@pytest.fixture
+def quiet_worker(monkeypatch: pytest.MonkeyPatch, install_worker: Any) -> Iterator[Any]:
+    """A Worker without services installed as this process's worker: /healthz would otherwise start
+    the process's own (with its metrics updater), which outlives the test."""
+    from execapp import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "SERVICE_FACTORIES", [])
+    worker = install_worker(worker_module.Worker("probe-test"))
+    worker.start()
+    yield worker
+    worker.stop(timeout=5)
+
+pytestmark = pytest.mark.usefixtures("quiet_worker")
 
 
 @pytest.fixture
