@@ -2,7 +2,8 @@
 
 Everything that differs between the embedded default (one process, SQLite, in-memory channel
 layer) and production (many ASGI workers, PostgreSQL, Redis) comes from the environment:
-``DATABASE_URL``, ``REDIS_URL``, ``SECRET_KEY``, ``DEBUG``, ``ALLOWED_HOSTS``, ``LOG_FORMAT``; and any
+``DATABASE_URL``, ``REDIS_URL``, ``SECRET_KEY``, ``DEBUG``, ``ALLOWED_HOSTS``, ``LOG_FORMAT``, the HTTPS
+settings (``HTTPS``, ``SECURE_*``, ``*_COOKIE_SECURE``, ``CSRF_TRUSTED_ORIGINS``); and any
 ``EXECAPP`` setting as ``EXECAPP_<NAME>`` (execapp/conf.py).
 """
 import os
@@ -16,7 +17,59 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 SECRET_KEY = os.environ.get("SECRET_KEY", "dev-only-insecure-key-change-me-in-production")
 DEBUG = os.environ.get("DEBUG", "0") == "1"
 ALLOWED_HOSTS = [h for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1],testserver").split(",") if h]
-CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+CSRF_TRUSTED_ORIGINS = [o.strip() for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    """The environment variable ``name`` read as a yes/no; a value that is neither stops the start."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: use 1 or 0 (true/false, yes/no, on/off)")
+
+
+def _env_int(name: str, default: int) -> int:
+    """The environment variable ``name`` read as a whole number >= 0; another value stops the start."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name}={raw!r}: use a whole number of seconds >= 0")
+    return value
+
+
+# Behind TLS (docs/operations.md, "Behind TLS"). HTTPS=1 turns on the redirect to https:// and the
+# secure-only session and CSRF cookies at once; each variable below overrides it. HSTS stays off
+# unless SECURE_HSTS_SECONDS is set: a browser that saw it refuses plain HTTP for that long.
+HTTPS = _env_bool("HTTPS", False)
+SECURE_SSL_REDIRECT = _env_bool("SECURE_SSL_REDIRECT", HTTPS)
+# The load balancer's probe and Prometheus' scrape come over plain HTTP from inside the network:
+# a 301 to https:// would fail the probe of every worker at once.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$"]
+SESSION_COOKIE_SECURE = _env_bool("SESSION_COOKIE_SECURE", HTTPS)
+CSRF_COOKIE_SECURE = _env_bool("CSRF_COOKIE_SECURE", HTTPS)
+SECURE_HSTS_SECONDS = _env_int("SECURE_HSTS_SECONDS", 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = _env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = _env_bool("SECURE_HSTS_PRELOAD", False)
+# "HTTP_X_FORWARDED_PROTO,https": the header (as Django names it) and the value a TLS-terminating
+# proxy sets. Only behind a proxy that always sets (or strips) it: a client could send it itself.
+# The WebSocket Origin check honours it too (execapp.auth.origin_allowed).
+_proxy_ssl_header = os.environ.get("SECURE_PROXY_SSL_HEADER", "").strip()
+if _proxy_ssl_header:
+    _header_name, _, _header_value = (part.strip() for part in _proxy_ssl_header.partition(","))
+    if not _header_name.startswith("HTTP_") or not _header_value:
+        raise ValueError(f"SECURE_PROXY_SSL_HEADER={_proxy_ssl_header!r}: use the header as Django names it and "
+                         "the value meaning https, e.g. HTTP_X_FORWARDED_PROTO,https")
+    SECURE_PROXY_SSL_HEADER = (_header_name, _header_value)
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -32,6 +85,9 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # /healthz (and /metrics with a token) by IP address, as Kubernetes' probes and Prometheus' pod
+    # discovery ask, whatever ALLOWED_HOSTS lists (execapp/probe_hosts.py).
+    "execapp.probe_hosts.ProbeHostMiddleware",
     "django_prometheus.middleware.PrometheusBeforeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -117,6 +173,9 @@ if REDIS_URL:
     }
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "execapp.channel_layer.InMemoryChannelLayer"}}
+
+# Error reports (the DEBUG=1 page, mails) hide passwords in URLs too: REDIS_URL, the channel layer's hosts.
+DEFAULT_EXCEPTION_REPORTER_FILTER = "execapp.safe_settings.SafeSettingsFilter"
 
 # Where a sign-in lands when its ?next= is refused (another site: //evil.example, https://...):
 # the admin, not Django's default /accounts/profile/, a 404 here.

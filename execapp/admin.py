@@ -13,6 +13,7 @@ from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 from django.utils.html import format_html
 
+from .admin_filters import BoundedValuesFilter
 from .auth_watch import revoked_connections_note
 from .models import ApiToken, hash_token
 
@@ -25,7 +26,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
     """API tokens for WebSocket clients: the raw token is shown once, when it is created."""
 
     list_display = ("name", "tenant", "prefix", "created_at", "last_used_at", "revoked_at", "active")
-    list_filter = (("revoked_at", admin.EmptyFieldListFilter), "tenant")
+    list_filter = (("revoked_at", admin.EmptyFieldListFilter), ("tenant", BoundedValuesFilter))
     search_fields = ("name", "tenant", "prefix")
     readonly_fields = ("prefix", "created_at", "last_used_at", "revoked_at")
     actions = ("revoke_tokens",)
@@ -82,7 +83,7 @@ class ExecProfileRecordAdmin(admin.ModelAdmin):
 
     list_display = ("matcher", "plugin", "state", "p50_ms", "p99_ms", "runs", "errors", "timeouts", "promotions",
                     "demotions", "promoted_at", "demoted_at", "updated_at", "failures_link")
-    list_filter = ("state", "plugin")
+    list_filter = ("state", ("plugin", BoundedValuesFilter))
     search_fields = ("matcher", "plugin", "last_error")
     readonly_fields = ["failures_link", *(f.name for f in ExecProfileRecord._meta.fields)]
 

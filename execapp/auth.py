@@ -14,6 +14,7 @@ from urllib.parse import parse_qs
 from channels.auth import AuthMiddleware, get_user
 from channels.db import database_sync_to_async
 from channels.sessions import CookieMiddleware, SessionMiddleware
+from django.conf import settings
 from django.core.handlers.asgi import ASGIRequest
 from django.db import Error as DatabaseError
 from django.middleware.csrf import CsrfViewMiddleware
@@ -194,6 +195,12 @@ class TokenAuthMiddleware:
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "websocket":
             return await self.inner(scope, receive, send)
+        # Behind TLS (SECURE_SSL_REDIRECT) plain HTTP is redirected; a plain ws:// socket cannot be,
+        # and carried tokens and session cookies in clear: it is refused, saying to use wss://.
+        if settings.SECURE_SSL_REDIRECT and not transport_secure(scope):
+            return await deny(scope, receive, send, "insecure_transport",
+                              "this server takes WebSocket connections over wss:// only (SECURE_SSL_REDIRECT): "
+                              "connect to wss://<host>/ws/events/", outcome=None)
         # A client network that failed too often is not judged (no lookup): closed at once.
         network = auth_throttle.client_network(scope)
         wait = auth_throttle.current().retry_after(network)
@@ -261,6 +268,21 @@ def _no_response(request: Any) -> None:
     return None
 
 
+def _as_request(scope: Scope) -> ASGIRequest:
+    """The handshake as a Django request (GET, its scheme as a page of it would have): Django's
+    own checks then apply, SECURE_PROXY_SSL_HEADER and USE_X_FORWARDED_HOST included."""
+    return ASGIRequest({**scope, "method": "GET",
+                        "scheme": _HTTP_SCHEME.get(scope.get("scheme") or "ws", "http")}, io.BytesIO())
+
+
+def transport_secure(scope: Scope) -> bool:
+    """Whether the handshake came over TLS: wss://, or a trusted proxy says so (SECURE_PROXY_SSL_HEADER)."""
+    try:
+        return _as_request(scope).is_secure()
+    except Exception:  # a malformed header: not a transport we can vouch for
+        return False
+
+
 def origin_allowed(scope: Scope) -> bool:
     """Whether the handshake's ``Origin`` passes Django's CSRF origin check.
 
@@ -274,9 +296,7 @@ def origin_allowed(scope: Scope) -> bool:
     if _header(scope, b"origin") is None:
         return False
     try:
-        request = ASGIRequest({**scope, "method": "GET",
-                               "scheme": _HTTP_SCHEME.get(scope.get("scheme") or "ws", "http")}, io.BytesIO())
-        return bool(CsrfViewMiddleware(_no_response)._origin_verified(request))
+        return bool(CsrfViewMiddleware(_no_response)._origin_verified(_as_request(scope)))
     except Exception:  # a malformed header: not an origin we can vouch for
         log.debug("origin check failed on a malformed handshake", exc_info=True)
         return False

@@ -14,7 +14,7 @@ _POSITIVE_INTS = ("POOL_MAX_WORKERS", "POOL_QUEUE_SIZE", "PROFILE_WINDOW", "MAX_
                   "MAX_IN_FLIGHT_PER_CONNECTION", "MAX_FRAME_DEPTH", "MAX_CONNECTIONS_PER_OWNER",
                   "MAX_REQUEST_BODY_BYTES", "MAX_PENDING_BODY_BYTES", "HISTORY_FAILURES_PER_OWNER",
                   "INLINE_MAX_MEMORY_MB", "MAX_TOKEN_LOOKUPS", "MAX_PASSWORD_CHECKS", "MAX_BINDINGS_PER_PLUGIN",
-                  "MAX_REGEX_BINDINGS_PER_PLUGIN", "HISTORY_MAX_SEARCHES",
+                  "MAX_REGEX_BINDINGS_PER_PLUGIN", "HISTORY_MAX_SEARCHES", "DASHBOARD_MAX_REQUESTS",
                   "LAYER_MAX_CONNECTIONS", "SESSION_PUBLISHES_PER_OWNER", "SESSION_QUEUE_BYTES")
 _POSITIVE_NUMBERS = ("SLOW_THRESHOLD_SECONDS", "OVERFLOW_WAIT_SECONDS", "PROFILE_FLUSH_SECONDS",
                      "SNAPSHOT_SECONDS", "WORKER_STALE_SECONDS", "WORKER_DROP_SECONDS",
@@ -71,6 +71,25 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
             errors.append(checks.Error(f"EXECAPP[{key!r}] is {value!r}{_from(key)}, it must be a positive number "
                                        "of seconds", hint=f"Set it to a number above 0 (default "
                                        f"{conf.DEFAULTS[key]}).", id="execapp.E004"))
+    rate = conf.get("DASHBOARD_REQUESTS_PER_SECOND")
+    if not _number(rate) or not 0 < rate < float("inf"):
+        errors.append(checks.Error(
+            f"EXECAPP['DASHBOARD_REQUESTS_PER_SECOND'] is {rate!r}{_from('DASHBOARD_REQUESTS_PER_SECOND')}, it must "
+            "be a number of requests a second above 0", hint="The dashboard polls every 0.5-2 s: keep it at least 2 "
+            f"per open tab (default {conf.DEFAULTS['DASHBOARD_REQUESTS_PER_SECOND']}).", id="execapp.E047"))
+    elif rate < 1:
+        errors.append(checks.Warning(
+            f"EXECAPP['DASHBOARD_REQUESTS_PER_SECOND'] is {rate!r}{_from('DASHBOARD_REQUESTS_PER_SECOND')}: the "
+            "dashboard polls every 0.5-2 s, so an open tab is refused (429) part of the time",
+            hint=f"Keep it at least 2 per open tab (default {conf.DEFAULTS['DASHBOARD_REQUESTS_PER_SECOND']}).",
+            id="execapp.W047"))
+    searches = conf.get("HISTORY_SEARCHES_PER_MINUTE")
+    if not _number(searches) or not 0 < searches < float("inf"):
+        errors.append(checks.Error(
+            f"EXECAPP['HISTORY_SEARCHES_PER_MINUTE'] is {searches!r}{_from('HISTORY_SEARCHES_PER_MINUTE')}, it must "
+            "be a number of searches a minute above 0", hint="Each search of the Events page reads the recent store "
+            f"(~0.5 s of CPU at 100,000 traces); default {conf.DEFAULTS['HISTORY_SEARCHES_PER_MINUTE']}.",
+            id="execapp.E048"))
     policy = conf.get("OVERFLOW_POLICY")
     if policy not in OVERFLOW_POLICIES:
         errors.append(checks.Error(f"EXECAPP['OVERFLOW_POLICY'] is {policy!r}",
@@ -80,6 +99,14 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
         errors.append(checks.Warning("WORKER_DROP_SECONDS is below WORKER_STALE_SECONDS: workers are dropped before "
                                      "they are ever shown as stale", hint="Make WORKER_DROP_SECONDS the larger.",
                                      id="execapp.W001"))
+    period = conf.get("SNAPSHOT_SECONDS")
+    if _number(period) and _number(stale) and period > 0 and stale > 0 and period * 2 > stale:
+        forgotten = ", and forgotten by the others (WORKER_DROP_SECONDS)" if _number(drop) and period >= drop else ""
+        errors.append(checks.Warning(
+            f"EXECAPP['SNAPSHOT_SECONDS'] is {period!r}{_from('SNAPSHOT_SECONDS')}, more than half of "
+            f"WORKER_STALE_SECONDS ({stale!r}): a live worker is shown stale (out of the totals) between two of its "
+            f"snapshots{forgotten}",
+            hint="Keep SNAPSHOT_SECONDS at most half WORKER_STALE_SECONDS (defaults 1 and 10).", id="execapp.W002"))
     publishes, pool = conf.get("SESSION_PUBLISHES_PER_OWNER"), conf.get("LAYER_MAX_CONNECTIONS")
     if isinstance(publishes, int) and isinstance(pool, int) and 0 < pool <= 2 * publishes:
         errors.append(checks.Warning(
@@ -277,10 +304,15 @@ def _seconds_error(key: str, value: Any, zero: str, more: str, check_id: str) ->
                         hint=f"Set it to 0 ({zero}) {more} (default {conf.DEFAULTS[key]}).", id=check_id)
 
 
+#: Below this HISTORY_REDIS_MAX_BYTES keeps a few dozen large traces at most (execapp.W082).
+MIN_HISTORY_BYTES = 1024 * 1024
+
+
 def _history_checks() -> list[checks.CheckMessage]:
     """The event history's settings (execapp/history.py): sizes and retention."""
     errors: list[checks.CheckMessage] = []
     for key, integer, low in (("HISTORY_MAX_EVENTS", True, 0), ("HISTORY_LOCAL_MAX_BYTES", True, 0),
+                              ("HISTORY_REDIS_MAX_BYTES", True, 0),
                               ("HISTORY_FAILURE_DAYS", False, 0),
                               ("HISTORY_TEXT_CHARS", True, 0), ("HISTORY_REPLY_BYTES", True, 0)):
         value = conf.get(key)
@@ -289,6 +321,14 @@ def _history_checks() -> list[checks.CheckMessage]:
                 f"EXECAPP[{key!r}] is {value!r}{_from(key)}, it must be {'a whole number' if integer else 'a number'}"
                 f" >= {low}", hint=f"Set it to {conf.DEFAULTS[key]!r} (the default) or another value >= {low}.",
                 id="execapp.E080"))
+    redis_bytes = conf.get("HISTORY_REDIS_MAX_BYTES")
+    if _number(redis_bytes, True) and 0 <= redis_bytes < MIN_HISTORY_BYTES and conf.get("HISTORY_MAX_EVENTS"):
+        errors.append(checks.Warning(
+            f"EXECAPP['HISTORY_REDIS_MAX_BYTES'] is {redis_bytes!r}{_from('HISTORY_REDIS_MAX_BYTES')}: the recent "
+            "store in Redis evicts a trace as soon as the ones it holds pass it (a trace with large replies "
+            "is ~13 KB), so the Events page and resends find almost nothing",
+            hint=f"Set it to at least {MIN_HISTORY_BYTES} (1 MiB; default {conf.DEFAULTS['HISTORY_REDIS_MAX_BYTES']}), "
+                 "or HISTORY_MAX_EVENTS to 0 to keep no traces.", id="execapp.W082"))
     flush = conf.get("HISTORY_FLUSH_SECONDS")
     if not _number(flush) or not 0 < flush <= 60:
         errors.append(checks.Error(f"EXECAPP['HISTORY_FLUSH_SECONDS'] is {flush!r}{_from('HISTORY_FLUSH_SECONDS')}"
@@ -563,3 +603,16 @@ def check_secret_key(app_configs: Any = None, **kwargs: Any) -> list[checks.Chec
         hint="Set the SECRET_KEY environment variable to a long random value, the same on every worker and "
              "across restarts: python -c 'import secrets; print(secrets.token_urlsafe(50))'.",
         id="execapp.E130")]
+
+
+@checks.register()
+def check_debug(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """DEBUG on while ALLOWED_HOSTS lets in a non-local host name: every client that meets an error
+    gets the traceback, the code around it and the settings."""
+    public = [h for h in settings.ALLOWED_HOSTS if h not in LOCAL_HOSTS]
+    if not settings.DEBUG or not public:
+        return []
+    return [checks.Warning(
+        f"DEBUG is on while ALLOWED_HOSTS serves {', '.join(map(repr, public))}: any client that meets an error "
+        "(a 500, and a 404's list of URL patterns) gets the traceback, local variables and settings",
+        hint="Unset the DEBUG environment variable (or set DEBUG=0) in production.", id="execapp.W131")]

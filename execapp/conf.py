@@ -166,6 +166,12 @@ DEFAULTS: dict[str, Any] = {
     "REGISTRY_POLL_SECONDS": 2.0,
     # Dashboard charts: how much history each worker keeps (one point per SNAPSHOT_SECONDS).
     "DASHBOARD_HISTORY_SECONDS": 300.0,
+    # The dashboard's data requests (~9 ms of CPU each, on a request thread sharing the GIL with the
+    # event loop), per worker process: at most this many at once (503 past it), and this many a
+    # second per user (429 past a burst of twice it); the page polls every 0.5-2 s
+    # (execapp/dashboard_limit.py).
+    "DASHBOARD_MAX_REQUESTS": 4,
+    "DASHBOARD_REQUESTS_PER_SECOND": 4.0,
     # Draining and shutdown.
     "DRAIN_TIMEOUT_SECONDS": 25.0,
     "SHUTDOWN_GRACE_SECONDS": 25.0,
@@ -213,6 +219,11 @@ DEFAULTS: dict[str, Any] = {
     # many bytes of traces (oldest trimmed first), so traces of large replies and long plugin
     # error messages (up to ~13 KB each) cannot make 100,000 of them a gigabyte of the worker.
     "HISTORY_LOCAL_MAX_BYTES": 128 * 1024 * 1024,
+    # With Redis, the recent store keeps at most this many bytes of traces (their JSON bodies and
+    # ~400 bytes each besides), the oldest of the owner holding the most bytes evicted first: by
+    # count alone, 100,000 traces of ~13 KB (large replies, long plugin errors) were 1.3 GB of the
+    # Redis the channel layer needs too.
+    "HISTORY_REDIS_MAX_BYTES": 256 * 1024 * 1024,
     "HISTORY_FAILURE_DAYS": 7.0,
     # The database keeps at most this many failure traces per owner (the newest; the hourly prune
     # and `manage.py prune_history` delete the rest). A quota: one tenant whose events all fail
@@ -227,6 +238,9 @@ DEFAULTS: dict[str, Any] = {
     # the recent store (100,000: ~0.5 s of CPU on a request thread, which shares the GIL with the
     # event loop); past it the page answers 503 "busy" at once (execapp/history_admin.py).
     "HISTORY_MAX_SEARCHES": 2,
+    # ... and how many one staff user may start a minute on one worker process (a burst of 20):
+    # a browser tab stuck reloading the page kept one search (~0.5 s of CPU each) always running.
+    "HISTORY_SEARCHES_PER_MINUTE": 30.0,
     # The longest timeout a handler may have (a plugin's timeout_ms is refused above it), and the
     # fixed buckets of execapp_handler_duration_seconds: they reach past it (a run stopped at its
     # timeout plus the engine's grace still lands in a bucket) and no bucket from 1 s on is more

@@ -13,6 +13,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 
+from . import dashboard_limit
 from .dashboard_data import collect
 
 #: The Events page's permission: event contents (failure messages, event ids) on the dashboard need it too.
@@ -74,7 +75,15 @@ class DashboardAdmin(admin.ModelAdmin):
     def _data_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_view_permission(request):
             return JsonResponse({"error": "staff only"}, status=403)
-        return dashboard_data(request)
+        refused = dashboard_limit.refusal(f"user:{request.user.pk}")
+        if refused is not None:  # a tab stuck in a loop, or too many at once: refused before the work
+            status, message, retry_after = refused
+            return JsonResponse({"error": message, "retry_after": retry_after}, status=status,
+                                headers={"Retry-After": str(retry_after)})
+        try:
+            return dashboard_data(request)
+        finally:
+            dashboard_limit.running.release()
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         """The dashboard page (the JavaScript polls the data endpoint)."""

@@ -160,6 +160,17 @@ def _plugin_refused(worker: dict[str, Any], plugin: Any) -> int:
     return sum(n for _, p, code, n in worker.get("failures") or [] if p == plugin and code in REFUSAL_CODES)
 
 
+def history_usage() -> dict[str, Any] | None:
+    """The event history's recent store: traces and bytes held, and what it evicted (None: unreadable)."""
+    from .history_store import store
+
+    try:
+        return store().usage().as_dict()
+    except Exception:  # Redis down: the warning above says so already when the snapshots are there too
+        log.debug("the event history's usage cannot be read", exc_info=True)
+        return None
+
+
 def collect(refresh: bool = True) -> dict[str, Any]:
     """Everything the dashboard shows: workers (stale marked, long-silent dropped), total, charts,
     matchers and plugin instance pools."""
@@ -216,6 +227,7 @@ def collect(refresh: bool = True) -> dict[str, Any]:
         "now": now,
         "backend": store.name,
         "warning": warning,
+        "history": history_usage(),
         "interval": period,
         "poll_seconds": min(2.0, max(0.5, period)),
         "stale_seconds": stale_after,

@@ -142,11 +142,19 @@ def hold_drained(worker: WorkerLike, drained: bool, everyone: bool = False) -> N
 
 
 def undrain_worker(worker: WorkerLike) -> dict[str, Any]:
-    """Take new events again: reopen the pool, then admit events (the reverse of a drain)."""
+    """Take new events again: reopen the pool, then admit events (the reverse of a drain). A
+    worker shutting down (SIGTERM, a recycle) refuses: it drains to exit."""
     was_draining = worker.draining
+    if getattr(worker, "stopping", False):
+        log.warning("undrain of %s refused: it is shutting down (SIGTERM or a recycle) and drains to exit", worker.id)
+        return {"worker": worker.id, "ok": False, "was_draining": was_draining,
+                "error": "stopping: this worker is shutting down (SIGTERM or a recycle) and drains to exit; "
+                         "its replacement, if any, takes events"}
     hold_drained(worker, False)
     worker.pool.resume()
-    worker.set_draining(False)
+    if not worker.set_draining(False):  # began to stop meanwhile: leave its pool as the shutdown wants it
+        return {"worker": worker.id, "ok": False, "was_draining": was_draining,
+                "error": "stopping: this worker began to shut down during the undrain"}
     log.info("undrain of %s (was draining: %s)", worker.id, was_draining)
     return {"worker": worker.id, "ok": True, "was_draining": was_draining}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 from typing import Any
 from urllib.parse import urlencode
 
@@ -20,6 +21,7 @@ from django.urls import reverse
 from . import codes, conf, history
 from .history_store import Filters
 from .running_cap import RunningCap
+from .user_rate import UserRate
 
 #: Rows per page of the Events list.
 PAGE_SIZE = 50
@@ -90,6 +92,9 @@ def _ms(seconds: float | None) -> str:
 #: Searches of the events running in this process: each reads up to the whole recent store
 #: (~0.5 s of CPU for 100,000 traces) on a request thread, holding the GIL the event loop needs.
 _searches = RunningCap()
+#: Searches each user started lately (HISTORY_SEARCHES_PER_MINUTE, a burst of SEARCH_BURST).
+_search_rate = UserRate()
+SEARCH_BURST = 20.0
 
 
 class EventTraceAdmin(admin.ModelAdmin):
@@ -108,6 +113,13 @@ class EventTraceAdmin(admin.ModelAdmin):
         """The Events list (GET filters: id or q, plugin, matcher, outcome, session, owner, since, until)."""
         if not self.has_view_permission(request):
             return HttpResponse("you need the 'Can view event' permission", status=403)
+        per_minute = float(conf.get("HISTORY_SEARCHES_PER_MINUTE"))
+        wait = _search_rate.take(f"user:{request.user.pk}", per_minute / 60.0, SEARCH_BURST)
+        if wait > 0:  # a tab stuck reloading the page: refused before any search
+            retry = max(1, math.ceil(wait))
+            return HttpResponse(f"too many searches of the events from this user (more than {per_minute:g} a minute: "
+                                f"EXECAPP['HISTORY_SEARCHES_PER_MINUTE']); try again in {retry} s", status=429,
+                                content_type="text/plain; charset=utf-8", headers={"Retry-After": str(retry)})
         if not _searches.acquire(int(conf.get("HISTORY_MAX_SEARCHES"))):
             return HttpResponse(f"this worker runs {conf.get('HISTORY_MAX_SEARCHES')} searches of the events already "
                                 "(EXECAPP['HISTORY_MAX_SEARCHES']); try again in a moment", status=503,
@@ -120,8 +132,9 @@ class EventTraceAdmin(admin.ModelAdmin):
     def _changelist(self, request: HttpRequest, extra_context: dict[str, Any] | None) -> HttpResponse:
         filters, raw, problems = filters_from(request)
         store = history.store()
+        usage = None
         try:  # Redis down (a restart): the page still answers with the database's failures, and says so
-            store.count()
+            usage = store.usage()
         except Exception as exc:
             problems.append(f"the recent store ({store.name}) cannot be read now ({type(exc).__name__}): only the "
                             "failures the database keeps are shown; events that ended ok are back once it answers")
@@ -150,6 +163,9 @@ class EventTraceAdmin(admin.ModelAdmin):
             "older_url": older,
             "newest_url": "?" + urlencode({k: v for k, v in raw.items() if v}) if request.GET.get("before") else None,
             "store": store.name,
+            "usage": usage.as_dict() if usage is not None else None,
+            "usage_mib": f"{usage.bytes / 1048576:.1f} of {usage.max_bytes / 1048576:.0f} MiB" if usage else "",
+            "evicted_bytes_when": _when(usage.by_bytes_ts) if usage and usage.by_bytes_ts else "",
             "recorder": recorder.stats() if recorder is not None else None,
             **(extra_context or {}),
         }
@@ -163,7 +179,8 @@ class EventTraceAdmin(admin.ModelAdmin):
         trace = history.detail(object_id)
         if trace is None:
             raise Http404(f"no trace {object_id!r}: it is older than the recent store keeps "
-                          "(EXECAPP['HISTORY_MAX_EVENTS']) and did not fail, or its failure was pruned")
+                          "(EXECAPP['HISTORY_MAX_EVENTS'] traces, EXECAPP['HISTORY_REDIS_MAX_BYTES'] or "
+                          "HISTORY_LOCAL_MAX_BYTES bytes: evicted) and did not fail, or its failure was pruned")
         context = {
             **self.admin_site.each_context(request),
             "title": f"Event {trace.get('id')}",

@@ -3,12 +3,13 @@
 Redis when ``settings.REDIS_URL`` is set, so the traces of every worker of a deployment are in
 one place: each trace is a *summary* (the fields the Events page filters on, one line of a list)
 and a *body* (the whole trace as JSON). This process's memory otherwise: the Records themselves
-(nothing is serialized until someone reads one). Both keep
-``EXECAPP['HISTORY_MAX_EVENTS']`` traces, the local one also within
-``EXECAPP['HISTORY_LOCAL_MAX_BYTES']``, and find a trace by its uid or by (owner, event id) (the
-newest of that pair). Past their size the oldest trace *of the owner holding the most* goes
-(``fair_cuts``): one tenant's flood displaces its own traces, never the share of another, whose
-records a resend is answered from. The database keeps the
+(nothing is serialized until someone reads one). Both keep ``EXECAPP['HISTORY_MAX_EVENTS']``
+traces, within ``EXECAPP['HISTORY_LOCAL_MAX_BYTES']`` (local) or ``EXECAPP['HISTORY_REDIS_MAX_BYTES']``
+(Redis) bytes, count what they evict (``usage``), and find a trace by its uid or by (owner, event
+id) (the newest of that pair). Past their size the oldest trace *of the owner holding the most*
+goes (``fair_cuts``; past the bytes, of the owner holding the most bytes): one tenant's flood
+displaces its own traces, never the share of another, whose records a resend is answered from.
+The database keeps the
 failures longer (execapp.history, ``EventTrace``).
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import collections
 import json
 import marshal
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Protocol, Union, cast
 
@@ -184,6 +186,8 @@ class Store(Protocol):
 
     def count(self) -> int: ...
 
+    def usage(self) -> "Usage": ...
+
 
 def fair_cuts(held: dict[str, int], k: int) -> dict[str, int]:
     """How many of each owner's traces go when ``k`` must: the recent stores' fairness rule.
@@ -206,6 +210,24 @@ def fair_cuts(held: dict[str, int], k: int) -> dict[str, int]:
     return {owner: n for owner, n in held.items()}
 
 
+class Usage(NamedTuple):
+    """What a store holds and what it evicted: traces past ``max_events`` (``by_count``) and past
+    its byte bound (``by_bytes``), each with the wall-clock time of the last such eviction."""
+
+    traces: int
+    bytes: int
+    max_events: int
+    max_bytes: int
+    by_count: int = 0
+    by_count_ts: float | None = None
+    by_bytes: int = 0
+    by_bytes_ts: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """For templates and JSON."""
+        return self._asdict()
+
+
 class LocalStore:
     """The newest ``max_events`` traces of this process (the embedded single-process default),
     trimmed by the fairness rule of ``fair_cuts``.
@@ -223,6 +245,9 @@ class LocalStore:
         #: marshalled bytes); past it traces go as past ``max_events``.
         self.max_bytes = int(conf.DEFAULTS["HISTORY_LOCAL_MAX_BYTES"]) if max_bytes is None else max_bytes
         self.bytes = 0
+        #: Traces evicted past max_events and past max_bytes, and when the last of each went.
+        self.evicted = {"count": 0, "bytes": 0}
+        self.evicted_ts: dict[str, float] = {}
         self._lock = threading.Lock()  # the housekeeper adds, admin requests read
         # uid -> (key, record, its bytes): oldest first (a dict keeps insertion order and, unlike
         # a deque, lets the fairness rule take a trace out of the middle in O(1)).
@@ -254,10 +279,15 @@ class LocalStore:
                 owned.append(uid)
             over = len(items) - self.max_events
             while over > 0 or (items and self.bytes > self.max_bytes):
+                reason = "count"
                 if over <= 0:  # past the bytes: about as many as the excess is traces, of the average size
                     over = max(1, (self.bytes - self.max_bytes) * len(items) // self.bytes)
+                    reason = "bytes"
+                before = len(items)
                 for owner, cut in fair_cuts({o: len(d) for o, d in by_owner.items()}, over).items():
                     self._cut(owner, cut)
+                self.evicted[reason] += before - len(items)
+                self.evicted_ts[reason] = time.time()
                 over = len(items) - self.max_events
 
     def _cut(self, owner: str, n: int) -> None:
@@ -306,6 +336,13 @@ class LocalStore:
         with self._lock:
             return len(self._by_owner.get(owner, ()))
 
+    def usage(self) -> Usage:
+        """Traces and bytes held, and what was evicted to stay within the bounds."""
+        with self._lock:
+            return Usage(len(self._items), self.bytes, self.max_events, self.max_bytes,
+                         self.evicted["count"], self.evicted_ts.get("count"),
+                         self.evicted["bytes"], self.evicted_ts.get("bytes"))
+
     def clear(self) -> None:
         """Forget every trace (tests)."""
         with self._lock:
@@ -333,17 +370,27 @@ def _pack(r: tuple) -> bytes:
 # One script per flush: the bodies, the (owner, id) pointers and the summaries go in together,
 # each trace's uid at the head of its owner's list, and past ``max`` traces the oldest of the
 # owner holding the most (fair_cuts' rule: ZSET "owners", owner digest -> traces held) is deleted:
-# its body, and its pointer unless a newer trace of the same pair took it over. The log of
-# summaries (what the Events page lists) keeps the newest ``max`` lines whoever sent them.
-# Atomic, so workers flushing at once never leak. A store written before the owners' lists
-# existed (no "n") has them made from its log once, oldest first.
+# its body, and its pointer unless a newer trace of the same pair took it over. Past ``maxb``
+# bytes (a trace costs its body's length and TRACE_OVERHEAD_BYTES) the oldest of the owner
+# holding the most *bytes* goes the same way (ZSET "ob"): one tenant's large traces displace its
+# own, and the total stays bounded whatever the traces weigh. Evictions are counted in the hash
+# "evicted" (by reason: "count", "bytes", and when the last happened) for the Events page and the
+# dashboard. The log of summaries (what the Events page lists) keeps the newest ``max`` lines
+# whoever sent them. Atomic, so workers flushing at once never leak. A store written before the
+# owners' lists existed (no "n") has them made from its log once, oldest first; one written
+# before the byte bound (no "b") has its bytes counted from its bodies once.
 _ADD_SCRIPT = """
-local log, max, p = KEYS[1], tonumber(ARGV[1]), ARGV[2]
-local owners, count = p .. 'owners', p .. 'n'
+local log, max, p, maxb, now = KEYS[1], tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local overhead = tonumber(ARGV[5])
+local owners, count, ob, bcount, ev = p .. 'owners', p .. 'n', p .. 'ob', p .. 'b', p .. 'evicted'
+local function cost(uid)
+  return redis.call('STRLEN', p .. 'r:' .. uid) + overhead
+end
 local function hold(uid, k)
   local o = string.sub(k, 1, (string.find(k, ':', 1, true) or 1) - 1)
   redis.call('LPUSH', p .. 'o:' .. o, uid .. '\t' .. k)
   redis.call('ZINCRBY', owners, 1, o)
+  return o
 end
 local n = tonumber(redis.call('GET', count) or '-1')
 if n < 0 then
@@ -359,27 +406,66 @@ if n < 0 then
     end
   end
 end
-for i = 3, #ARGV, 4 do
+local b = tonumber(redis.call('GET', bcount) or '-1')
+if b < 0 then
+  b = 0
+  redis.call('DEL', ob)
+  for _, o in ipairs(redis.call('ZRANGE', owners, 0, -1)) do
+    for _, e in ipairs(redis.call('LRANGE', p .. 'o:' .. o, 0, -1)) do
+      local c = cost(string.sub(e, 1, (string.find(e, '\t', 1, true) or 1) - 1))
+      redis.call('ZINCRBY', ob, c, o)
+      b = b + c
+    end
+  end
+end
+for i = 6, #ARGV, 4 do
   redis.call('SET', p .. 'r:' .. ARGV[i], ARGV[i + 3])
   redis.call('SET', p .. 'k:' .. ARGV[i + 1], ARGV[i])
   redis.call('LPUSH', log, ARGV[i + 2])
-  hold(ARGV[i], ARGV[i + 1])
+  local c = string.len(ARGV[i + 3]) + overhead
+  redis.call('ZINCRBY', ob, c, hold(ARGV[i], ARGV[i + 1]))
   n = n + 1
+  b = b + c
 end
 redis.call('LTRIM', log, 0, max - 1)
-while n > max do
-  local o = redis.call('ZREVRANGE', owners, 0, 0)[1]
+local by_count, by_bytes = 0, 0
+while n > 0 and (n > max or b > maxb) do
+  local over_count = n > max
+  local o = redis.call('ZREVRANGE', over_count and owners or ob, 0, 0)[1]
+  if not o then break end
   local e = redis.call('RPOP', p .. 'o:' .. o)
-  if redis.call('ZINCRBY', owners, -1, o) + 0 <= 0 then redis.call('ZREM', owners, o) end
-  n = n - 1
-  local t = string.find(e, '\t', 1, true)
-  local uid, k = string.sub(e, 1, t - 1), string.sub(e, t + 1)
-  redis.call('DEL', p .. 'r:' .. uid)
-  if redis.call('GET', p .. 'k:' .. k) == uid then redis.call('DEL', p .. 'k:' .. k) end
+  if not e then
+    redis.call('ZREM', owners, o)
+    redis.call('ZREM', ob, o)
+  else
+    local t = string.find(e, '\t', 1, true)
+    local uid, k = string.sub(e, 1, t - 1), string.sub(e, t + 1)
+    local c = cost(uid)
+    if redis.call('ZINCRBY', owners, -1, o) + 0 <= 0 then redis.call('ZREM', owners, o) end
+    if redis.call('ZINCRBY', ob, -c, o) + 0 <= 0 then redis.call('ZREM', ob, o) end
+    n = n - 1
+    b = b - c
+    redis.call('DEL', p .. 'r:' .. uid)
+    if redis.call('GET', p .. 'k:' .. k) == uid then redis.call('DEL', p .. 'k:' .. k) end
+    if over_count then by_count = by_count + 1 else by_bytes = by_bytes + 1 end
+  end
+end
+if n <= 0 then b = 0 end
+if by_count > 0 then
+  redis.call('HINCRBY', ev, 'count', by_count)
+  redis.call('HSET', ev, 'count_ts', now)
+end
+if by_bytes > 0 then
+  redis.call('HINCRBY', ev, 'bytes', by_bytes)
+  redis.call('HSET', ev, 'bytes_ts', now)
 end
 redis.call('SET', count, n)
+redis.call('SET', bcount, b)
 return n
 """
+
+#: What one trace costs the Redis store besides its body: its summary line, pointer, list entries.
+TRACE_OVERHEAD_BYTES = 400
 
 
 def _encodable(body: str) -> str:
@@ -399,10 +485,13 @@ class RedisStore:
 
     name = "redis"
 
-    def __init__(self, url: str, max_events: int) -> None:
+    def __init__(self, url: str, max_events: int, max_bytes: int | None = None) -> None:
         import redis
 
         self.max_events = max_events
+        #: The bytes the traces may take (bodies and TRACE_OVERHEAD_BYTES each); past it the oldest
+        #: of the owner holding the most bytes go.
+        self.max_bytes = int(conf.DEFAULTS["HISTORY_REDIS_MAX_BYTES"]) if max_bytes is None else max_bytes
         self.client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
         self.prefix = conf.redis_key(KEY_PREFIX)
         self.log_key = self.prefix + "log"
@@ -411,7 +500,7 @@ class RedisStore:
     def add(self, records: list[tuple]) -> None:
         if self.max_events <= 0 or not records:
             return
-        args: list[Any] = [self.max_events, self.prefix]
+        args: list[Any] = [self.max_events, self.prefix, self.max_bytes, repr(time.time()), TRACE_OVERHEAD_BYTES]
         for r in records:
             args += [r[UID], key_of(r), Summary.of(r).to_line(), _encodable(to_json(r))]
         self._add(keys=[self.log_key], args=args)
@@ -446,9 +535,24 @@ class RedisStore:
         """How many traces ``owner`` holds here."""
         return int(self.client.zscore(self.prefix + "owners", owner_key(owner)) or 0)
 
+    def usage(self) -> Usage:
+        """Traces and bytes held, and what was evicted to stay within the bounds."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(self.prefix + "n")
+        pipe.get(self.prefix + "b")
+        pipe.hgetall(self.prefix + "evicted")
+        held, size, evicted = pipe.execute()
+        ev = {k.decode(): v.decode() for k, v in cast(dict, evicted).items()}
+        return Usage(int(held or 0), int(size or 0), self.max_events, self.max_bytes,
+                     int(ev.get("count", 0)), _ts(ev.get("count_ts")), int(ev.get("bytes", 0)), _ts(ev.get("bytes_ts")))
+
+
+def _ts(raw: str | None) -> float | None:
+    return float(raw) if raw else None
+
 
 _local: LocalStore | None = None
-_redis: dict[tuple[str, str, int], RedisStore] = {}
+_redis: dict[tuple[str, str, int, int], RedisStore] = {}
 _lock = threading.Lock()
 
 
@@ -462,10 +566,11 @@ def store() -> Store:
             if _local is None or _local.max_events != max_events or _local.max_bytes != max_bytes:
                 _local = LocalStore(max_events, max_bytes)
             return _local
-        key = (url, conf.redis_key(KEY_PREFIX), max_events)
-        if key not in _redis:
-            _redis[key] = RedisStore(url, max_events)
-        return _redis[key]
+        max_redis_bytes = int(conf.get("HISTORY_REDIS_MAX_BYTES"))
+        rkey = (url, conf.redis_key(KEY_PREFIX), max_events, max_redis_bytes)
+        if rkey not in _redis:
+            _redis[rkey] = RedisStore(url, max_events, max_redis_bytes)
+        return _redis[rkey]
 
 
 def reset_local() -> None:

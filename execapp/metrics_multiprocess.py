@@ -14,9 +14,10 @@ import collections
 import contextlib
 import fcntl
 import glob
+import json
 import os
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 #: How often a worker's metrics updater compacts the directory (seconds).
 COMPACT_SECONDS = 60.0
@@ -87,18 +88,31 @@ def prune_dead_gauges(path: str | None = None) -> int:
     return removed
 
 
-def compact(path: str | None = None) -> dict[str, int]:
+def _labels_of(key: str) -> dict[str, str]:
+    """The labels of an mmap file's key (prometheus_client's mmap_key: JSON [metric, name, labels, help])."""
+    try:
+        labels = json.loads(key)[2]
+    except (ValueError, IndexError, TypeError):
+        return {}
+    return labels if isinstance(labels, dict) else {}
+
+
+def compact(path: str | None = None, keep: Callable[[dict[str, str]], bool] | None = None) -> dict[str, int]:
     """Merge the metric files of dead pids into one archive per type and delete them.
 
     Counters, histograms, summaries and min/max/sum/mostrecent gauges keep their values
     in ``<type>_archive.db``; live* and ``all`` gauges of a dead pid are simply removed. Safe
     with several processes (an exclusive flock) and against scrapes through ``metrics_view``
     (they hold the lock shared, so they never see a file both archived and still present).
+    ``keep`` (a test of a sample's labels, ``metrics_view.live_filter``): the archives' series it
+    refuses (a deleted or renamed plugin's, its matchers') are dropped, counted in ``dropped``;
+    scrapes left them out already, but every scrape read them, and plugin churn grew the archives
+    for ever.
     """
     from prometheus_client.mmap_dict import MmapedDict
 
     path = path or multiprocess_dir()
-    result = {"merged": 0, "removed": 0}
+    result = {"merged": 0, "removed": 0, "dropped": 0}
     if not path or not os.path.isdir(path):
         return result
     with dir_lock(path, exclusive=True):
@@ -113,13 +127,23 @@ def compact(path: str | None = None) -> dict[str, int]:
                     result["removed"] += 1
             else:
                 groups[prefix].append(file)
+        if keep is not None:  # archives with nothing new to merge are still filtered
+            for archive in glob.glob(os.path.join(path, "*_archive.db")):
+                groups.setdefault(os.path.basename(archive)[:-len("_archive.db")], [])
         for prefix, files in groups.items():
             mode = prefix[6:] if prefix.startswith("gauge_") else "sum"
             archive = os.path.join(path, f"{prefix}_archive.db")
             merged: dict[str, tuple[float, float]] = {}
+            dropped = 0
             for file in ([archive] if os.path.exists(archive) else []) + files:
                 for key, value, ts, _ in MmapedDict.read_all_values_from_file(file):
+                    if keep is not None and not keep(_labels_of(key)):
+                        dropped += 1
+                        continue
                     merged[key] = _merge_value(mode, merged.get(key), value, ts)
+            if not files and not dropped:
+                continue  # nothing merged, nothing dropped: the archive stays as it is
+            result["dropped"] += dropped
             tmp = archive + ".tmp"
             if os.path.exists(tmp):
                 os.remove(tmp)

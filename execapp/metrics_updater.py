@@ -13,11 +13,12 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from . import conf, extensions, history
 from . import metrics as m
 from .codes import REFUSAL_CODES
+from .metrics_forget import forget
 from .metrics_multiprocess import COMPACT_SECONDS, compact, multiprocess_dir, register_exit_hook
 from .outbox import SessionFrameTotals
 from .seams import WorkerLike
@@ -100,9 +101,25 @@ class MetricsUpdater:
             self._sync_profiles()
             self._sync_plugins()
             self._sync_history()
-        if multiprocess_dir() and time.monotonic() - self._last_compact >= COMPACT_SECONDS:
+        if time.monotonic() - self._last_compact >= COMPACT_SECONDS:
             self._last_compact = time.monotonic()
-            compact()
+            self.forget_gone()
+
+    def forget_gone(self) -> int:
+        """Compact dead processes' metric files and forget the series of plugins and matchers no
+        worker of this process serves (execapp.metrics_forget). Only while every such worker is
+        ready (its plugins loaded): before, every plugin would look deleted. How many series went."""
+        keep = _process_keep()
+        if keep is None:
+            if multiprocess_dir():
+                compact()
+            return 0
+        gone = forget(keep)
+        if gone:
+            # The cached children of forgotten series: a plugin that comes back gets new ones.
+            self._children = {k: c for k, c in self._children.items() if keep({"matcher": k[0], "plugin": k[1]})}
+            log.info("forgot %d metric series of plugins or matchers no longer served", gone)
+        return gone
 
     def _drain(self) -> None:
         # Batched per label set: each Prometheus increment takes the value's lock and, in
@@ -154,7 +171,12 @@ class MetricsUpdater:
         self._deltas.inc(self._dropped, ("outbox", "dropped"), SessionFrameTotals.dropped)
 
     def _sync_profiles(self) -> None:
+        # Profiles outlive their matchers (one re-added keeps its own): a removed matcher's series
+        # are not made again here once forgotten (forget_gone); they have no runs to count.
+        serving = {matcher.name for matcher in self.worker.engine.matchers}
         for name, profile in dict(self.worker.engine.profiles).items():
+            if name not in serving:
+                continue
             for field, counter in _PROFILE_COUNTERS:
                 self._deltas.inc(counter.labels(name), ("profile", field, name), getattr(profile, field))
 
@@ -194,6 +216,23 @@ class MetricsUpdater:
 
 
 _updaters: "weakref.WeakSet[MetricsUpdater]" = weakref.WeakSet()
+
+
+def _process_keep() -> Callable[[dict[str, str]], bool] | None:
+    """Keep a series that any running worker of this process serves (the registry is the process's:
+    one worker's filter alone dropped another's series); None while one is not ready (or none runs)."""
+    from .metrics_view import live_filter
+
+    keeps = []
+    for updater in list(_updaters):
+        ready = getattr(updater.worker, "ready", None)
+        keep = live_filter(updater.worker) if ready is None or ready.is_set() else None
+        if keep is None:
+            return None
+        keeps.append(keep)
+    if not keeps:
+        return None
+    return lambda labels: any(keep(labels) for keep in keeps)
 
 
 def observe_many(histogram: Any, amounts: list[float]) -> None:

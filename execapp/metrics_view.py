@@ -41,10 +41,10 @@ def _export(registry: Any) -> HttpResponse:
     return HttpResponse(prometheus_client.generate_latest(source), content_type=prometheus_client.CONTENT_TYPE_LATEST)
 
 
-def live_filter() -> Callable[[dict[str, str]], bool] | None:
-    """A test of a sample's labels: False for a plugin or matcher this process's worker does not
-    serve now. None (keep everything) without a worker here to ask."""
-    worker = current_worker()
+def live_filter(worker: Any = None) -> Callable[[dict[str, str]], bool] | None:
+    """A test of a sample's labels: False for a plugin or matcher ``worker`` (by default this
+    process's) does not serve now. None (keep everything) without a worker to ask."""
+    worker = worker if worker is not None else current_worker()
     if worker is None:
         return None
     matchers = worker.engine.matchers

@@ -169,7 +169,7 @@ class ExecServer(uvicorn.Server):
             from . import conf
             from .drain import drain_worker
 
-            self.worker.set_draining(True)  # /healthz says `draining` from this moment
+            self.worker.begin_stop()  # /healthz says `draining` from this moment, and undrain cannot undo it
             grace = float(self.grace if self.grace is not None else conf.get("SHUTDOWN_GRACE_SECONDS"))
             log.info("draining worker %s before shutdown (grace %.1f s, %s)", self.worker.id, grace,
                      "listener handed over to sibling workers" if self.handed_over else "still listening")

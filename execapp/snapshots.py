@@ -125,19 +125,47 @@ class RedisBackend:
         self.client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
         self.key_prefix = conf.redis_key(KEY_PREFIX)
         self.workers_key = self.key_prefix + "workers"
+        #: worker id -> wall-clock time of its last snapshot: what each publish expires dead workers by.
+        self.seen_key = self.key_prefix + "workers:seen"
+        #: When entries without a score (written by an older version's workers, during a rolling
+        #: deploy) were last given one: they are looked for once per WORKER_DROP_SECONDS.
+        self._adopted_at = float("-inf")
 
     def _series_key(self, worker_id: str) -> str:
         return f"{self.key_prefix}series:{worker_id}"
 
     def publish(self, snapshot: dict[str, Any], point: HistoryPoint | None) -> None:
+        """Write this worker's snapshot (and chart point), and forget workers silent for
+        WORKER_DROP_SECONDS: a worker that died publishes nothing again, and before, its entry
+        stayed until someone opened the dashboard."""
+        drop_after = conf.get("WORKER_DROP_SECONDS")
+        ts = float(snapshot.get("ts") or time.time())
+        if time.monotonic() - self._adopted_at >= drop_after:
+            self._adopt(time.time())
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(self.workers_key, snapshot["worker"], json.dumps(snapshot, default=str))
+        pipe.zadd(self.seen_key, {snapshot["worker"]: ts})
+        for key in (self.workers_key, self.seen_key):  # every worker gone: the whole entry goes too
+            pipe.expire(key, int(drop_after) + 60)
         if point is not None:
             key = self._series_key(snapshot["worker"])
             pipe.rpush(key, json.dumps(point))
             pipe.ltrim(key, -history_points(), -1)
-            pipe.expire(key, int(conf.get("WORKER_DROP_SECONDS")) + 60)  # a crashed worker's list goes too
-        pipe.execute()
+            pipe.expire(key, int(drop_after) + 60)  # a crashed worker's list goes too
+        pipe.zrangebyscore(self.seen_key, "-inf", f"({ts - drop_after!r}")
+        silent = pipe.execute()[-1]
+        for raw in silent:  # rare: a worker that died (each deletion is idempotent: workers may race)
+            worker_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if worker_id != snapshot["worker"]:
+                log.info("forgetting worker %s: no snapshot for %.0f s (WORKER_DROP_SECONDS)", worker_id, drop_after)
+                self.drop(worker_id)
+
+    def _adopt(self, now: float) -> None:
+        """Score the entries written without seen_key (an older version's) as seen now."""
+        known = self.client.hkeys(self.workers_key)
+        if known:
+            self.client.zadd(self.seen_key, {k: now for k in known}, nx=True)
+        self._adopted_at = time.monotonic()
 
     def remove(self, worker_id: str) -> None:
         self.drop(worker_id)
@@ -159,6 +187,7 @@ class RedisBackend:
     def drop(self, worker_id: str) -> None:
         pipe = self.client.pipeline(transaction=False)
         pipe.hdel(self.workers_key, worker_id)
+        pipe.zrem(self.seen_key, worker_id)
         pipe.delete(self._series_key(worker_id))
         pipe.execute()
 

@@ -80,6 +80,9 @@ class Worker:
                                     slow_threshold=conf.get("SLOW_THRESHOLD_SECONDS")),
         )
         self.draining = False
+        #: Set for good when this worker began to stop (SIGTERM, a recycle): it drains to exit, and
+        #: no `manage.py undrain` may make it take events again (begin_stop).
+        self.stopping = False
         #: Open WebSocket connections by owner (connection_opened / connection_closed).
         self._connections: dict[str, int] = {}
         self._decode_shares: dict[str, LoopShare] = {}
@@ -174,7 +177,7 @@ class Worker:
     def status(self) -> dict[str, Any]:
         """This worker's identity, drain state, engine counters and pool stats."""
         return {"worker": self.id, "pid": os.getpid(), "started_at": self.started_at, "draining": self.draining,
-                "recycling": self.recycling,
+                "stopping": self.stopping, "recycling": self.recycling,
                 "events_in_flight": self.events_in_flight, "events_finished": self.events_finished,
                 **self.engine.stats()}
 
@@ -250,10 +253,22 @@ class Worker:
             self.events_in_flight -= 1
             self.events_finished += 1
 
-    def set_draining(self, draining: bool) -> None:
-        """Refuse (True) or admit again (False) new events; atomic with respect to begin_event."""
+    def set_draining(self, draining: bool) -> bool:
+        """Refuse (True) or admit again (False) new events; atomic with respect to begin_event.
+        False when it admits none: the worker is stopping (begin_stop), it only drains."""
         with self._events_lock:
+            if self.stopping and not draining:
+                return False
             self.draining = draining
+            return True
+
+    def begin_stop(self) -> None:
+        """This worker is shutting down: refuse new events from now on, for good. An `undrain`
+        during the shutdown's drain had set it admitting again: /healthz said ok to the load
+        balancer, and events accepted then could outlast the grace and lose their `done`."""
+        with self._events_lock:
+            self.stopping = True
+            self.draining = True
 
 
 _worker: Worker | None = None

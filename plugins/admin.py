@@ -8,6 +8,7 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.html import format_html
 
+from execapp.admin_filters import BoundedValuesFilter
 from execapp.history_admin import events_url
 
 from .forms import BindingFormSet, PluginForm
@@ -130,5 +131,5 @@ class PluginAdmin(admin.ModelAdmin):
 @admin.register(KVEntry)
 class KVEntryAdmin(admin.ModelAdmin):
     list_display = ["plugin", "key", "value", "updated_at"]
-    list_filter = ["plugin"]
+    list_filter = [("plugin", BoundedValuesFilter)]
     search_fields = ["plugin", "key"]

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from django.contrib.admin.models import LogEntry
 from django.contrib.contenttypes.models import ContentType
-from django.db import transaction
+from django.db import connection, transaction
 
 from . import spec as specs
 from .errors import PluginInvalid
@@ -16,6 +16,20 @@ from .manifest import read_manifest
 from .models import QUOTA_FIELDS, Binding, Plugin
 
 EXAMPLES_DIR = Path(__file__).resolve().parent / "examples"
+#: The PostgreSQL advisory lock every load takes for its transaction (any fixed number: "loadplugins").
+LOAD_LOCK_KEY = 0x6C6F6164706C67
+
+
+def _one_load_at_a_time() -> None:
+    """Inside the load's transaction: wait for any other load to commit first. Every replica of a
+    deployment commonly runs `migrate && loadplugins` as it starts: two loads that both found a
+    plugin missing both inserted it, and one died with IntegrityError (a traceback, exit 1, the
+    replica's start failed). Serialized, the second finds the first's plugins "unchanged".
+    SQLite needs nothing: its IMMEDIATE transactions (config/settings.py) already take the write
+    lock when they begin."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [LOAD_LOCK_KEY])
 _FIELDS = ("description", "runtime", "enabled", "permissions", "http_allowlist", "timeout_ms", "memory_mb",
            "max_concurrency", "strategy", "pool_size", "shard_count", *QUOTA_FIELDS)
 
@@ -80,6 +94,7 @@ def load_directory(directory: Path = EXAMPLES_DIR, say: Callable[[str], None] = 
     entries = read_manifest(directory)  # every entry checked before anything is saved
     results = []
     with transaction.atomic():
+        _one_load_at_a_time()
         for entry, source in entries:
             wanted = _defaults(entry, source)
             wanted_fp = fingerprint(wanted, _wanted_bindings(entry))

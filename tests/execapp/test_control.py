@@ -192,6 +192,11 @@ def test_status_is_json_safe_and_printable(worker: Worker) -> None:
     assert status["events"] == 1 and status["pool"]["capacity"] == worker.pool.max_workers
     text = "\n".join(status_lines(status))
     assert "worker unit-worker" in text and "pool: running 0/" in text and "engine: events 1" in text
+    assert "  serving  " in text
+    # A shutting-down worker is told apart from one an operator drained (undrain resumes only that one).
+    assert "  DRAINING  " in status_lines({**status, "draining": True})[0]
+    worker.begin_stop()
+    assert "  STOPPING  " in status_lines(worker_status(worker))[0]
 
 
 # -- execapp.control over a channel layer -----------------------------------------------------------
@@ -373,3 +378,24 @@ def test_drain_refuses_a_timeout_that_is_not_a_finite_number(monkeypatch: pytest
         with pytest.raises(CommandError, match=rf"--timeout {float(value)}: use a finite number of seconds >= 0"):
             call_command("drain", f"--timeout={value}")
     assert asked == []
+
+
+def test_ctrl_c_on_a_drain_says_the_workers_go_on_draining(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl+C while `manage.py drain` waited was a 40-line traceback, saying nothing of the workers,
+    which go on draining without it: now one line naming execstatus and undrain, exit status 130."""
+    from django.core.management import CommandError, call_command
+
+    from execapp.management.commands import _control
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_control, "request_sync", interrupted)
+    with pytest.raises(CommandError) as drained:
+        call_command("drain", "--timeout", "5")
+    assert drained.value.returncode == 130
+    assert str(drained.value).startswith("interrupted: the workers asked go on draining")
+    assert "`manage.py undrain` resumes them" in str(drained.value)
+    with pytest.raises(CommandError) as status:
+        call_command("execstatus")
+    assert str(status.value) == "interrupted: nothing was changed"

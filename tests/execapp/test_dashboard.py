@@ -520,3 +520,72 @@ def test_the_dashboard_serves_its_page_and_data_only(staff_client: Any) -> None:
         assert response.status_code == 404 and b"4111" not in response.content, (suffix, response.status_code)
     assert staff_client.get(PAGE).status_code == 200
     assert staff_client.get(DATA).status_code == 200
+
+
+@pytest.mark.redis
+def test_a_dead_worker_s_entry_expires_without_anyone_reading_the_dashboard(settings: Any, redis_url: str) -> None:
+    """A worker that died (SIGKILL, OOM) publishes nothing again; its entry in obs:workers and its
+    chart went only when someone opened the dashboard. Now every live worker's publish forgets
+    workers silent for WORKER_DROP_SECONDS, and the keys expire when no worker is left."""
+
+
+    settings.REDIS_URL = redis_url
+    settings.EXECAPP = {"WORKER_DROP_SECONDS": 60.0}
+    backend = snapshots.RedisBackend(redis_url)
+    r = backend.client
+    workers_key, seen_key = backend.workers_key, backend.seen_key
+    now = time.time()
+    # An older version's entry (no score) is adopted at a publish, then expires like the others.
+    r.hset(workers_key, "w-legacy", json.dumps({"worker": "w-legacy", "ts": now - 500}))
+    # A worker that published its last snapshot 61 s ago, then died.
+    r.hset(workers_key, "w-dead", json.dumps({"worker": "w-dead", "ts": now - 61}))
+    r.zadd(seen_key, {"w-dead": now - 61})
+    r.rpush(backend._series_key("w-dead"), "[]")
+    backend.publish({"worker": "w-live", "ts": now}, None)
+    assert not r.hexists(workers_key, "w-dead"), "a worker silent for WORKER_DROP_SECONDS is forgotten"
+    assert not r.exists(backend._series_key("w-dead")) and r.zscore(seen_key, "w-dead") is None
+    assert r.hexists(workers_key, "w-live") and r.hexists(workers_key, "w-legacy")
+    backend.publish({"worker": "w-live", "ts": now + 61}, None)
+    assert not r.hexists(workers_key, "w-legacy") and r.hexists(workers_key, "w-live")
+    assert 0 < r.ttl(workers_key) <= 120 and 0 < r.ttl(seen_key) <= 120
+
+
+@pytest.mark.django_db
+def test_a_tab_stuck_in_a_loop_is_told_to_wait_and_others_are_still_served(staff_client: Any, client: Any,
+                                                                             settings: Any,
+                                                                             publisher_only: None) -> None:
+    """Each data request costs the worker ~9 ms of CPU beside its event loop; a tab asking in a
+    tight loop got every answer, as fast as the worker could make them. Now one user gets a burst
+    of twice DASHBOARD_REQUESTS_PER_SECOND, then 429 with Retry-After; another user is served."""
+    from execapp import dashboard_limit
+
+    settings.EXECAPP = {**settings.EXECAPP, "DASHBOARD_REQUESTS_PER_SECOND": 2.0}
+    dashboard_limit.user_rate = dashboard_limit.UserRate(clock=lambda: 1000.0)  # time stands still
+    statuses = [staff_client.get(DATA).status_code for _ in range(10)]
+    assert statuses == [200] * 4 + [429] * 6, statuses
+    refused = staff_client.get(DATA)
+    assert refused["Retry-After"] == "1" and "DASHBOARD_REQUESTS_PER_SECOND" in refused.json()["error"]
+    other = User.objects.create_user("operator2", password="pw", is_staff=True)
+    client.force_login(other)
+    assert client.get(DATA).status_code == 200
+    dashboard_limit.user_rate = dashboard_limit.UserRate()
+
+
+@pytest.mark.django_db
+def test_data_requests_past_the_per_worker_cap_are_refused_at_once(staff_client: Any, settings: Any,
+                                                                   publisher_only: None) -> None:
+    from execapp import dashboard_limit
+
+    settings.EXECAPP = {**settings.EXECAPP, "DASHBOARD_MAX_REQUESTS": 2}
+    dashboard_limit.user_rate = dashboard_limit.UserRate()
+    for _ in range(2):  # two requests running on other threads
+        assert dashboard_limit.running.acquire(2)
+    try:
+        busy = staff_client.get(DATA)
+        assert busy.status_code == 503 and busy["Retry-After"] == "1"
+        assert "DASHBOARD_MAX_REQUESTS" in busy.json()["error"]
+    finally:
+        dashboard_limit.running.release()
+        dashboard_limit.running.release()
+    assert staff_client.get(DATA).status_code == 200
+    assert dashboard_limit.running.now == 0  # every request gives its place back

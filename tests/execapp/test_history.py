@@ -332,9 +332,9 @@ def test_the_redis_store_is_bounded_and_shared(redis_url: str, settings: Any) ->
     assert json.loads(store.get("tenant:a", "e119") or "") == json.loads(to_json(_record(119)))
     assert store.get("tenant:a", "e60") is None and store.body("u60") is None
     # Every body and pointer of a trimmed trace is gone: 50 bodies + 50 pointers + the log, the
-    # owner's list, the owners' counts and the total.
+    # owner's list, the owners' counts and bytes, the total traces and bytes, the evictions.
     keys = store.client.keys(store.prefix + "*")
-    assert len(keys) == 104 and store.client.llen(store.prefix + "o:" + owner_key("tenant:a")) == 50
+    assert len(keys) == 107 and store.client.llen(store.prefix + "o:" + owner_key("tenant:a")) == 50
     # Another process (a second worker) sees the same traces.
     other = RedisStore(redis_url, 50)
     assert other.get("tenant:a", "e100") == store.get("tenant:a", "e100")

@@ -67,9 +67,10 @@ def test_one_owner_s_flood_displaces_its_own_traces_not_another_owner_s_in_the_r
     _assert_the_quiet_owner_kept_its_traces(store)
     # The Events page's log lists the newest 100 lines, the flood's; the quiet owner's records are
     # still found by (owner, id) and by uid. No key leaks: 100 bodies, 100 pointers, 2 owner lists,
-    # the log, the owners' counts and the total.
+    # the log, the owners' counts and bytes, the total traces and bytes, the evictions.
     assert [s.id for s in store.scan()][:1] == ["e2999"] and store.client.llen(store.log_key) == 100
-    assert len(store.client.keys(store.prefix + "*")) == 205
+    assert len(store.client.keys(store.prefix + "*")) == 208
+    assert store.usage().by_count == 1910 and store.usage().by_bytes == 0
 
 
 @pytest.mark.redis
@@ -81,6 +82,47 @@ def test_a_redis_store_written_before_the_owner_lists_is_taken_over_without_leak
     store.add([_record(n, "tenant:b") for n in range(100, 130)])
     assert store.count() == 20 and store.held("tenant:a") == 10 and store.held("tenant:b") == 10
     assert len(store.client.keys(store.prefix + "r:*")) == 20  # the old traces are counted, then trimmed
+
+
+def _large(n: int, owner: str) -> Record:
+    """A trace of ~10 KB: a plugin's long error message (the recorder keeps up to 8 KiB of it)."""
+    return _record(n, owner)._replace(message="x" * 10_000, outcome="error")
+
+
+@pytest.mark.redis
+def test_a_tenant_s_large_traces_cannot_fill_redis_past_the_byte_bound(redis_url: str, settings: Any) -> None:
+    # Bounded by count alone (100,000), 100,000 traces of ~13 KB were 1.3 GB of the Redis the
+    # channel layer shares: here 300 large traces took ~3 MB where the bound is 1 MB.
+    settings.REDIS_URL = redis_url
+    settings.EXECAPP = {"HISTORY_MAX_EVENTS": 10_000, "HISTORY_REDIS_MAX_BYTES": 1_048_576}
+    store = history_store.store()
+    assert isinstance(store, RedisStore) and store.max_bytes == 1_048_576
+    store.add([_record(n, "tenant:quiet") for n in range(10)])
+    for flush in range(30):
+        store.add([_large(n, "tenant:big") for n in range(1000 + flush * 10, 1010 + flush * 10)])
+    bodies = store.client.keys(store.prefix + "r:*")
+    stored = sum(store.client.strlen(k) for k in bodies)
+    usage = store.usage()
+    assert stored <= 1_048_576 and usage.bytes <= 1_048_576, (stored, usage)
+    assert usage.bytes == stored + len(bodies) * history_store.TRACE_OVERHEAD_BYTES  # the counter is exact
+    # The oldest of the owner holding the most bytes went: the quiet owner's small traces stay.
+    assert store.held("tenant:quiet") == 10 and store.get("tenant:quiet", "e0") is not None
+    assert store.get("tenant:big", "e1299") is not None and store.get("tenant:big", "e1000") is None
+    assert usage.by_bytes == 300 - store.held("tenant:big") and usage.by_bytes_ts is not None
+    assert usage.by_count == 0 and usage.traces == store.count() == len(bodies)
+
+
+@pytest.mark.redis
+def test_a_redis_store_written_before_the_byte_bound_counts_its_bytes_once(redis_url: str) -> None:
+    store = RedisStore(redis_url, 1000, max_bytes=10**9)
+    store.add([_large(n, "tenant:a") for n in range(50)])
+    store.client.delete(store.prefix + "b", store.prefix + "ob")  # as a store of the last version was
+    store.max_bytes = 200_000
+    store.add([_record(n, "tenant:b") for n in range(100, 110)])
+    usage = store.usage()
+    stored = sum(store.client.strlen(k) for k in store.client.keys(store.prefix + "r:*"))
+    assert stored <= 200_000 and usage.bytes == stored + usage.traces * history_store.TRACE_OVERHEAD_BYTES
+    assert store.held("tenant:b") == 10 and usage.by_bytes == 50 - store.held("tenant:a") > 0
 
 
 @given(st.lists(st.lists(st.sampled_from("abcd"), min_size=1, max_size=12), min_size=1, max_size=30),

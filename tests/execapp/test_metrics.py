@@ -379,3 +379,47 @@ def test_series_of_disabled_or_deleted_plugins_are_left_out_of_a_scrape(metered_
         PLUGIN_ROWS.extend(PLUGIN_ROWS_BEFORE)
     assert [k for k in after if dict(k[1]).get("plugin") == "lua-demo"] == []
     assert value(after, "execapp_handler_failures_total", matcher="demo.fast", plugin="demo", code="timeout") >= 1
+
+
+_PLUGIN_CHILD = textwrap.dedent("""
+    from prometheus_client import Counter
+    c = Counter("t_failures_total", "failures", ["matcher", "plugin"])
+    c.labels("gone.run", "gone").inc(3)
+    c.labels("demo.fast", "demo").inc(2)
+""")
+
+
+def test_compaction_drops_the_archived_series_of_plugins_no_longer_served(tmp_path: Path) -> None:
+    """Scrapes left a deleted plugin's series out, but its values stayed in the archive for ever,
+    read by every scrape and growing with every plugin ever loaded. Now they are dropped."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", _PLUGIN_CHILD], cwd=ROOT, env=env, check=True, timeout=60)
+    compact(str(tmp_path))  # archived as it was: no filter
+    assert _collect(tmp_path)[("t_failures_total", (("matcher", "gone.run"), ("plugin", "gone")))] == 3
+
+    result = compact(str(tmp_path), keep=lambda labels: labels.get("plugin") != "gone")
+
+    assert result["dropped"] == 1
+    after = _collect(tmp_path)
+    assert not any(dict(k[1]).get("plugin") == "gone" for k in after)
+    assert after[("t_failures_total", (("matcher", "demo.fast"), ("plugin", "demo")))] == 2
+    assert compact(str(tmp_path), keep=lambda labels: True)["dropped"] == 0
+
+
+def test_a_deleted_plugin_s_series_are_forgotten_in_one_process(metered_worker: worker_module.Worker,
+                                                                install_worker: Any) -> None:
+    from execapp.metrics_updater import MetricsUpdater
+
+    install_worker(metered_worker)
+    engine = metered_worker.engine
+    engine.add(engine.make_matcher("command", "fast", _ok, name="demo.fast", plugin="demo"))
+    metrics.HANDLER_FAILURES.labels("gone.run", "gone", "timeout").inc()
+    metrics.HANDLER_FAILURES.labels("demo.fast", "demo", "timeout").inc()
+    metrics.PROMOTIONS.labels("gone.run").inc()
+    metrics.PLUGIN_BUSY.labels("gone").set(3)
+    updater = next(s for s in metered_worker.services if isinstance(s, MetricsUpdater))
+    assert updater.forget_gone() >= 3
+    children = {(c._name, k) for c in (metrics.HANDLER_FAILURES, metrics.PROMOTIONS, metrics.PLUGIN_BUSY)
+                for k in c._metrics}
+    assert not any("gone" in k or "gone.run" in k for _, k in children), children
+    assert ("execapp_handler_failures", ("demo.fast", "demo", "timeout")) in children

@@ -84,8 +84,9 @@ def _staff_cookie() -> str:
     return http.cookies["sessionid"].value
 
 
-async def _handshake(headers: list, path: str = "/ws/events/") -> bool:
+async def _handshake(headers: list, path: str = "/ws/events/", scheme: str = "ws") -> bool:
     comm = WebsocketCommunicator(websocket_application, path, headers=headers)
+    comm.scope["scheme"] = scheme
     connected, _ = await comm.connect(timeout=5)
     if connected:
         await comm.send_to(text_data=json.dumps({"type": "message", "text": "/ping", "id": "o"}))
@@ -120,6 +121,27 @@ async def test_token_clients_need_no_origin(transactional_db: Any, channel_layer
     raw = (await sync_to_async(ApiToken.issue)("origin-token"))[1]
     assert await _handshake([(b"authorization", f"Bearer {raw}".encode())])
     assert await _handshake([(b"authorization", f"Bearer {raw}".encode()), (b"origin", b"null")])
+
+
+@pytest.mark.usefixtures("ws_worker")
+@pytest.mark.parametrize("channel_layer", ["memory"], indirect=True)
+async def test_behind_tls_a_plain_ws_socket_is_refused(transactional_db: Any, channel_layer: str,
+                                                        settings: Any) -> None:
+    """With SECURE_SSL_REDIRECT (HTTPS=1) plain HTTP is redirected, but a ws:// socket was served,
+    tokens and session cookies in clear. It is refused now; wss://, or a trusted proxy's
+    X-Forwarded-Proto (SECURE_PROXY_SSL_HEADER), is served."""
+    from execapp.models import ApiToken
+
+    raw = (await sync_to_async(ApiToken.issue)("tls-token"))[1]
+    bearer = (b"authorization", f"Bearer {raw}".encode())
+    settings.SECURE_SSL_REDIRECT = True
+    assert not await _handshake([bearer])
+    assert await _handshake([bearer], scheme="wss")
+    settings.SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    assert await _handshake([bearer, (b"x-forwarded-proto", b"https")])
+    assert not await _handshake([bearer, (b"x-forwarded-proto", b"http")])
+    settings.SECURE_SSL_REDIRECT = False
+    assert await _handshake([bearer])  # without it, ws:// is served as before
 
 
 # -- the database is unreachable ------------------------------------------------------------------

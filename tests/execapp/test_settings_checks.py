@@ -108,3 +108,30 @@ def test_the_public_secret_key_is_refused_once_a_non_local_host_is_served(settin
         assert not settings_pass_checks()
     settings.SECRET_KEY = "a-real-one-" + "x" * 50
     assert check_secret_key() == []
+
+
+def test_the_redis_history_byte_bound_is_checked(settings: Any) -> None:
+    [error] = _found(settings, HISTORY_REDIS_MAX_BYTES=-1)["execapp.E080"]
+    assert "HISTORY_REDIS_MAX_BYTES" in error.msg and "268435456" in error.hint
+    [warning] = _found(settings, HISTORY_REDIS_MAX_BYTES=4096)["execapp.W082"]
+    assert "4096" in warning.msg and "1048576" in warning.hint
+    assert "execapp.W082" not in _found(settings, HISTORY_REDIS_MAX_BYTES=4096, HISTORY_MAX_EVENTS=0)
+    assert not _found(settings, HISTORY_REDIS_MAX_BYTES=conf.DEFAULTS["HISTORY_REDIS_MAX_BYTES"])
+
+
+def test_snapshots_rarer_than_the_stale_mark_are_flagged(settings: Any) -> None:
+    # A worker publishing every 30 s was shown stale (and out of the totals) 20 s of every 30, and
+    # one publishing every 90 s was forgotten by every other worker's publish (WORKER_DROP_SECONDS).
+    [warning] = _found(settings, SNAPSHOT_SECONDS=30.0)["execapp.W002"]
+    assert "stale" in warning.msg and "forgotten" not in warning.msg
+    [warning] = _found(settings, SNAPSHOT_SECONDS=90.0)["execapp.W002"]
+    assert "forgotten by the others" in warning.msg
+    assert "execapp.W002" not in _found(settings, SNAPSHOT_SECONDS=5.0)
+    assert "execapp.W002" not in _found(settings, SNAPSHOT_SECONDS=30.0, WORKER_STALE_SECONDS=60.0,
+                                        WORKER_DROP_SECONDS=120.0)
+
+
+def test_the_events_search_rate_is_checked(settings: Any) -> None:
+    [error] = _found(settings, HISTORY_SEARCHES_PER_MINUTE=0)["execapp.E048"]
+    assert "HISTORY_SEARCHES_PER_MINUTE" in error.msg and "30.0" in error.hint
+    assert "execapp.E048" not in _found(settings, HISTORY_SEARCHES_PER_MINUTE=120.0)

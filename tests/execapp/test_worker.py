@@ -77,3 +77,25 @@ def test_a_service_on_its_own_thread_does_not_hold_the_others(monkeypatch: pytes
 
 def test_the_registry_sync_runs_on_its_own_thread() -> None:
     assert sync.RegistrySync.own_thread is True
+
+
+def test_an_undrain_cannot_reopen_a_worker_that_is_shutting_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`manage.py undrain` during a SIGTERM's drain set the stopping worker admitting events again:
+    /healthz said ok to the load balancer, and events accepted then could outlast the grace (their
+    `done` lost when the process exits). A stopping worker now refuses the undrain, with a reason."""
+    from execapp.drain import drain_worker, undrain_worker
+
+    monkeypatch.setattr(worker_module, "SERVICE_FACTORIES", [])
+    w = worker_module.Worker("stopping-test")
+    w.start()
+    try:
+        drain_worker(w, 1.0, flush=False)  # an operator's drain: undrain reopens it
+        assert undrain_worker(w)["ok"] and not w.draining and w.begin_event()
+        w.end_event()
+        w.begin_stop()  # what ExecServer.shutdown does on SIGTERM
+        answer = undrain_worker(w)
+        assert answer["ok"] is False and answer["error"].startswith("stopping:")
+        assert w.draining and not w.begin_event(), "a stopping worker admits no event"
+        assert w.set_draining(False) is False and w.draining
+    finally:
+        w.stop(timeout=5)

@@ -37,10 +37,18 @@ class ControlCommand(BaseCommand):
                 raise SystemExit(exc.returncode) from None  # the JSON is the whole answer: no plain-text line
             raise
 
+    #: What an interrupted command (Ctrl+C) says about the workers it asked: the op runs on them.
+    interrupted_note = "nothing was changed"
+
     def ask(self, worker: str | None, timeout: float | None = None) -> ControlResult:
-        """Send the op; operator errors (no shared layer, unknown worker) become CommandError."""
+        """Send the op; operator errors (no shared layer, unknown worker) and Ctrl+C become CommandError."""
         try:
             result = request_sync(self.op, worker=worker, timeout=timeout)
+        except KeyboardInterrupt:
+            # A traceback said nothing of the workers' state: a drain goes on without this command.
+            error = CommandError(f"interrupted: {self.interrupted_note}", returncode=130)
+            error.code = "interrupted"
+            raise error from None
         except ExecAppError as exc:
             error = CommandError(f"{exc.code}: {exc}")
             error.code = exc.code  # what --json reports
@@ -114,12 +122,19 @@ def ms(seconds: Any) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
+def _state(answer: dict[str, Any]) -> str:
+    """serving, DRAINING (an operator's drain: `undrain` resumes it) or STOPPING (shutting down: it exits)."""
+    if answer.get("stopping"):
+        return "STOPPING"
+    return "DRAINING" if answer.get("draining") else "serving"
+
+
 def status_lines(answer: dict[str, Any]) -> list[str]:
     """A few lines about one worker: identity, pool, engine counters, instance pools."""
     pool = answer.get("pool") or {}
     lines = [
         f"worker {answer.get('worker')}  pid {answer.get('pid')}  up {answer.get('uptime_seconds', 0):.0f} s  "
-        f"{'DRAINING' if answer.get('draining') else 'serving'}  events in flight {answer.get('events_in_flight', 0)}"
+        f"{_state(answer)}  events in flight {answer.get('events_in_flight', 0)}"
         f" (finished {answer.get('events_finished', 0)})",
         f"  pool: running {pool.get('in_flight', 0)}/{pool.get('capacity', 0)}, queued {pool.get('queued', 0)}/"
         f"{pool.get('queue_capacity', 0)}, saturation {100 * (pool.get('saturation') or 0):.1f}%, threads "

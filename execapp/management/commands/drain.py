@@ -16,6 +16,8 @@ class Command(ControlCommand):
             "and queued handler, flush profiles. One line per worker; exits 1 naming any worker that did not "
             "finish in time. `manage.py undrain` resumes. Needs REDIS_URL (docs/operations.md).")
     op = "drain"
+    interrupted_note = ("the workers asked go on draining without this command (they refuse new events); "
+                        "`manage.py execstatus` shows them, `manage.py undrain` resumes them")
 
     def add_arguments(self, parser: CommandParser) -> None:
         super().add_arguments(parser)

@@ -11,6 +11,7 @@ from ._control import ControlCommand, gone_lines, missing_lines
 class Command(ControlCommand):
     help = "Resume every ASGI worker (or --worker ID) after `manage.py drain`. Needs REDIS_URL."
     op = "undrain"
+    interrupted_note = "some workers may have resumed already: `manage.py execstatus` shows which"
 
     def handle(self, *args: Any, **options: Any) -> None:
         result = self.ask(options["worker"])

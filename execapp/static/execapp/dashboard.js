@@ -258,11 +258,23 @@
     $("now-eps").textContent = num(t.events_per_second, 1) + "/s";
   }
 
+  // The event history's recent store: what it keeps, and whether traces were evicted to stay
+  // within EXECAPP['HISTORY_MAX_EVENTS'] or its byte bound (then the Events page misses them).
+  function historyText(h) {
+    if (!h) return "unreadable";
+    var text = h.traces + " kept (" + (h.bytes / 1048576).toFixed(1) + " of " + (h.max_bytes / 1048576).toFixed(0) + " MiB)";
+    if (h.by_bytes) text += ", " + h.by_bytes + " evicted over the byte bound (last " +
+      new Date(h.by_bytes_ts * 1000).toLocaleTimeString() + ")";
+    if (h.by_count) text += ", " + h.by_count + " evicted over " + h.max_events + " traces";
+    return text;
+  }
+
   function render(d) {
     window.__dash = d;  // the data of the frame on screen (tests and curious operators)
     $("backend").textContent = d.backend;
     $("worker-count").textContent = d.workers.filter(function (w) { return !w.stale && !w.stopped; }).length +
       " live" + (d.workers.length ? " of " + d.workers.length : "");
+    $("history").textContent = historyText(d.history);
     renderCards(d); renderWorkers(d); renderMatchers(d); renderPlugins(d); renderCharts(d);
     pollMs = Math.min(2000, Math.max(500, (d.poll_seconds || 2) * 1000));
   }
@@ -270,6 +282,10 @@
   function refresh() {
     fetch(DATA_URL, {credentials: "same-origin", headers: {"Accept": "application/json"}})
       .then(function (r) {
+        // Refused (429: this user asks too often; 503: the worker answers enough already): wait
+        // what the server asks before the next poll.
+        var retry = Number(r.headers.get("Retry-After"));
+        if (retry > 0) pollMs = Math.max(pollMs, retry * 1000);
         if (r.status !== 200) throw new Error("HTTP " + r.status + (r.redirected ? " (logged out?)" : ""));
         return r.json();
       })
