@@ -364,6 +364,19 @@
   // A searchValue's own @@split/@@replace is called here (as the natives would), never by a
   // native that could read it again and find something else.
   const method = (v, symbol) => v == null ? undefined : v[symbol] ?? undefined;
+  // A replacement string is read natively at every match (GetSubstitution): the matches times its
+  // length, with no poll between matches, and a `$<` with no `>` after it scans to the end (each
+  // `$<`: its length squared at one match). `'x'.repeat(2e4).replace(/(b)?x/g, '$1'.repeat(1e6))`,
+  // which writes nothing, ran 412 s at 16 MiB; `s.replaceAll('', '$&'.repeat(16))` on 7M characters
+  // 2.4 s. Past SUBST_MAX (the string's length + 1, at most as many matches, times the replacement's
+  // length; times it again with a `$<` when captures may be named) a replacement with a `$` becomes a
+  // function that substitutes in bytecode (slow().template): one polled call per match.
+  const SUBST_MAX = 1 << 24;
+  const heavy = (n, r, named) => {
+    const w = (n + 1) * r.length;
+    return (w > SUBST_MAX || (named && w * r.length > SUBST_MAX)) && apply(sIndexOf, r, ["$"]) !== -1 &&
+      (w > SUBST_MAX || apply(sIndexOf, r, ["$<"]) !== -1);
+  };
   assign(SP, {
     indexOf(search, pos) {
       const s = subject(this, "indexOf"), n = text(search);
@@ -392,8 +405,9 @@
       if (this == null) throw new TypeError("String.prototype.replace called on null or undefined");
       const m = method(searchValue, REPLACE);
       if (m !== undefined) return apply(m, searchValue, [this, replaceValue]);
-      const s = text(this), n = text(searchValue), fn = typeof replaceValue === "function";
-      const repl = fn ? replaceValue : text(replaceValue);
+      const s = text(this), n = text(searchValue);
+      let fn = typeof replaceValue === "function", repl = fn ? replaceValue : text(replaceValue);
+      if (!fn && heavy(s.length, repl, false)) { repl = slow().template(repl); fn = true; }
       return big(s, n) ? slow().replace(s, n, fn, repl) : apply(sReplace, s, [n, repl]);
     },
     replaceAll(searchValue, replaceValue) {
@@ -405,8 +419,9 @@
       }
       const m = method(searchValue, REPLACE);
       if (m !== undefined) return apply(m, searchValue, [this, replaceValue]);
-      const s = text(this), n = text(searchValue), fn = typeof replaceValue === "function";
-      const repl = fn ? replaceValue : text(replaceValue);
+      const s = text(this), n = text(searchValue);
+      let fn = typeof replaceValue === "function", repl = fn ? replaceValue : text(replaceValue);
+      if (!fn && heavy(s.length, repl, false)) { repl = slow().template(repl); fn = true; }
       return big(s, n) ? slow().replaceAll(s, n, fn, repl) : apply(sReplaceAll, s, [n, repl]);
     },
   });
@@ -417,6 +432,16 @@
   // replace and split all call, refuses a pattern longer than MAX_PATTERN (its source, read with
   // the native getter: a guest's own `source` could say anything).
   const RP = NativeRegExp.prototype, nativeExec = RP.exec, MAX_PATTERN = 1 << 14;
+  // RegExp.prototype[Symbol.replace] (String.prototype.replace and replaceAll call it for a regexp):
+  // its string and replacement made strings here, in the native's order, the replacement a function
+  // past SUBST_MAX (above). A proxy of the native: name and length are its own.
+  RP[REPLACE] = new NativeProxy(rxReplace, {__proto__: null, apply(native, self, args) {
+    const r = args.length > 1 ? args[1] : undefined;
+    if (self === null || (typeof self !== "object" && typeof self !== "function") || typeof r === "function")
+      return apply(native, self, args);
+    const s = text(args.length > 0 ? args[0] : undefined), t = text(r);
+    return apply(native, self, [s, heavy(s.length, t, true) ? slow().template(t) : t]);
+  }});
   const sourceOf = Reflect.getOwnPropertyDescriptor(RP, "source").get;
   assign(RP, {
     exec(string) {

@@ -117,3 +117,67 @@ def test_the_guarded_built_ins_answer_as_the_natives(strategy: str) -> None:
     assert out[3:] == [["b", "a"], 1, ["x"], ["0", "1"], 300, "TypeError", "TypeError", "TypeError",
                        True, True, 4, [1, "a"], "SyntaxError",
                        '{"2":"b","a":5,"__proto__":4}', 3, True, '{"x":1}', 1, "TypeError", "TypeError", "TypeError"]
+
+
+# -- replacement strings: GetSubstitution runs natively at every match, no poll between matches ---
+
+# handler body -> its reply, or "timeout": each ran for seconds to minutes in one native call at 16 MiB
+# before js_guards.js made such a replacement a function (measured on the 2-core dev machine, Dec 2026:
+# the first, with 2e4 matches, 412 s). A `$<` with no `>` scanned to the end of the replacement at
+# each one (quadratic at one match); in bytecode each `>` is searched for once, and it answers at once.
+SUBSTITUTIONS = {
+    "a regexp replacement of 2M characters that writes nothing, 500 matches":
+        ("return 'a'.repeat(500).replace(/(b)?a/g, '$1'.repeat(1e6)).length", "timeout"),
+    "the same through replaceAll": ("return 'a'.repeat(500).replaceAll(/(b)?a/g, '$1'.repeat(1e6)).length", "timeout"),
+    "named captures that match nothing":
+        ("return 'a'.repeat(500).replace(/(?<n>b)?a/g, '$<n>'.repeat(5e5)).length", "timeout"),
+    "one match, 100,000 `$<` with no `>`": ("return 'a'.replace(/(?<n>a)/, '$<'.repeat(1e5) + 'x').length", "200001"),
+    "an empty string needle at each of 4M characters":
+        ("return 'x'.repeat(4e6).replaceAll('', '$&'.repeat(64)).length", "timeout"),
+}
+
+
+@pytest.mark.parametrize("case", SUBSTITUTIONS)
+def test_a_long_replacement_string_stops_at_the_deadline(worker: Worker, case: str) -> None:
+    body, expected = SUBSTITUTIONS[case]
+    outcome, took = outcome_within_budget(worker, f"function f(e) {{ {body}; }} function ok(e) {{ return 'fine'; }}")
+    if expected == "timeout":
+        assert isinstance(outcome, HandlerTimeout), outcome
+    else:
+        assert outcome == expected, outcome
+    assert took < BUDGET + 0.2, took
+
+
+def _substituting_everywhere() -> quickjs.Context:
+    """A Context with the prelude whose every replacement string with a `$` takes the bytecode path."""
+    from plugins.runtimes import js
+
+    guarded = quickjs.Context()
+    prelude = js._PRELUDE.replace("SUBST_MAX = 1 << 24", "SUBST_MAX = -1")
+    assert "SUBST_MAX = -1" in prelude
+    guarded.eval(prelude)
+    return guarded
+
+
+REPLACEMENTS = ["$", "x$", "$$", "$&", "$`", "$'", "[$1]", "$2", "$01", "$10", "$11", "$12", "$0", "$00", "$9x",
+                "$<n>", "$<m>", "$<", "$<n", "a$<n>b$<>c$<n>>", "$<$1>", "$$1", "$&$&", "-$'-$`-", "$a$", "$<n>$<"]
+SUBJECTS = [
+    "'abcabc'.replace(/(?<n>b)(c)?/g, REP)", "'abcabc'.replace(/b/, REP)", "'abcabc'.replace('b', REP)",
+    "'abcabc'.replaceAll('bc', REP)", "'abc'.replaceAll('', REP)", "'a1b2'.replace(/(\\d)/g, REP)",
+    "'abcdefghijkl'.replace(/(a)(b)(c)(d)(e)(f)(g)(h)(i)(j)(k)/, REP)", "'xyz'.replace(/(?<n>q)?y/, REP)",
+    "'aaa'.replace(/(?:)/g, REP)", "RegExp.prototype[Symbol.replace].call(/(?<n>b)/, 'abc', REP)",
+    # a custom exec whose groups is a string, and one whose groups has a getter
+    "(() => { const r = /b/; r.exec = function () { this.exec = () => null;"
+    " return {0: 'b', length: 1, index: 1, groups: 'ng'}; }; return 'abc'.replace(r, REP); })()",
+    "(() => { const r = /b/; r.exec = function () { this.exec = () => null;"
+    " return {0: 'b', length: 2, 1: 7, index: 9, groups: {get n() { return 'got'; }}}; }; return 'abc'.replace(r, REP);"
+    " })()",
+]
+
+
+@pytest.mark.parametrize("subject", SUBJECTS)
+def test_replacements_in_bytecode_answer_as_the_natives(subject: str) -> None:
+    guarded, plain = _substituting_everywhere(), quickjs.Context()
+    for r in REPLACEMENTS:
+        expr = subject.replace("REP", json.dumps(r))
+        assert guarded.eval(expr) == plain.eval(expr), (expr, guarded.eval(expr), plain.eval(expr))
