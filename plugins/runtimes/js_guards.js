@@ -7,7 +7,7 @@
   // checks; the slow paths (js_guards_slow.js) are compiled in a Context the first time it needs
   // one: every byte here is read and run in each new Context (~7 us per KB of bytecode).
   const apply = Reflect.apply, isArray = Array.isArray, NativeFunction = Function, NativeProxy = Proxy;
-  const reflectGet = Reflect.get, defineProp = Reflect.defineProperty, toObject = Object, trunc = Math.trunc;
+  const reflectGet = Reflect.get, nativeConstruct = Reflect.construct, defineProp = Reflect.defineProperty, toObject = Object, trunc = Math.trunc;
   const SPLIT = Symbol.split, REPLACE = Symbol.replace, MATCH = Symbol.match, spreadable = Symbol.isConcatSpreadable;
   const ITER = Symbol.iterator, reflectSet = Reflect.set, ownKeys = Reflect.ownKeys;
   const getOwnDescriptor = Reflect.getOwnPropertyDescriptor, numValueOf = Number.prototype.valueOf;
@@ -451,6 +451,66 @@
                              MAX_PATTERN);
       return apply(nativeExec, this, [string]);
     },
+  });
+  // Compiling a pattern is not polled either, and one of its steps is quadratic: each `\k<name>` before
+  // its group scans the whole pattern (`new RegExp('\k<x>'.repeat(2e5) + '(?<x>a)')` ran 474 s at
+  // 16 MiB; 10,000 of them 1 s). exec refuses a pattern over MAX_PATTERN anyway, so what compiles one
+  // refuses it first: the constructor (a proxy of the native, as `constructor`, the global and its
+  // species: a call, `new`, subclasses; split's copies), `compile`, and match, matchAll and search,
+  // which make a regexp of a string. A regexp's own source was checked when it was made, unless it
+  // is a literal (of the plugin's code, or an eval's: parsing is not polled either).
+  const patternTooLong = (what, n) => new RangeError(what + " on a pattern of " + n + " characters: the sandbox " +
+                                                     "allows at most " + MAX_PATTERN);
+  const matcher = (v) => { try { apply(sourceOf, v, []); return v !== RP; } catch (_) { return false; } };
+  // The pattern the native compiles, checked: a string, or what an object makes of it (slow().pattern).
+  const pattern = (args, what) => {
+    const p = args.length > 0 ? args[0] : undefined;
+    if (typeof p === "string") {
+      if (p.length > MAX_PATTERN) throw patternTooLong(what, p.length);
+      return args;
+    }
+    if (p === null || (typeof p !== "object" && typeof p !== "function")) return args;  // (its text is short)
+    if (matcher(p)) {  // a regexp: compiled from its source (the native reads its slot, not a getter)
+      const n = apply(sourceOf, p, []).length;
+      if (n > MAX_PATTERN) throw patternTooLong(what, n);
+      return args;
+    }
+    const pf = slow().pattern(p, args.length > 1 ? args[1] : undefined, isRegExp);
+    if (pf[0].length > MAX_PATTERN) throw patternTooLong(what, pf[0].length);
+    return pf;
+  };
+  const GuardedRegExp = new NativeProxy(NativeRegExp, {__proto__: null,
+    construct: (N, args, nt) => nativeConstruct(N, pattern(args, "new RegExp"), nt),
+    apply(N, self, args) {
+      // (called without new, the native hands back a regexp whose constructor is RegExp itself)
+      const p = args.length > 0 ? args[0] : undefined;
+      if ((args.length < 2 || args[1] === undefined) && isRegExp(p) && p.constructor === GuardedRegExp) return p;
+      return apply(N, self, pattern(args, "RegExp"));
+    }});
+  RP.constructor = GuardedRegExp;
+  g.RegExp = GuardedRegExp;
+  const nCompile = RP.compile;
+  if (typeof nCompile === "function") {
+    assign(RP, {compile(p, flags) {
+      if (!matcher(this)) return apply(nCompile, this, [p, flags]);  // (its TypeError first)
+      if (p !== null && typeof p === "object" && !matcher(p)) p = text(p);
+      return apply(nCompile, this, [pattern([p], "RegExp.prototype.compile")[0], flags]);
+    }});
+  }
+  // (A getter for the symbol may run once more.)
+  const creates = (r, symbol, what) => {
+    if (r !== null && (typeof r === "object" || typeof r === "function")) {
+      if (r[symbol] != null) return r;
+      r = text(r);
+    }
+    return typeof r === "string" ? pattern([r], "String.prototype." + what)[0] : r;
+  };
+  const sMatch = SP.match, sMatchAll = SP.matchAll, sSearch = SP.search, MATCH_ALL = Symbol.matchAll,
+        SEARCH = Symbol.search;
+  assign(SP, {
+    match(regexp) { return apply(sMatch, this, [creates(regexp, MATCH, "match")]); },
+    matchAll(regexp) { return apply(sMatchAll, this, [creates(regexp, MATCH_ALL, "matchAll")]); },
+    search(regexp) { return apply(sSearch, this, [creates(regexp, SEARCH, "search")]); },
   });
 
   // -- Two more walks over a length: a replacer array's (JSON.stringify) and String.raw's `raw`.

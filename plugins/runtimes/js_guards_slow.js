@@ -183,6 +183,18 @@ return {
       return out + apply(sSlice, rep, [i]);
     };
   },
+  // What the RegExp constructor compiles of an object that is not a regexp (js_guards.js): [P, F],
+  // the pattern's text and the flags, read as the native reads them (IsRegExp, then its source and
+  // flags, or the object itself), the pattern made a string.
+  pattern(p, flags, isRegExp) {
+    let f = flags;
+    if (isRegExp(p)) {
+      const source = p.source;
+      if (f === undefined) f = p.flags;
+      p = source;
+    }
+    return [p === undefined ? "" : text(p), f];
+  },
   taSet,
   taSort,
   taToSorted(ta) {
