@@ -242,3 +242,24 @@ def test_the_guarded_regexp_constructor_answers_as_the_native() -> None:
     native = quickjs.Context()
     native.eval(REGEXPS)
     assert out == json.loads(native.eval("JSON.stringify(f())"))
+
+
+def test_a_source_whose_regexp_literals_would_compile_for_seconds_is_refused_at_save() -> None:
+    # A literal compiles while the source is parsed (no poll): this one held validation 3.1 s past
+    # its 0.3 s budget before it was refused with `timeout`; 200,000 back-references take minutes.
+    import time
+
+    from plugins.errors import CompileError
+    from plugins.runtimes.js import JsCompiled
+    from plugins.spec import PluginSpec
+
+    code = "function g() { return /" + "\\k<x>" * 20000 + "(?<x>a)/; }\nfunction f(e) { return 'x'; }"
+    started = time.monotonic()
+    with pytest.raises(CompileError) as refused:
+        JsCompiled(PluginSpec(name="backrefs", runtime="js", code=code, timeout=BUDGET))
+    assert time.monotonic() - started < BUDGET
+    assert refused.value.code == "plugin_invalid", refused.value
+    assert "the source has 20000 named back-references" in str(refused.value)
+    # a few of them, as real patterns have, are fine
+    fine = "function f(e) { return String(/(?<q>['\"])(.*?)\\k<q>/.exec(e.args)[2]); }"
+    assert JsCompiled(PluginSpec(name="backrefs", runtime="js", code=fine, timeout=BUDGET)).handlers == {"f"}
