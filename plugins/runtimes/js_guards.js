@@ -497,21 +497,19 @@
       return apply(nCompile, this, [pattern([p], "RegExp.prototype.compile")[0], flags]);
     }});
   }
-  // (A getter for the symbol may run once more.)
-  const creates = (r, symbol, what) => {
+  // Each a proxy of the native (see arrayTraps) with one apply trap. (A getter for the symbol may run
+  // once more.)
+  const makers = ["match", "matchAll", "search"], makerSymbols = [MATCH, Symbol.matchAll, Symbol.search],
+        makerNatives = [SP.match, SP.matchAll, SP.search];
+  proxied(SP, makers, {__proto__: null, apply(native, self, args) {
+    const i = native === makerNatives[0] ? 0 : native === makerNatives[1] ? 1 : 2;
+    let r = args.length > 0 ? args[0] : undefined;
     if (r !== null && (typeof r === "object" || typeof r === "function")) {
-      if (r[symbol] != null) return r;
+      if (r[makerSymbols[i]] != null) return apply(native, self, args);
       r = text(r);
     }
-    return typeof r === "string" ? pattern([r], "String.prototype." + what)[0] : r;
-  };
-  const sMatch = SP.match, sMatchAll = SP.matchAll, sSearch = SP.search, MATCH_ALL = Symbol.matchAll,
-        SEARCH = Symbol.search;
-  assign(SP, {
-    match(regexp) { return apply(sMatch, this, [creates(regexp, MATCH, "match")]); },
-    matchAll(regexp) { return apply(sMatchAll, this, [creates(regexp, MATCH_ALL, "matchAll")]); },
-    search(regexp) { return apply(sSearch, this, [creates(regexp, SEARCH, "search")]); },
-  });
+    return apply(native, self, [typeof r === "string" ? pattern([r], "String.prototype." + makers[i])[0] : r]);
+  }});
 
   // -- Two more walks over a length: a replacer array's (JSON.stringify) and String.raw's `raw`.
   // JSON.parse makes each new key an atom: QuickJS's atom table is a hash table with a fixed hash
