@@ -263,3 +263,14 @@ def test_a_source_whose_regexp_literals_would_compile_for_seconds_is_refused_at_
     # a few of them, as real patterns have, are fine
     fine = "function f(e) { return String(/(?<q>['\"])(.*?)\\k<q>/.exec(e.args)[2]); }"
     assert JsCompiled(PluginSpec(name="backrefs", runtime="js", code=fine, timeout=BUDGET)).handlers == {"f"}
+
+
+@pytest.mark.xfail(reason="not fixed: a regexp literal in eval's or Function's source compiles inside the parser, "
+                          "which no guard sees first (replacing eval would make every direct eval indirect); "
+                          "20,000 forward named back-references take ~3 s in one call", strict=False)
+def test_a_regexp_literal_compiled_by_eval_stops_near_the_deadline(worker: Worker) -> None:
+    code = ("function f(e) { return String(eval('/' + '\\\\k<x>'.repeat(2e4) + '(?<x>a)/')); }"
+            " function ok(e) { return 'fine'; }")
+    outcome, took = outcome_within_budget(worker, code)
+    assert isinstance(outcome, (HandlerTimeout, HandlerError)), outcome
+    assert took < BUDGET + 0.5, took
