@@ -70,6 +70,13 @@ MAX_BATCH_CHARS = 1 << 20
 #: False gives the binding's CPU-time limit per step instead: only for the benchmark comparing
 #: the hot path guarded and unguarded; the checks after jobs and before host calls stay.
 GUARDED = True
+#: A regexp literal is compiled while the source is parsed, in C with no poll, and each `\k<name>` in
+#: it (a named back-reference) before its group, or with no such group, scans the whole pattern: a
+#: literal of 20,000 of them (100 KB) held the save's validation 3.1 s past a 0.3 s budget, 200,000
+#: would take minutes, at every new Context too. A source whose count of `\k<` times its length
+#: passes this is refused at save (at most 16 in a 4 MiB source, 640 in 100 KB); `new RegExp` at run
+#: time is checked by the guards instead (js_guards.js: a pattern of at most 16,384 characters).
+MAX_BACKREF_WORK = 1 << 26
 #: The host calls a guest's requests may name (the prelude's; anything else breaks the protocol).
 _HOST_OPS = frozenset({"log", "kv_get", "kv_set", "kv_incr", "sleep", "http_get"})
 
@@ -759,6 +766,13 @@ class JsCompiled(FreshInstanceIsolation):
     def __init__(self, spec: Any) -> None:
         if not isinstance(spec.code, str):
             raise CompileError("JS plugins are source text")
+        backrefs = spec.code.count("\\k<")
+        if backrefs * len(spec.code) > MAX_BACKREF_WORK:
+            raise CompileError(f"the source has {backrefs} named back-references (\\k<...>) in {len(spec.code)} "
+                               f"characters: QuickJS compiles each regexp literal while it parses, and each "
+                               f"back-reference in one scan of its whole pattern, which cannot be interrupted; the "
+                               f"sandbox allows at most {MAX_BACKREF_WORK} as their count x the source's length "
+                               f"(MAX_BACKREF_WORK): use fewer, or build such a regexp with new RegExp in a handler")
         self.spec = spec
         try:
             probe = JsInstance(self, list_functions=True)

@@ -7,7 +7,7 @@
   // checks; the slow paths (js_guards_slow.js) are compiled in a Context the first time it needs
   // one: every byte here is read and run in each new Context (~7 us per KB of bytecode).
   const apply = Reflect.apply, isArray = Array.isArray, NativeFunction = Function, NativeProxy = Proxy;
-  const reflectGet = Reflect.get, defineProp = Reflect.defineProperty, toObject = Object, trunc = Math.trunc;
+  const reflectGet = Reflect.get, nativeConstruct = Reflect.construct, defineProp = Reflect.defineProperty, toObject = Object, trunc = Math.trunc;
   const SPLIT = Symbol.split, REPLACE = Symbol.replace, MATCH = Symbol.match, spreadable = Symbol.isConcatSpreadable;
   const ITER = Symbol.iterator, reflectSet = Reflect.set, ownKeys = Reflect.ownKeys;
   const getOwnDescriptor = Reflect.getOwnPropertyDescriptor, numValueOf = Number.prototype.valueOf;
@@ -364,6 +364,19 @@
   // A searchValue's own @@split/@@replace is called here (as the natives would), never by a
   // native that could read it again and find something else.
   const method = (v, symbol) => v == null ? undefined : v[symbol] ?? undefined;
+  // A replacement string is read natively at every match (GetSubstitution): the matches times its
+  // length, with no poll between matches, and a `$<` with no `>` after it scans to the end (each
+  // `$<`: its length squared at one match). `'x'.repeat(2e4).replace(/(b)?x/g, '$1'.repeat(1e6))`,
+  // which writes nothing, ran 412 s at 16 MiB; `s.replaceAll('', '$&'.repeat(16))` on 7M characters
+  // 2.4 s. Past SUBST_MAX (the string's length + 1, at most as many matches, times the replacement's
+  // length; times it again with a `$<` when captures may be named) a replacement with a `$` becomes a
+  // function that substitutes in bytecode (slow().template): one polled call per match.
+  const SUBST_MAX = 1 << 24;
+  const heavy = (n, r, named) => {
+    const w = (n + 1) * r.length;
+    return (w > SUBST_MAX || (named && w * r.length > SUBST_MAX)) && apply(sIndexOf, r, ["$"]) !== -1 &&
+      (w > SUBST_MAX || apply(sIndexOf, r, ["$<"]) !== -1);
+  };
   assign(SP, {
     indexOf(search, pos) {
       const s = subject(this, "indexOf"), n = text(search);
@@ -392,8 +405,9 @@
       if (this == null) throw new TypeError("String.prototype.replace called on null or undefined");
       const m = method(searchValue, REPLACE);
       if (m !== undefined) return apply(m, searchValue, [this, replaceValue]);
-      const s = text(this), n = text(searchValue), fn = typeof replaceValue === "function";
-      const repl = fn ? replaceValue : text(replaceValue);
+      const s = text(this), n = text(searchValue);
+      let fn = typeof replaceValue === "function", repl = fn ? replaceValue : text(replaceValue);
+      if (!fn && heavy(s.length, repl, false)) { repl = slow().template(repl); fn = true; }
       return big(s, n) ? slow().replace(s, n, fn, repl) : apply(sReplace, s, [n, repl]);
     },
     replaceAll(searchValue, replaceValue) {
@@ -405,8 +419,9 @@
       }
       const m = method(searchValue, REPLACE);
       if (m !== undefined) return apply(m, searchValue, [this, replaceValue]);
-      const s = text(this), n = text(searchValue), fn = typeof replaceValue === "function";
-      const repl = fn ? replaceValue : text(replaceValue);
+      const s = text(this), n = text(searchValue);
+      let fn = typeof replaceValue === "function", repl = fn ? replaceValue : text(replaceValue);
+      if (!fn && heavy(s.length, repl, false)) { repl = slow().template(repl); fn = true; }
       return big(s, n) ? slow().replaceAll(s, n, fn, repl) : apply(sReplaceAll, s, [n, repl]);
     },
   });
@@ -417,6 +432,16 @@
   // replace and split all call, refuses a pattern longer than MAX_PATTERN (its source, read with
   // the native getter: a guest's own `source` could say anything).
   const RP = NativeRegExp.prototype, nativeExec = RP.exec, MAX_PATTERN = 1 << 14;
+  // RegExp.prototype[Symbol.replace] (String.prototype.replace and replaceAll call it for a regexp):
+  // its string and replacement made strings here, in the native's order, the replacement a function
+  // past SUBST_MAX (above). A proxy of the native: name and length are its own.
+  RP[REPLACE] = new NativeProxy(rxReplace, {__proto__: null, apply(native, self, args) {
+    const r = args.length > 1 ? args[1] : undefined;
+    if (self === null || (typeof self !== "object" && typeof self !== "function") || typeof r === "function")
+      return apply(native, self, args);
+    const s = text(args.length > 0 ? args[0] : undefined), t = text(r);
+    return apply(native, self, [s, heavy(s.length, t, true) ? slow().template(t) : t]);
+  }});
   const sourceOf = Reflect.getOwnPropertyDescriptor(RP, "source").get;
   assign(RP, {
     exec(string) {
@@ -427,6 +452,64 @@
       return apply(nativeExec, this, [string]);
     },
   });
+  // Compiling a pattern is not polled either, and one of its steps is quadratic: each `\k<name>` before
+  // its group scans the whole pattern (`new RegExp('\k<x>'.repeat(2e5) + '(?<x>a)')` ran 474 s at
+  // 16 MiB; 10,000 of them 1 s). exec refuses a pattern over MAX_PATTERN anyway, so what compiles one
+  // refuses it first: the constructor (a proxy of the native, as `constructor`, the global and its
+  // species: a call, `new`, subclasses; split's copies), `compile`, and match, matchAll and search,
+  // which make a regexp of a string. A regexp's own source was checked when it was made, unless it
+  // is a literal (of the plugin's code, or an eval's: parsing is not polled either).
+  const patternTooLong = (what, n) => new RangeError(what + " on a pattern of " + n + " characters: the sandbox " +
+                                                     "allows at most " + MAX_PATTERN);
+  const matcher = (v) => { try { apply(sourceOf, v, []); return v !== RP; } catch (_) { return false; } };
+  // The pattern the native compiles, checked: a string, or what an object makes of it (slow().pattern).
+  const pattern = (args, what) => {
+    const p = args.length > 0 ? args[0] : undefined;
+    if (typeof p === "string") {
+      if (p.length > MAX_PATTERN) throw patternTooLong(what, p.length);
+      return args;
+    }
+    if (p === null || (typeof p !== "object" && typeof p !== "function")) return args;  // (its text is short)
+    if (matcher(p)) {  // a regexp: compiled from its source (the native reads its slot, not a getter)
+      const n = apply(sourceOf, p, []).length;
+      if (n > MAX_PATTERN) throw patternTooLong(what, n);
+      return args;
+    }
+    const pf = slow().pattern(p, args.length > 1 ? args[1] : undefined, isRegExp);
+    if (pf[0].length > MAX_PATTERN) throw patternTooLong(what, pf[0].length);
+    return pf;
+  };
+  const GuardedRegExp = new NativeProxy(NativeRegExp, {__proto__: null,
+    construct: (N, args, nt) => nativeConstruct(N, pattern(args, "new RegExp"), nt),
+    apply(N, self, args) {
+      // (called without new, the native hands back a regexp whose constructor is RegExp itself)
+      const p = args.length > 0 ? args[0] : undefined;
+      if ((args.length < 2 || args[1] === undefined) && isRegExp(p) && p.constructor === GuardedRegExp) return p;
+      return apply(N, self, pattern(args, "RegExp"));
+    }});
+  RP.constructor = GuardedRegExp;
+  g.RegExp = GuardedRegExp;
+  const nCompile = RP.compile;
+  if (typeof nCompile === "function") {
+    assign(RP, {compile(p, flags) {
+      if (!matcher(this)) return apply(nCompile, this, [p, flags]);  // (its TypeError first)
+      if (p !== null && typeof p === "object" && !matcher(p)) p = text(p);
+      return apply(nCompile, this, [pattern([p], "RegExp.prototype.compile")[0], flags]);
+    }});
+  }
+  // Each a proxy of the native (see arrayTraps) with one apply trap. (A getter for the symbol may run
+  // once more.)
+  const makers = ["match", "matchAll", "search"], makerSymbols = [MATCH, Symbol.matchAll, Symbol.search],
+        makerNatives = [SP.match, SP.matchAll, SP.search];
+  proxied(SP, makers, {__proto__: null, apply(native, self, args) {
+    const i = native === makerNatives[0] ? 0 : native === makerNatives[1] ? 1 : 2;
+    let r = args.length > 0 ? args[0] : undefined;
+    if (r !== null && (typeof r === "object" || typeof r === "function")) {
+      if (r[makerSymbols[i]] != null) return apply(native, self, args);
+      r = text(r);
+    }
+    return apply(native, self, [typeof r === "string" ? pattern([r], "String.prototype." + makers[i])[0] : r]);
+  }});
 
   // -- Two more walks over a length: a replacer array's (JSON.stringify) and String.raw's `raw`.
   // JSON.parse makes each new key an atom: QuickJS's atom table is a hash table with a fixed hash

@@ -133,7 +133,68 @@ const taSort = (ta) => {
   if (flipped) copy(ta, 0, src, 0, n);
   return ta;
 };
+// (character codes: 48..57 the digits, 36 '$', 38 '&', 96 '`', 39 "'", 60 '<')
+const digit = (c) => c >= 48 && c <= 57;
 return {
+  // A replacement string as the function that makes what the native's GetSubstitution makes of it
+  // at each match (QuickJS's steps: `$nn` only when nn names a capture, else `$n`; a `$<` only when
+  // captures are named, read by name from ToObject(groups)). Called as the native calls a function
+  // replacement: (matched, captures..., position, string[, groups]), where position is a number and
+  // a capture a string or undefined, so groups were passed when the second-last is not a number.
+  // Each match walks the replacement's `$`s in bytecode; each `>` is searched for once.
+  template(rep) {
+    const len = rep.length;
+    return function (matched) {
+      const n = arguments.length, named = typeof arguments[n - 2] !== "number", count = named ? n - 3 : n - 2;
+      const position = arguments[count], s = arguments[count + 1];
+      const groups = named ? toObject(arguments[n - 1]) : undefined;
+      let out = "", i = 0, gt = -2;
+      for (;;) {
+        let j = apply(sIndexOf, rep, ["$", i]);
+        if (j < 0 || j + 1 >= len) break;
+        out += apply(sSlice, rep, [i, j]);
+        const j0 = j++, c = apply(sCharCodeAt, rep, [j++]);
+        if (c === 36) out += "$";
+        else if (c === 38) out += matched;
+        else if (c === 96) out += apply(sSlice, s, [0, position]);
+        else if (c === 39) out += apply(sSlice, s, [position + matched.length]);
+        else if (digit(c)) {
+          let k = c - 48;
+          if (j < len) {
+            const c1 = apply(sCharCodeAt, rep, [j]), k1 = k * 10 + c1 - 48;
+            if (digit(c1) && k1 >= 1 && k1 < count) { k = k1; j++; }
+          }
+          if (k >= 1 && k < count) { const v = arguments[k]; if (v !== undefined) out += text(v); }
+          else out += apply(sSlice, rep, [j0, j]);
+        } else if (c === 60 && named) {
+          if (gt !== -1 && gt < j) gt = apply(sIndexOf, rep, [">", j]);
+          if (gt < 0) {
+            out += apply(sSlice, rep, [j0, j]);
+          } else {
+            const v = groups[apply(sSlice, rep, [j, gt])];
+            if (v !== undefined) out += text(v);
+            j = gt + 1;
+          }
+        } else {
+          out += apply(sSlice, rep, [j0, j]);
+        }
+        i = j;
+      }
+      return out + apply(sSlice, rep, [i]);
+    };
+  },
+  // What the RegExp constructor compiles of an object that is not a regexp (js_guards.js): [P, F],
+  // the pattern's text and the flags, read as the native reads them (IsRegExp, then its source and
+  // flags, or the object itself), the pattern made a string.
+  pattern(p, flags, isRegExp) {
+    let f = flags;
+    if (isRegExp(p)) {
+      const source = p.source;
+      if (f === undefined) f = p.flags;
+      p = source;
+    }
+    return [p === undefined ? "" : text(p), f];
+  },
   taSet,
   taSort,
   taToSorted(ta) {

@@ -117,3 +117,176 @@ def test_the_guarded_built_ins_answer_as_the_natives(strategy: str) -> None:
     assert out[3:] == [["b", "a"], 1, ["x"], ["0", "1"], 300, "TypeError", "TypeError", "TypeError",
                        True, True, 4, [1, "a"], "SyntaxError",
                        '{"2":"b","a":5,"__proto__":4}', 3, True, '{"x":1}', 1, "TypeError", "TypeError", "TypeError"]
+
+
+# -- replacement strings: GetSubstitution runs natively at every match, no poll between matches ---
+
+# handler body -> its reply, or "timeout": each ran for seconds to minutes in one native call at 16 MiB
+# before js_guards.js made such a replacement a function (measured on the 2-core dev machine, Dec 2026:
+# the first, with 2e4 matches, 412 s). A `$<` with no `>` scanned to the end of the replacement at
+# each one (quadratic at one match); in bytecode each `>` is searched for once, and it answers at once.
+SUBSTITUTIONS = {
+    "a regexp replacement of 2M characters that writes nothing, 500 matches":
+        ("return 'a'.repeat(500).replace(/(b)?a/g, '$1'.repeat(1e6)).length", "timeout"),
+    "the same through replaceAll": ("return 'a'.repeat(500).replaceAll(/(b)?a/g, '$1'.repeat(1e6)).length", "timeout"),
+    "named captures that match nothing":
+        ("return 'a'.repeat(500).replace(/(?<n>b)?a/g, '$<n>'.repeat(5e5)).length", "timeout"),
+    "one match, 100,000 `$<` with no `>`": ("return 'a'.replace(/(?<n>a)/, '$<'.repeat(1e5) + 'x').length", "200001"),
+    "an empty string needle at each of 4M characters":
+        ("return 'x'.repeat(4e6).replaceAll('', '$&'.repeat(64)).length", "timeout"),
+}
+
+
+@pytest.mark.parametrize("case", SUBSTITUTIONS)
+def test_a_long_replacement_string_stops_at_the_deadline(worker: Worker, case: str) -> None:
+    body, expected = SUBSTITUTIONS[case]
+    outcome, took = outcome_within_budget(worker, f"function f(e) {{ {body}; }} function ok(e) {{ return 'fine'; }}")
+    if expected == "timeout":
+        assert isinstance(outcome, HandlerTimeout), outcome
+    else:
+        assert outcome == expected, outcome
+    assert took < BUDGET + 0.5, took  # (unguarded: 4 s and more)
+
+
+def _substituting_everywhere() -> quickjs.Context:
+    """A Context with the prelude whose every replacement string with a `$` takes the bytecode path."""
+    from plugins.runtimes import js
+
+    guarded = quickjs.Context()
+    prelude = js._PRELUDE.replace("SUBST_MAX = 1 << 24", "SUBST_MAX = -1")
+    assert "SUBST_MAX = -1" in prelude
+    guarded.eval(prelude)
+    return guarded
+
+
+REPLACEMENTS = ["$", "x$", "$$", "$&", "$`", "$'", "[$1]", "$2", "$01", "$10", "$11", "$12", "$0", "$00", "$9x",
+                "$<n>", "$<m>", "$<", "$<n", "a$<n>b$<>c$<n>>", "$<$1>", "$$1", "$&$&", "-$'-$`-", "$a$", "$<n>$<"]
+SUBJECTS = [
+    "'abcabc'.replace(/(?<n>b)(c)?/g, REP)", "'abcabc'.replace(/b/, REP)", "'abcabc'.replace('b', REP)",
+    "'abcabc'.replaceAll('bc', REP)", "'abc'.replaceAll('', REP)", "'a1b2'.replace(/(\\d)/g, REP)",
+    "'abcdefghijkl'.replace(/(a)(b)(c)(d)(e)(f)(g)(h)(i)(j)(k)/, REP)", "'xyz'.replace(/(?<n>q)?y/, REP)",
+    "'aaa'.replace(/(?:)/g, REP)", "RegExp.prototype[Symbol.replace].call(/(?<n>b)/, 'abc', REP)",
+    # a custom exec whose groups is a string, and one whose groups has a getter
+    "(() => { const r = /b/; r.exec = function () { this.exec = () => null;"
+    " return {0: 'b', length: 1, index: 1, groups: 'ng'}; }; return 'abc'.replace(r, REP); })()",
+    "(() => { const r = /b/; r.exec = function () { this.exec = () => null;"
+    " return {0: 'b', length: 2, 1: 7, index: 9, groups: {get n() { return 'got'; }}}; }; return 'abc'.replace(r, REP);"
+    " })()",
+]
+
+
+@pytest.mark.parametrize("subject", SUBJECTS)
+def test_replacements_in_bytecode_answer_as_the_natives(subject: str) -> None:
+    guarded, plain = _substituting_everywhere(), quickjs.Context()
+    for r in REPLACEMENTS:
+        expr = subject.replace("REP", json.dumps(r))
+        assert guarded.eval(expr) == plain.eval(expr), (expr, guarded.eval(expr), plain.eval(expr))
+
+
+# -- compiling a pattern: not polled, and each `\k<name>` before its group scans the whole pattern ---
+
+# 20,000 forward named back-references (100,000 characters): ~4 s in one native compile at 16 MiB
+# (200,000 of them: 474 s), each way of making a regexp of a string. exec refused such a pattern, but
+# only after it was compiled.
+FORWARD = "'\\\\k<x>'.repeat(2e4) + '(?<x>a)'"
+COMPILES = {
+    "new RegExp": f"new RegExp({FORWARD})",
+    "RegExp called": f"RegExp({FORWARD})",
+    "an object's text": f"new RegExp({{toString() {{ return {FORWARD}; }}}})",
+    "a regexp-like's source": f"new RegExp({{[Symbol.match]: true, source: {FORWARD}, flags: 'g'}})",
+    "a subclass": f"new (class extends RegExp {{}})({FORWARD})",
+    "compile": f"/a/.compile({FORWARD})",
+    "String.prototype.match": f"'abc'.match({FORWARD})",
+    "String.prototype.matchAll": f"'abc'.matchAll({FORWARD})",
+    "String.prototype.search": f"'abc'.search({{toString() {{ return {FORWARD}; }}}})",
+}
+
+
+@pytest.mark.parametrize("case", COMPILES)
+def test_a_pattern_too_long_to_run_is_refused_before_it_compiles(worker: Worker, case: str) -> None:
+    code = f"function f(e) {{ return String({COMPILES[case]}); }} function ok(e) {{ return 'fine'; }}"
+    outcome, took = outcome_within_budget(worker, code)
+    assert isinstance(outcome, HandlerError) and not isinstance(outcome, HandlerTimeout), outcome
+    assert "on a pattern of 100007 characters: the sandbox allows at most 16384" in str(outcome), outcome
+    assert took < BUDGET + 0.5, took  # (unguarded: 4 s and more)
+
+
+REGEXPS = r"""
+function f(e) {
+  const r = /a/g; class R extends RegExp {}; const x = new R('b', 'y'), out = [];
+  out.push(RegExp(r) === r, new RegExp(r) !== r, RegExp(r, 'i') !== r, r.constructor === RegExp, /a/ instanceof RegExp,
+           x instanceof R, x instanceof RegExp, x.flags, RegExp.name, RegExp.length, typeof RegExp.escape,
+           RegExp(r, 'i').flags, RegExp[Symbol.species] === RegExp, Object.getPrototypeOf(x) === R.prototype,
+           Object.getPrototypeOf(RegExp('c')) === RegExp.prototype, String(new RegExp()),
+           String(RegExp(undefined, 'g')), new RegExp({toString() { return 'q'; }}).source,
+           new RegExp({[Symbol.match]: true, source: 'z', flags: 'm'}).flags,
+           new RegExp({[Symbol.match]: true, source: 'z', flags: 'm'}, 's').flags, String(new RegExp(42)),
+           String(new RegExp('a/b\n')), 'a-b-c'.split(/-/), 'a-b-c'.split(new R('-')).length, 'aXbX'.match('X').index,
+           [...'aXbX'.matchAll('X')].length, 'aXbX'.search('b'), 'aXbX'.search({toString() { return 'X'; }}),
+           'abc'.match({[Symbol.match]: () => 'own'}), 'a.c'.search('.'), String('x'.match()), 'x'.search(),
+           String(/a/.compile('b', 'g')), String(/a/.compile(/c/m)), String(/a/.compile({toString() { return 'd'; }})));
+  for (const bad of [() => new RegExp('('), () => RegExp.prototype.compile.call({}, 'a'), () => /a/.compile(/b/, 'g'),
+                     () => new RegExp(Symbol()), () => 'abc'.matchAll(/b/), () => new RegExp('a', 'qq')])
+    try { bad(); out.push("no error"); } catch (x) { out.push(x.name); }
+  return out;
+}
+"""
+
+
+def test_the_guarded_regexp_constructor_answers_as_the_native() -> None:
+    plugin = make("pooled", code=REGEXPS, timeout=2.0)
+    try:
+        out = plugin.call("f", event())
+    finally:
+        plugin.close()
+    native = quickjs.Context()
+    native.eval(REGEXPS)
+    assert out == json.loads(native.eval("JSON.stringify(f())"))
+
+
+def test_a_source_whose_regexp_literals_would_compile_for_seconds_is_refused_at_save() -> None:
+    # A literal compiles while the source is parsed (no poll): this one held validation 3.1 s past
+    # its 0.3 s budget before it was refused with `timeout`; 200,000 back-references take minutes.
+    import time
+
+    from plugins.errors import CompileError
+    from plugins.runtimes.js import JsCompiled
+    from plugins.spec import PluginSpec
+
+    code = "function g() { return /" + "\\k<x>" * 20000 + "(?<x>a)/; }\nfunction f(e) { return 'x'; }"
+    started = time.monotonic()
+    with pytest.raises(CompileError) as refused:
+        JsCompiled(PluginSpec(name="backrefs", runtime="js", code=code, timeout=BUDGET))
+    assert time.monotonic() - started < BUDGET
+    assert refused.value.code == "plugin_invalid", refused.value
+    assert "the source has 20000 named back-references" in str(refused.value)
+    # a few of them, as real patterns have, are fine
+    fine = "function f(e) { return String(/(?<q>['\"])(.*?)\\k<q>/.exec(e.args)[2]); }"
+    assert JsCompiled(PluginSpec(name="backrefs", runtime="js", code=fine, timeout=BUDGET)).handlers == {"f"}
+
+
+@pytest.mark.xfail(reason="not fixed: a regexp literal in eval's or Function's source compiles inside the parser, "
+                          "which no guard sees first (replacing eval would make every direct eval indirect); "
+                          "20,000 forward named back-references take ~3 s in one call", strict=False)
+def test_a_regexp_literal_compiled_by_eval_stops_near_the_deadline(worker: Worker) -> None:
+    code = ("function f(e) { return String(eval('/' + '\\\\k<x>'.repeat(2e4) + '(?<x>a)/')); }"
+            " function ok(e) { return 'fine'; }")
+    outcome, took = outcome_within_budget(worker, code)
+    assert isinstance(outcome, (HandlerTimeout, HandlerError)), outcome
+    assert took < BUDGET + 0.5, took
+
+
+@pytest.mark.xfail(reason="not fixed: RegExp.prototype[Symbol.replace] and [Symbol.split] read a custom exec's result "
+                          "(its length, then each capture) in one native loop, each missing index along the "
+                          "result's prototype chain: 30,000 deep x 30,000 captures ran 9.8 s (split 19.8 s) at "
+                          "16 MiB. A fix needs the natives to see a facade whose exec copies the result in "
+                          "bytecode (split's splitter too, through its species), on every regexp replace",
+                   strict=False)
+def test_a_custom_exec_result_with_a_deep_chain_stops_near_the_deadline(worker: Worker) -> None:
+    code = ("function f(e) { let p = {}; for (let i = 0; i < 30000; i++) p = Object.create(p);"
+            " const res = Object.create(p); res.length = 6000; res[0] = 'a'; res.index = 0;"
+            " const r = /a/; let n = 0; r.exec = () => n++ ? null : res; return 'abc'.replace(r, 'x'); }"
+            " function ok(e) { return 'fine'; }")
+    outcome, took = outcome_within_budget(worker, code)
+    assert isinstance(outcome, HandlerTimeout), outcome
+    assert took < BUDGET + 0.5, took
