@@ -104,7 +104,7 @@ def compact(path: str | None = None, keep: Callable[[dict[str, str]], bool] | No
     in ``<type>_archive.db``; live* and ``all`` gauges of a dead pid are simply removed. Safe
     with several processes (an exclusive flock) and against scrapes through ``metrics_view``
     (they hold the lock shared, so they never see a file both archived and still present).
-    ``keep`` (a test of a sample's labels, ``metrics_view.live_filter``): the archives' series it
+    ``keep`` (a test of a sample's labels, ``metrics_live.live_filter``): the archives' series it
     refuses (a deleted or renamed plugin's, its matchers') are dropped, counted in ``dropped``;
     scrapes left them out already, but every scrape read them, and plugin churn grew the archives
     for ever.

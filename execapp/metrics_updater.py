@@ -19,6 +19,7 @@ from . import conf, extensions, history
 from . import metrics as m
 from .codes import REFUSAL_CODES
 from .metrics_forget import forget
+from .metrics_live import live_filter
 from .metrics_multiprocess import COMPACT_SECONDS, compact, multiprocess_dir, register_exit_hook
 from .outbox import SessionFrameTotals
 from .seams import WorkerLike
@@ -221,8 +222,6 @@ _updaters: "weakref.WeakSet[MetricsUpdater]" = weakref.WeakSet()
 def _process_keep() -> Callable[[dict[str, str]], bool] | None:
     """Keep a series that any running worker of this process serves (the registry is the process's:
     one worker's filter alone dropped another's series); None while one is not ready (or none runs)."""
-    from .metrics_view import live_filter
-
     keeps = []
     for updater in list(_updaters):
         ready = getattr(updater.worker, "ready", None)

@@ -8,11 +8,10 @@ import prometheus_client
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import multiprocess
 
-from . import extensions
 from .metrics_access import refusal
+from .metrics_live import live_filter
 from .metrics_multiprocess import dir_lock, multiprocess_dir, prune_dead_gauges
 from .metrics_updater import refresh_local
-from .worker import current_worker
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
@@ -39,27 +38,6 @@ def _export(registry: Any) -> HttpResponse:
     keep = live_filter()
     source = registry if keep is None else _Filtered(registry, keep)
     return HttpResponse(prometheus_client.generate_latest(source), content_type=prometheus_client.CONTENT_TYPE_LATEST)
-
-
-def live_filter(worker: Any = None) -> Callable[[dict[str, str]], bool] | None:
-    """A test of a sample's labels: False for a plugin or matcher ``worker`` (by default this
-    process's) does not serve now. None (keep everything) without a worker to ask."""
-    worker = worker if worker is not None else current_worker()
-    if worker is None:
-        return None
-    matchers = worker.engine.matchers
-    names = {m.name for m in matchers}
-    plugins = {m.plugin for m in matchers if m.plugin} | {str(r.get("plugin")) for r in extensions.rows("plugin_pools")}
-
-    def keep(labels: dict[str, str]) -> bool:
-        plugin = labels.get("plugin")
-        if plugin and plugin not in plugins:
-            return False
-        matcher = labels.get("matcher")
-        return not (matcher and not plugin and matcher not in names and "." in matcher
-                    and matcher.split(".", 1)[0] not in plugins)
-
-    return keep
 
 
 class _Filtered:
