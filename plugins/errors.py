@@ -1,7 +1,7 @@
 """The plugin system's errors: each an ExecAppError with its own ``code``."""
 from __future__ import annotations
 
-from execapp.engine.errors import ExecAppError, HandlerError
+from execapp.engine.errors import ExecAppError, HandlerError, NotStarted
 
 
 class PluginInvalid(ExecAppError):
@@ -19,11 +19,11 @@ class PluginInvalid(ExecAppError):
             self.code = code
 
 
-class PluginBusy(ExecAppError):
+class PluginBusy(NotStarted):
     """A plugin's concurrency limit (or its instance/shard) had no free slot.
 
-    Raised at once for a handler running inline on the event loop (it must never wait there),
-    and after a bounded wait in a pool thread.
+    Raised at once for a handler running inline on the event loop (it must never wait there:
+    the engine then runs it in the pool, a NotStarted), and after a bounded wait in a pool thread.
     """
 
     code = "plugin_busy"

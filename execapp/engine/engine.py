@@ -12,7 +12,16 @@ from types import FrameType
 from typing import Any, Callable, Coroutine, Iterable, Mapping, NamedTuple
 
 from .backpressure import SlotWaiters
-from .errors import BadEvent, ConfigError, ExecAppError, HandlerError, HandlerTimeout, Overloaded, PoolClosed
+from .errors import (
+    BadEvent,
+    ConfigError,
+    ExecAppError,
+    HandlerError,
+    HandlerTimeout,
+    NotStarted,
+    Overloaded,
+    PoolClosed,
+)
 from .event import Completion, Context, Event, EventRun, Failure, OutcomeCallback, new_run
 from .matcher import MARK_SIZE, Handler, Matcher, MatcherKind, Routes
 from .pool import MAX_WORKERS, QUEUE_SIZE, ExecPool, Watch, count_value
@@ -402,7 +411,17 @@ class Engine:
                 # The class, and the size this handler has earned inline (a much larger event goes
                 # to the pool before it runs; the profile is not changed by this decision): what
                 # m.profile.should_pool(size) says, read as one attribute (-1 while pooled).
-                if allow_pool and size > m.profile.inline_limit:
+                if allow_pool and size <= m.profile.inline_limit:
+                    # 4. proven fast: inline, with the inline budget (a privilege) ...
+                    if self._run_inline(run, m, args, self.inline_timeout, size, True):
+                        next(self._n_inline)
+                        if blocking:
+                            run.blocked_by = m.name
+                            break
+                        continue
+                    # ... unless it could not start there (NotStarted: its plugin's slots were all
+                    # taken, and the loop must not wait for one): the pool, where it may wait.
+                if allow_pool:
                     pool = self.pool
                     if pool is not None:
                         # 2. clone first: the pool thread gets a private context and event data.
@@ -447,12 +466,9 @@ class Engine:
                         run.release()
                         self._count("fallbacks")  # 3. pool full: run inline, drop nothing
                     # Not proven fast, inline only by necessity: the handler's own deadline.
-                    self._run_inline(run, m, args, m.timeout, size)
-                elif allow_pool:
-                    # 4. proven fast: inline, with the inline budget (a privilege)
-                    self._run_inline(run, m, args, self.inline_timeout, size)
+                    self._run_inline(run, m, args, m.timeout, size, False)
                 else:
-                    self._run_inline(run, m, args, m.timeout, size)  # no pool to move to (sync, or disabled)
+                    self._run_inline(run, m, args, m.timeout, size, False)  # no pool to move to (sync, or disabled)
                 next(self._n_inline)
                 if blocking:
                     run.blocked_by = m.name
@@ -519,9 +535,12 @@ class Engine:
             if in_time:
                 run.release()
 
-    def _run_inline(self, run: EventRun, m: Matcher, args: str, budget: float | None, size: int) -> None:
+    def _run_inline(self, run: EventRun, m: Matcher, args: str, budget: float | None, size: int,
+                    may_defer: bool) -> bool:
         """Run one handler on the calling thread (the event loop, on the asyncio path), record its
-        duration in its profile and emit its outcome: the hot path of every inline event.
+        duration in its profile and emit its outcome: the hot path of every inline event. False,
+        with nothing recorded or emitted, when ``may_defer`` and the handler raised NotStarted
+        (the caller runs it in the pool instead); True otherwise.
 
         ``budget``: seconds from the start to ``ctx.deadline`` (None: no deadline); a run that
         times out or outlasts it promotes its matcher at once. ``size``: the event's, as the
@@ -560,10 +579,12 @@ class Engine:
             elapsed = ended - started
             if slot is not None:
                 slot[0] = 0
+            if may_defer and isinstance(exc, NotStarted):
+                return False
             if budget is not None and elapsed > budget + INLINE_ESCAPE_SECONDS:
                 self._escaped(m, elapsed, budget)
             self._failed(run, m, exc, _SYNC, elapsed, budget is not None and elapsed > budget)
-            return
+            return True
         run._ended = ended = _clock()
         elapsed = ended - started
         if slot is not None:
@@ -584,6 +605,7 @@ class Engine:
                     observe(m, _SYNC, elapsed, "ok", run.event)
                 except Exception:  # metrics must never break dispatch
                     _rlog.exception(("observer", id(observe)), "run observer %r failed", observe)
+        return True
 
     @staticmethod
     def _escaped(m: Matcher, elapsed: float, budget: float) -> None:

@@ -20,6 +20,16 @@ class HandlerTimeout(HandlerError):
     code = "timeout"
 
 
+class NotStarted(ExecAppError):
+    """A handler found what it needs to start taken (its plugin's every slot, say) and did nothing.
+
+    Raised inline on the event loop, where nothing may wait, it sends the handler to the pool,
+    where it may wait for what it needs; anywhere else it is the handler's failure.
+    """
+
+    code = "not_started"
+
+
 class Overloaded(ExecAppError):
     """The pool stayed full past the overflow wait; the handler was refused, not run."""
 

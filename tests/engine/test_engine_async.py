@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from execapp.engine import Completion, Engine, Event, ExecClass, ExecPool
+from execapp.engine import Completion, Engine, Event, ExecClass, ExecPool, NotStarted
 
 from .helpers import LIVENESS, Gate, Outcomes, add_cmd, demote, parked, promote, wait_until, wait_until_async
 
@@ -269,3 +269,34 @@ async def test_a_dispatch_parked_ahead_gets_the_next_slot_before_earlier_ones():
     finally:
         gate.set()
         pool.drain(timeout=5)
+
+
+async def test_a_fast_handler_that_cannot_start_inline_runs_in_the_pool_instead():
+    # A handler proven fast whose plugin had every slot taken raised PluginBusy inline (the loop may
+    # not wait): the event ended plugin_busy while a pool thread could have waited for the slot.
+    engine = Engine()
+    try:
+        calls: list[tuple[ExecClass, int]] = []
+
+        def handler(ctx):
+            calls.append((ctx.exec_class, threading.get_ident()))
+            if ctx.exec_class is ExecClass.SYNC:
+                raise NotStarted("every slot is taken")
+            return "ran"
+
+        m = demote(add_cmd(engine, handler, name="busy"))
+        runs = m.profile.runs
+        out = Outcomes()
+        run = await engine.process_event_async(Event(text="/cmd"), out)
+        completion = await asyncio.wait_for(run, LIVENESS)
+        assert not completion.errors and completion.replies == 1
+        assert [r.exec_class for r in out.replies] == [ExecClass.POOL]
+        assert [c[0] for c in calls] == [ExecClass.SYNC, ExecClass.POOL]
+        assert calls[0][1] == threading.get_ident() != calls[1][1]
+        assert engine.stats()["inline"] == 0 and engine.stats()["pooled"] == 1
+        assert wait_until(lambda: m.profile.runs == runs + 1)  # the pooled run; the refusal was not measured
+        # Without a pool to move to (the synchronous path), it is the handler's failure.
+        completion = engine.process_event_sync(Event(text="/cmd"), Outcomes())
+        assert [f.code for f in completion.errors] == ["not_started"]
+    finally:
+        engine.shutdown(timeout=5)

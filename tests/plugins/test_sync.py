@@ -117,25 +117,37 @@ def test_timeouts_and_errors_reach_the_engine_with_their_codes(engine: Engine) -
 
 
 async def test_inline_handlers_on_the_event_loop_never_wait_for_a_slot(engine: Engine) -> None:
-    # While pool threads hold every one of counter's max_concurrency slots, an inline call on the
-    # loop is refused with plugin_busy instead of blocking the loop.
-    loaded = sync.manager.get("counter")
+    # While pool threads hold every one of ping's max_concurrency slots, an inline call on the
+    # loop does not block the loop waiting for one: it goes to the pool (NotStarted), where a
+    # thread waits for a slot, and runs once one frees (before: it ended plugin_busy at once).
+    loaded = sync.manager.get("ping")
     held = loaded.spec.max_concurrency
     assert all(loaded.slots.acquire(True, 1.0) for _ in range(held))
+    released = False
+    eng = Engine(pool_enabled=True, max_workers=2)
     try:
-        matcher = next(m for m in engine.matchers if m.name == "counter.count")
+        matcher = next(m for m in engine.matchers if m.name == "ping.ping")
         for _ in range(40):  # make it "proven fast" so the engine runs it inline
             matcher.profile.record(0.0001)
-        eng = Engine(pool_enabled=True, max_workers=2)
         eng.set_matchers([matcher])
-        run = await eng.process_event_async(Event(text="/count"))
-        completion = await run
-        assert [f.code for f in completion.errors] == ["plugin_busy"]
-        assert completion.errors[0].exec_class.value == "sync"
-        eng.shutdown(1)
-    finally:
+        outcomes: list = []
+        run = await eng.process_event_async(Event(text="/ping"), outcomes.append)
+        ticks = 0
+        for _ in range(5):  # the loop runs on while a pool thread waits for the slot
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert ticks == 5 and not run.done
         for _ in range(held):
             loaded.slots.release()
+        released = True
+        completion = await asyncio.wait_for(run, 5)
+        assert not completion.errors and [r.text for r in outcomes if hasattr(r, "text")] == ["pong"]
+        assert [r.exec_class.value for r in outcomes if hasattr(r, "text")] == ["pool"]
+    finally:
+        eng.shutdown(1)
+        if not released:
+            for _ in range(held):
+                loaded.slots.release()
 
 
 def test_counter_keeps_counting_after_a_restart(engine: Engine) -> None:
