@@ -148,21 +148,21 @@ class Connection:
             # The owner spent its share of the loop while others wanted it: stop reading until it
             # refilled. Or it ran its part of this turn of the loop: wait until everything else that
             # was ready ran. (An owner alone is not held: its tasks hand the loop back every slice,
-            # execapp.ws_flow, so another owner's first frame is read.)
+            # execapp.ws_flow, so another owner's first frame is read; ``enforced`` first: for an owner
+            # alone it is the one read.)
             share = self._decode_share
-            if share is not None and (share.level < 0 or share.turn_over) and share.enforced:
+            if share is not None and share.enforced and (share.level < 0 or share.turn_over):
                 if share.owed:
                     metrics.LOOP_SHARE_WAITS.inc()
                     await share.wait()
                 if share.turn_over:
                     await share.next_turn()
+            # This frame's loop time, charged to the owner's share once: its decoding, the checks and
+            # the dispatch (regex matching, inline handlers, their frames); an await on the way (a
+            # session's join, a resend's claim) is charged up to it, and counted again after it.
+            started = monotonic()
             try:
-                started = monotonic()
-                try:
-                    event, resend_ = parse_request(text, data, self.limits, self._tenant)
-                finally:  # a refused frame cost its decoding too
-                    if share is not None:
-                        share.spend_since(started)
+                event, resend_ = parse_request(text, data, self.limits, self._tenant)
                 if len(self.in_flight) >= self.limits.max_in_flight:
                     raise ProtocolError("rate_limited", f"this connection has {len(self.in_flight)} events in flight, "
                                                         f"the limit is {self.limits.max_in_flight} (EXECAPP["
@@ -172,7 +172,12 @@ class Connection:
                     raise ProtocolError("bad_event", f"id {event.id!r} is already in flight on this connection; use "
                                                      "a new id for each event", event.id)
                 if event.session is not None:
-                    await self.join_session(event.session, event.id)
+                    if share is not None:
+                        share.spend_since(started)
+                    try:
+                        await self.join_session(event.session, event.id)
+                    finally:
+                        started = monotonic()
                 # Last check: from here on the event counts as accepted for a drain (atomically
                 # with the drain's flag), and end_event runs once its done is written.
                 if not self.worker.begin_event():
@@ -180,12 +185,22 @@ class Connection:
                                                     " reconnect (the load balancer sends you to a live worker)",
                                         event.id)
             except ProtocolError as exc:
+                if share is not None:  # a refused frame cost its decoding too
+                    share.spend_since(started)
                 metrics.count_event(exc.code)
                 history.refused(self, exc.code, exc.message, exc.event_id)
                 self.outbox.push(error_frame(exc.code, exc.message, exc.event_id))
                 return
-            if resend_ and not await self._claim(event):
-                return
+            except BaseException:
+                if share is not None:
+                    share.spend_since(started)
+                raise
+            if resend_:
+                if share is not None:
+                    share.spend_since(started)
+                if not await self._claim(event):
+                    return
+                started = monotonic()
             eid = event.id
             self.in_flight[eid] = event.session
             history.accepted(self, event)  # one list made; traces are built by the housekeeper
@@ -195,13 +210,10 @@ class Connection:
                 # queued while the outbox's writer is idle, else a loop turn later by that task:
                 # Outbox._write_now); pooled ones start in threads. With the "wait" overflow policy
                 # ``rest`` awaits a pool slot: backpressure on this client only.
-                if share is None:
+                try:
                     run, rest = self.engine.start_event(event, self._on_outcome, self._ahead)
-                else:  # the dispatch is this owner's loop time too: regex matching, inline handlers
-                    started = monotonic()
-                    try:
-                        run, rest = self.engine.start_event(event, self._on_outcome, self._ahead)
-                    finally:
+                finally:
+                    if share is not None:
                         share.spend_since(started)
                 # Pooled work left running or parked: counted in the owner's pool share until its done.
                 if pool is not None and (rest is not None or not run.done):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from typing import Any
+from typing import Any, Awaitable
 from urllib.parse import parse_qs
 
 from asgiref.sync import sync_to_async
@@ -98,7 +98,13 @@ class EventConsumer(AsyncWebsocketConsumer):
         self._watch: LayerWatch | None = None
         try:
             while True:
-                await self.dispatch(await receive())
+                message = await receive()
+                # A client's frame goes straight to its connection: one coroutine per frame, not two
+                # (``dispatch`` routes the rest, and the channel layer's messages).
+                if message["type"] == "websocket.receive" and self.conn is not None:
+                    await self.conn.receive(message.get("text"), message.get("bytes"))
+                else:
+                    await self.dispatch(message)
         except StopConsumer:
             pass
         finally:
@@ -226,8 +232,9 @@ class EventConsumer(AsyncWebsocketConsumer):
         except Exception as exc:  # the socket went away while the close was being sent
             log.debug("closing a connection whose credential was withdrawn failed: %r", exc)
 
-    async def _send_text(self, text: str) -> None:
-        await self.base_send({"type": "websocket.send", "text": text})
+    def _send_text(self, text: str) -> Awaitable[None]:
+        """Write one frame: the server's send itself, not a coroutine of ours around it (two per event)."""
+        return self.base_send({"type": "websocket.send", "text": text})
 
     async def _join(self, group: str) -> None:
         channel, watch = self.channel_name, self._watch

@@ -193,6 +193,11 @@ class Outbox:
     @property
     def full(self) -> bool:
         """Over the limits: the connection should stop reading its client's frames."""
+        # Read before every frame a client sends: the common answer (nothing queued here, the
+        # owner within its budget) without a call. Otherwise as ``_over``.
+        budget = self.budget
+        if self.frames == 0 and (budget is None or budget.bytes <= budget.limit):
+            return False
         return self._over()
 
     async def wait_room(self) -> None:
@@ -250,7 +255,7 @@ class Outbox:
         writer task (a future, a loop turn and a task step each: ~3 us of the loop per event). A
         write that does wait is handed to the writer task, which finishes it before anything queued
         behind it: the caller never waits for a client's socket."""
-        coro: Any = self._write(entry[0])  # (eager outboxes write with a coroutine function)
+        coro: Any = self._write(entry[0])  # (an eager outbox's write returns a coroutine)
         self._stepping = True
         try:
             waits_on = coro.send(None)

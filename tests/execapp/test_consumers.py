@@ -514,3 +514,27 @@ async def test_every_terminal_message_is_counted_in_events_total_by_outcome() ->
     assert count("ok") == before["ok"]
     refresh_local()
     assert {o: count(o) - before[o] for o in before} == {"ok": 1, "bad_json": 1, "bad_event": 1}
+
+
+async def test_a_client_s_frame_reaches_its_connection_without_a_coroutine_of_the_consumer_s(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 14: a frame is one coroutine (Connection.receive), not ``dispatch`` around it, and a
+    frame out is the server's send itself, not a coroutine of the consumer's around it."""
+    import inspect
+
+    from execapp.consumers import EventConsumer
+
+    routed: list[str] = []
+    dispatch = EventConsumer.dispatch
+
+    async def counting(self: EventConsumer, message: dict) -> None:
+        routed.append(message["type"])
+        await dispatch(self, message)
+
+    monkeypatch.setattr(EventConsumer, "dispatch", counting)
+    async with Client() as c:
+        for n in range(3):
+            await c.send(msg("/ping", f"p{n}"))
+            assert [f["type"] for f in await c.until_done(f"p{n}")] == ["reply", "done"]
+    assert "websocket.receive" not in routed and "websocket.connect" in routed
+    assert not inspect.iscoroutinefunction(EventConsumer._send_text)

@@ -285,3 +285,28 @@ async def test_busy_owners_each_run_one_short_turn_before_the_loop_serves_the_ot
         c.close()
     # A turn: TURN_SECONDS per owner and a frame per connection (~35 ms); without turns, ~1 s.
     assert max(gaps) < 6 * loop_share.TURN_SECONDS + 0.1, f"the loop came back after {max(gaps):.3f} s"
+
+
+async def test_a_frame_is_charged_to_its_owner_s_share_once() -> None:
+    """Decoding, the checks and the dispatch of one frame are one charge (one clock read, one
+    refill): a charge each cost the /ping path ~1 us (issue 14). A refused frame is charged too."""
+    charges: list[float] = []
+
+    class Counting(LoopShare):
+        def spend_since(self, started: float) -> None:
+            charges.append(started)
+            super().spend_since(started)
+
+    engine = Engine(pool_enabled=False)
+    engine.add(engine.make_matcher("command", "ping", lambda ctx: "pong", plugin="test"))
+
+    async def send(text: str) -> None:
+        pass
+
+    conn = Connection(engine, Admission(), Limits(), send, owner="tenant:one", decode_share=Counting(0.25))
+    for n in range(5):
+        await conn.receive(json.dumps({"id": f"p{n}", "text": "/ping"}))
+    assert len(charges) == 5
+    await conn.receive("{not json")
+    assert len(charges) == 6
+    conn.close()

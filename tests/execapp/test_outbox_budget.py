@@ -296,3 +296,26 @@ async def _accounting(steps: list[tuple[str, int, int]]) -> None:
     assert queued_in[0] == written[0] + closed_with[0]
     for box in boxes:
         box.close()
+
+
+async def test_full_answers_an_empty_outbox_within_its_owner_s_budget_without_a_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``full`` is read before every frame a client sends (issue 14): the common answer costs no
+    call, and an empty outbox of an owner whose other outboxes hold its budget is still full."""
+    async def write(item: Any) -> None:
+        pass
+
+    budget = OutboxBudget(1000)
+    ours, other = (Outbox(write, "test", limits=ROOMY, budget=budget) for _ in range(2))
+
+    def no_call(self: Outbox, extra: int = 0) -> bool:
+        raise AssertionError("the common case of full made a call")
+
+    with monkeypatch.context() as m:
+        m.setattr(Outbox, "_over", no_call)
+        assert not ours.full and not Outbox(write, "test", limits=ROOMY).full
+    budget.bytes = 1001  # the owner's other outbox holds more than the budget
+    assert ours.full
+    budget.bytes = 0
+    ours.close()
+    other.close()
