@@ -11,7 +11,7 @@ Sandbox (built once per lupa runtime, in Lua, while the standard library is stil
   plugin can never hand us bytecode) and dumped, a large source in a child process bounded in
   time (``lua_compile.py``); only that bytecode of ours is ever loaded;
 - a count hook checks the wall-clock deadline every ``HOOK_COUNT`` instructions and raises;
-  once the budget is spent ``pcall``/``xpcall``/``coroutine.resume``/``wrap`` re-raise and
+  once the budget is spent ``pcall``/``xpcall``/``coroutine.resume``/``wrap``/``close`` re-raise and
   new coroutines get the hook too, so neither pcall nor coroutines can swallow the timeout;
 - ``max_memory`` caps the runtime's allocator (the plugin's memory cap);
 - guards (``lua_guards.lua``): every library C function whose cost depends on its arguments
