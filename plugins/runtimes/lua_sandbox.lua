@@ -150,7 +150,7 @@ if GUARDS_BC then
     getmetatable = debug.getmetatable, getinfo = debug.getinfo, tointeger = math.tointeger, ult = math.ult,
     floor = math.floor, huge = math.huge, maxinteger = math.maxinteger, log = math.log,
     byte = string.byte, sub = string.sub, char = string.char, find = string.find, match = string.match,
-    concat = table.concat, unpack = table.unpack, collect = collectgarbage,
+    concat = table.concat, unpack = table.unpack, collect = collectgarbage, pcall = pcall,
   }
   -- The pattern matcher in Lua is compiled in this runtime only when a guard first needs it.
   local function load_port(...) return load(PATTERNS_BC, "=execapp", "b")(...) end
