@@ -517,21 +517,21 @@ function G.packsize(fmt)
 end
 
 -- Bytes of the string arguments (select(i, ...) is O(n): many arguments are packed once), and how
--- many arguments are neither strings nor numbers (converted by a __tostring or __name).
+-- many are tables (the only values a guest can give a metatable: converted by its __tostring or __name).
 local function strings_cost(n, ...)
   local u, other = n, 0
   if n <= 8 then
     for i = 1, n do
       local v = select(i, ...)
       local tv = type(v)
-      if tv == "string" then u = u + #v elseif tv ~= "number" then other = other + 1 end
+      if tv == "string" then u = u + #v elseif tv == "table" then other = other + 1 end
     end
   else
     local args = {...}
     for i = 1, n do
       local v = args[i]
       local tv = type(v)
-      if tv == "string" then u = u + #v elseif tv ~= "number" then other = other + 1 end
+      if tv == "string" then u = u + #v elseif tv == "table" then other = other + 1 end
     end
   end
   return u, other
