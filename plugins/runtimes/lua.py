@@ -11,7 +11,7 @@ Sandbox (built once per lupa runtime, in Lua, while the standard library is stil
   plugin can never hand us bytecode) and dumped, a large source in a child process bounded in
   time (``lua_compile.py``); only that bytecode of ours is ever loaded;
 - a count hook checks the wall-clock deadline every ``HOOK_COUNT`` instructions and raises;
-  once the budget is spent ``pcall``/``xpcall``/``coroutine.resume``/``wrap`` re-raise and
+  once the budget is spent ``pcall``/``xpcall``/``coroutine.resume``/``wrap``/``close`` re-raise and
   new coroutines get the hook too, so neither pcall nor coroutines can swallow the timeout;
 - ``max_memory`` caps the runtime's allocator (the plugin's memory cap);
 - guards (``lua_guards.lua``): every library C function whose cost depends on its arguments
@@ -58,6 +58,7 @@ from .host import MAX_LOG_CHARS, Host, HostCallError
 from .kvstore import MAX_VALUE_CHARS
 from .lua_compile import compile_bytecode, refuse_attributes
 from .lua_interrupt import CALL_NAME, MODE_NAME, Interrupts, retire_events
+from .lua_reaper import reaper
 
 #: Instructions between two deadline checks (a check calls time.monotonic through lupa: ~1 us;
 #: 10k Lua instructions take ~50-100 us, so the check costs ~1-2% and a timeout lands within
@@ -271,6 +272,15 @@ class _LuaVM:
             _raise(status, value, self.spec)
         return value if value.__class__ is str else to_reply(_to_python(value, self._reply_chars, deadline))
 
+    def retire(self) -> None:
+        """Free this VM's runtime on the reaper thread (lua_reaper.py), not the caller's; unusable after."""
+        self._irq.forget()  # before the runtime can be freed
+        rt, settle = self.rt, self._settle
+        self._new_env = self._call = self._fresh = self._functions = self._table_from = self._settle = None
+        self.rt = None
+        if rt is not None:
+            reaper.retire(rt, settle)
+
     def __del__(self) -> None:
         # Runs before the runtime is released: the watchdog must never write to a freed state.
         irq = self.__dict__.get("_irq")
@@ -426,10 +436,8 @@ class LuaInstance(_LuaVM):
         return value if value.__class__ is str else to_reply(_to_python(value, self._reply_chars, deadline))
 
     def close(self) -> None:
-        self._irq.forget()  # before the runtime can be freed
-        self.env = None
-        self._new_env = self._call = self._fresh = self._functions = self._table_from = self._settle = None
-        self.rt = None
+        self.env = None  # (first: the collection on the reaper thread frees the environment)
+        self.retire()
 
 
 class LuaCompiled:
@@ -476,6 +484,7 @@ class LuaCompiled:
             if exc.poison:
                 del self._local.vm
                 self._live.discard(vm)
+                vm.retire()
             raise
 
     def idle_isolated(self) -> int:

@@ -516,22 +516,25 @@ function G.packsize(fmt)
   return S.packsize(fmt)
 end
 
--- Bytes of the string arguments (select(i, ...) is O(n): many arguments are packed once).
+-- Bytes of the string arguments (select(i, ...) is O(n): many arguments are packed once), and how
+-- many are tables (the only values a guest can give a metatable: converted by its __tostring or __name).
 local function strings_cost(n, ...)
-  local u = n
+  local u, other = n, 0
   if n <= 8 then
     for i = 1, n do
       local v = select(i, ...)
-      if type(v) == "string" then u = u + #v end
+      local tv = type(v)
+      if tv == "string" then u = u + #v elseif tv == "table" then other = other + 1 end
     end
   else
     local args = {...}
     for i = 1, n do
       local v = args[i]
-      if type(v) == "string" then u = u + #v end
+      local tv = type(v)
+      if tv == "string" then u = u + #v elseif tv == "table" then other = other + 1 end
     end
   end
-  return u
+  return u, other
 end
 
 -- %q of a string is one C loop of ~60 ns a byte at worst (control bytes: a sprintf each): a
@@ -588,9 +591,82 @@ local function split_q(fmt, args, nargs)
   return T.concat(out, "", 1, no + 1)
 end
 
+-- A format's conversions one native call each (the literal text before each goes with it), for a
+-- format whose arguments cost more than one linear native call may do (LINEAR_MAX: the arguments'
+-- bytes are not bounded by the memory cap, one string may be passed many times): the native runs them all in one
+-- call, and each %s of a string (or of what a __tostring returns, a native one like `next` too)
+-- with a precision is a strlen of the whole string: 2,000 x "%.1s" of one 30 MB string ran 5 s
+-- unpolled. A piece's argument error names its place in the whole call, as the native's does.
+local function renumber(arg, ok, ...)
+  if ok then return ... end
+  local e = ...
+  if type(e) == "string" then
+    -- (called through pcall, the native is named as a global: 'string.format')
+    local _, n = S.find(e, "^bad argument #2 to '[%w.]*format' ")
+    if n then e = "bad argument #" .. (arg + 1) .. " to 'format' " .. S.sub(e, n + 1) end
+  end
+  error(e, 0)
+end
+local function format_pieces(fmt, args, nargs)
+  local out, no, pos, last, arg = {}, 0, 1, 1, 0
+  while true do
+    local i = S.find(fmt, "%", pos, true)
+    if i == nil then break end
+    if S.byte(fmt, i + 1) == 37 then -- "%%"
+      pos = i + 2
+    else
+      -- a conversion is at most 32 characters (lstrlib's MAX_FORMAT): matched on a bounded piece
+      local _, e, conv = S.find(S.sub(fmt, i + 1, i + 40), "^[-+ #0]*%d*%.?%d*(%a)")
+      if e == nil then break end -- malformed: the rest raises below, at this conversion
+      e = i + e
+      arg = arg + 1
+      local piece, x = S.sub(fmt, last, e), args[arg]
+      local u = #piece
+      if type(x) == "string" then u = u + #x end
+      if conv == "q" and e == i + 1 and type(x) == "string" and #x > Q_PIECE then
+        piece, x = S.sub(fmt, last, i - 1) .. "%s", quoted(x)
+      else
+        u = u * 4 -- %q escapes (up to 4 bytes per byte)
+      end
+      charge(u * BYTE)
+      no = no + 1
+      if arg > nargs then
+        out[no] = renumber(arg, NAT.pcall(S.format, piece))
+      elseif conv == "s" and e == i + 1 and type(x) == "string" then
+        -- a plain %s of a string is the string: not copied once more (the literal text before it
+        -- still goes through the native, for its %%)
+        out[no] = S.format(S.sub(piece, 1, -3))
+        no = no + 1
+        out[no] = x
+      else
+        -- (counted as built: each piece is a string the collector does not count, see built())
+        out[no] = built(renumber(arg, NAT.pcall(S.format, piece, x)))
+      end
+      last, pos = e + 1, e + 1
+    end
+  end
+  -- the literal text after the last conversion, or the rest from a malformed one (which raises as
+  -- in the whole call: "no value" if no argument is left, else "invalid conversion")
+  local rest = S.sub(fmt, last)
+  charge(#rest * BYTE)
+  no = no + 1
+  if arg < nargs then
+    out[no] = renumber(arg + 1, NAT.pcall(S.format, rest, args[arg + 1]))
+  else
+    out[no] = renumber(arg + 1, NAT.pcall(S.format, rest))
+  end
+  return T.concat(out, "", 1, no)
+end
+
 function G.format(fmt, ...)
   local nargs = select("#", ...)
-  local u = strings_cost(nargs, ...) + (type(fmt) == "string" and #fmt or 0)
+  local u, other = strings_cost(nargs, ...)
+  if type(fmt) == "string" then u = u + #fmt end
+  -- more than one native call's work, or more than one conversion whose cost is not known before
+  -- (a __tostring or __name of the argument): each conversion on its own
+  if nargs > 1 and type(fmt) == "string" and (u * 4 > LINEAR_MAX or other > 1) then
+    return built(format_pieces(fmt, {...}, nargs))
+  end
   if u > Q_PIECE and type(fmt) == "string" and S.find(fmt, "%q", 1, true) then
     local args = {...}
     local f2 = split_q(fmt, args, nargs)

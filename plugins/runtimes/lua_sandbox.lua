@@ -8,6 +8,7 @@ B.mode_name, B.call_name = LIMITS.MODE_NAME, LIMITS.CALL_NAME
 local error, pcall, xpcall, type, tostring, next, select = error, pcall, xpcall, type, tostring, next, select
 local setmetatable, getmetatable, rawget = setmetatable, getmetatable, rawget
 local sethook, co_create, co_resume = debug.sethook, coroutine.create, coroutine.resume
+local co_close, co_status = coroutine.close, coroutine.status
 local load, math_huge = load, math.huge
 
 -- Once the budget is spent, the thread that sees it gets the hook at every instruction (count 1,
@@ -96,6 +97,19 @@ local function release()
   if nactive > 0 then active, nactive = {}, 0 end
 end
 local function safe_resume(co, ...) track(co); return check(untrack(co_resume(co, ...))) end
+-- Closing a suspended coroutine runs its pending __close handlers in it (guest code in another
+-- lua_State): tracked like a resume, or the watchdog cannot reach a loop of expensive
+-- instructions there (12-17 s past a 0.3 s budget, on a coroutine resumed in an earlier call or
+-- dropped from the tracked set), and a timeout it raises is re-raised, not returned.
+-- (A dead one too: a coroutine that failed keeps its to-be-closed variables open until closed.
+-- Closing a running or normal one fails at once, untracked.)
+local function safe_close(co)
+  if type(co) ~= "thread" then return co_close(co) end
+  local st = co_status(co)
+  if st ~= "suspended" and st ~= "dead" then return co_close(co) end
+  track(co)
+  return check(untrack(co_close(co)))
+end
 local function wrap_results(ok, ...)
   if B.expired then spent(TIMEOUT, 0) end
   if not ok then error((...), 0) end
@@ -136,7 +150,7 @@ if GUARDS_BC then
     getmetatable = debug.getmetatable, getinfo = debug.getinfo, tointeger = math.tointeger, ult = math.ult,
     floor = math.floor, huge = math.huge, maxinteger = math.maxinteger, log = math.log,
     byte = string.byte, sub = string.sub, char = string.char, find = string.find, match = string.match,
-    concat = table.concat, unpack = table.unpack, collect = collectgarbage,
+    concat = table.concat, unpack = table.unpack, collect = collectgarbage, pcall = pcall,
   }
   -- The pattern matcher in Lua is compiled in this runtime only when a guard first needs it.
   local function load_port(...) return load(PATTERNS_BC, "=execapp", "b")(...) end
@@ -157,7 +171,7 @@ local co = copy(coroutine)
 -- (Lua's own reseed is time(NULL) and the state's address: the same all second long.)
 local math_lib, native_seed, math_tointeger = copy(math), math.randomseed, math.tointeger
 math_lib.randomseed = function(...) B.seeded = true; return native_seed(...) end
-co.create, co.resume, co.wrap = co_new, safe_resume, safe_wrap
+co.create, co.resume, co.wrap, co.close = co_new, safe_resume, safe_wrap, safe_close
 
 local function safe_setmetatable(t, mt)
   if type(mt) == "table" then
