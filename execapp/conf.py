@@ -47,6 +47,11 @@ DEFAULTS: dict[str, Any] = {
     # nothing, cannot hold a worker's file descriptors; 10 s is many round trips and a lost
     # packet's retransmissions even on a slow mobile link.
     "HANDSHAKE_TIMEOUT_SECONDS": 10.0,
+    # After the handshake (execapp/ws_flow.py): a WebSocket message (its frames, or one frame) not
+    # all in this long after its first byte closes the client (1008, "message_timeout"), so a client
+    # sending a message in fragments, or a frame a byte at a time, cannot hold a partial message
+    # (up to 128 KiB) on a worker for ever. 10 s lets the largest message come at ~13 KB/s.
+    "WS_MESSAGE_TIMEOUT_SECONDS": 10.0,
     # Connections one worker process lets wait for their request headers at once; past it the one
     # waiting the longest is closed. A client sends its request as soon as it connected, so its
     # wait is about a round trip: 256 is 1,000 new connections a second at 250 ms each, and a
