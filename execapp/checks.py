@@ -394,6 +394,8 @@ def _http_share_checks() -> list[checks.CheckMessage]:
     """HTTP_SHARE_PER_NETWORK: a fraction of a worker's time; HTTP_REQUESTS_PER_NETWORK: a whole number >= 0."""
     errors = _fraction_check("HTTP_SHARE_PER_NETWORK", "a worker's time (seconds a second)", 0.25,
                              "lets one client network's HTTP requests take the whole worker", "execapp.E140")
+    errors += _fraction_check("HTTP_SHARE_PER_WORKER", "a worker's time (seconds a second)", 0.25,
+                              "lets HTTP requests take the whole worker from WebSocket owners", "execapp.E142")
     key = "HTTP_REQUESTS_PER_NETWORK"
     value = conf.get(key)
     if not _number(value, True) or value < 0:

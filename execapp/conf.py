@@ -89,7 +89,7 @@ DEFAULTS: dict[str, Any] = {
     "MAX_PENDING_BODY_BYTES": 64 * 1_048_576,
     # Each client network's (an IPv4 address, an IPv6 /64) HTTP requests on one worker process
     # (execapp/http_share.py): at most this many in Django at once, the next waiting their turn
-    # (past 8 times as many waiting: 429); and, while another owner is active on the worker, a
+    # (past 64 times as many waiting: 429); and, while a WebSocket owner is active on the worker, a
     # share of its time (seconds a second, in (0, 1]) charged from the body being in to the
     # response's start: past it the next request waits (429 past 5 s). Without them 50 keep-alive
     # connections asking for /admin/login/ took a bystander tenant's /ping p99 from 4 ms to 589 ms.
@@ -97,6 +97,9 @@ DEFAULTS: dict[str, Any] = {
     # FORWARDED_ALLOW_IPS every client is the proxy's one network).
     "HTTP_REQUESTS_PER_NETWORK": 4,
     "HTTP_SHARE_PER_NETWORK": 0.25,
+    # The same for every network's HTTP requests together (one client with many addresses): while
+    # a WebSocket owner is active on the worker, HTTP takes at most this share of it (a quarter).
+    "HTTP_SHARE_PER_WORKER": 0.25,
     # Password checks (a sign-in attempt: the admin's login) one worker process runs at once
     # (execapp/login_limit.py): each is ~0.5 s of CPU (PBKDF2), for an unknown user too, and needs
     # no credentials to ask for; past it the attempt is refused before hashing ("try again in a

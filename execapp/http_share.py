@@ -11,19 +11,25 @@ shared 2-core machine). execapp.loop_share charges WebSocket owners' frames; not
 network (an IPv4 address, an IPv6 /64, as execapp.auth_throttle reads them) and worker process:
 
 - at most ``EXECAPP['HTTP_REQUESTS_PER_NETWORK']`` requests in Django at once; the next wait their
-  turn (first come, first served), and past ``QUEUE_FACTOR`` times that many waiting the request is
-  answered ``429`` with ``Retry-After`` at once (a waiting request costs a coroutine, nothing more);
-- a ``LoopShare`` of ``EXECAPP['HTTP_SHARE_PER_NETWORK']`` seconds per second, charged the time from
-  the request's body being in to its response's start (Django's work: the view, its queries, the
-  template), in the worker's ``ShareGroup``: enforced only while another owner (a WebSocket tenant,
-  another network) is active, so an admin alone on a worker is held by nothing. Past its share a
-  network's next request waits until it refilled; one that would wait more than
-  ``MAX_WAIT_SECONDS`` is answered ``429`` with ``Retry-After`` instead.
+  turn (first come, first served: a waiting request costs a coroutine, and its connection is not
+  read meanwhile), and past ``QUEUE_FACTOR`` times that many waiting the request is answered ``429``
+  with ``Retry-After`` and its connection closed (answering 429 on a keep-alive connection that
+  asked again at once made ~4,000 answers a second, each on the loop: the bystander's p50 x8);
+- a share of ``EXECAPP['HTTP_SHARE_PER_NETWORK']`` seconds per second, charged the wall time during
+  which at least one of its requests is between its body being in and its response's start (Django's
+  work: the view, its queries, the template; overlapping requests charged once);
+- and every network together a share of ``EXECAPP['HTTP_SHARE_PER_WORKER']``, the same way (one
+  client with many addresses is many networks).
+
+The shares are one owner, ``"http"``, in the worker's ``ShareGroup``: enforced only while another
+owner (a WebSocket tenant) is active, so an admin alone on a worker is held by nothing; and, unlike a
+tenant's, never raised to the even split (half a worker still put a bystander's /ping p99 at 30 ms).
+Past a share the next request waits until it refilled; one that would wait more than
+``MAX_WAIT_SECONDS`` is answered ``429`` (closed) instead.
 
 The probes (``/healthz``) and ``/metrics`` are charged but never wait nor refused: a load balancer
 behind the same address as a flood must still see the worker. Refusals are counted in
-``execapp_connections_closed_total{reason="http_share"}`` (the connection stays open: 429 is an
-answer, not a close). Event loop only: no lock.
+``execapp_connections_closed_total{reason="http_share"}``. Event loop only: no lock.
 """
 from __future__ import annotations
 
@@ -43,21 +49,64 @@ App = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
 
 #: The ``reason`` label of a request refused for its network's share (answered 429).
 HTTP_SHARE = "http_share"
+#: The owner every HTTP request's share stands for in the worker's ShareGroup.
+HTTP_OWNER = "http"
 #: Requests of one network that may wait for a turn, as a multiple of HTTP_REQUESTS_PER_NETWORK.
-QUEUE_FACTOR = 8
+QUEUE_FACTOR = 64
 #: The longest a request waits for its network's share to refill before it is answered 429 instead.
 MAX_WAIT_SECONDS = 5.0
 #: Paths charged but never held: the load balancer's probe and the metrics scrape.
 UNHELD_PATHS = frozenset({"/healthz", "/metrics"})
 
 
-class _Network:
-    """One client network's requests on this worker: those in Django, those waiting, and its share."""
+class _Share(LoopShare):
+    """A LoopShare refilled at its own share only: HTTP is not an owner the loop is split evenly with
+    (at the even split, half a worker, Django's thread held the GIL often enough to put a bystander's
+    /ping p99 at 30 ms)."""
 
-    __slots__ = ("share", "running", "waiting")
+    __slots__ = ()
+
+    @property
+    def rate(self) -> float:
+        return self.share
+
+
+class _Busy:
+    """The wall time during which at least one of some requests is in Django, charged to ``share``
+    once however many overlap (charging each request's own time made N at once cost N times as much)."""
+
+    __slots__ = ("share", "inside", "since")
 
     def __init__(self, share: LoopShare) -> None:
         self.share = share
+        self.inside = 0
+        self.since = 0.0
+
+    def enter(self) -> None:
+        if not self.inside:
+            self.since = time.monotonic()
+        self.inside += 1
+
+    def leave(self) -> None:
+        """One request left Django: the time since the last charge is charged (some were inside all of it)."""
+        self.inside -= 1
+        self.share.spend_since(self.since)
+        self.since = self.share._at  # spend_since's clock reading: no time charged twice or lost
+
+
+def _owed_seconds(share: LoopShare) -> float:
+    """How long ``share`` needs to refill to zero (0: not owed)."""
+    return max(0.0, -(share.level + (time.monotonic() - share._at) * share.rate) / share.rate)
+
+
+class _Network:
+    """One client network's requests on this worker: those in Django, those waiting, and its share."""
+
+    __slots__ = ("share", "busy", "running", "waiting")
+
+    def __init__(self, share: LoopShare) -> None:
+        self.share = share
+        self.busy = _Busy(share)
         self.running = 0
         #: Requests waiting for a turn, oldest first: each one's future, set when it may run.
         self.waiting: deque[asyncio.Future[None]] = deque()
@@ -78,6 +127,8 @@ class HttpShare:
         self._networks: dict[str, _Network] = {}
         #: Used when the process has no Worker (tests, management commands): HTTP networks only.
         self._own_group = ShareGroup()
+        #: Every network's requests together (HTTP_SHARE_PER_WORKER); made at the first request (the worker's group).
+        self._all: _Busy | None = None
 
     def _group(self) -> ShareGroup:
         from .worker import current_worker  # here: the worker module imports the engine
@@ -86,13 +137,21 @@ class HttpShare:
         return worker.share_group if worker is not None else self._own_group
 
     def _network(self, key: str, share: float) -> _Network:
+        group = self._group()
+        if self._all is not None and self._all.share.group is not group:  # the process's Worker came (or changed)
+            self._networks.clear()
+            self._all = None
+        if self._all is None:
+            self._all = _Busy(_Share(float(conf.get("HTTP_SHARE_PER_WORKER")), group=group, owner=HTTP_OWNER))
         networks = self._networks
         found = networks.get(key)
         if found is None:
             if len(networks) >= 64:  # amortized: forget the networks with nothing owed nor under way
                 for gone in [k for k, n in networks.items() if n.idle()]:
                     del networks[gone]
-            found = networks[key] = _Network(LoopShare(share, group=self._group(), owner=f"http {key}"))
+            # One owner "http" in the worker's group for every network (and all of them together): they are
+            # held while a WebSocket tenant is active, not for each other (the FIFO above serves them in turn).
+            found = networks[key] = _Network(_Share(share, group=group, owner=HTTP_OWNER))
         return found
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -118,29 +177,35 @@ class HttpShare:
             self._next(network, per_network)
             await self._refuse(send, *refusal)
             return
-        share = network.share
-        started = time.monotonic()
-        charged = False
+        every = self._all
+        assert every is not None  # made by _network
+        inside = False  # between the body being in and the response's start: charged
 
         async def charged_receive() -> dict[str, Any]:
-            nonlocal started
+            nonlocal inside
             message = await receive()
-            if message["type"] == "http.request" and not message.get("more_body", False):
-                started = time.monotonic()  # the body is in: Django's work starts (its arrival is not charged)
+            if not inside and message["type"] == "http.request" and not message.get("more_body", False):
+                inside = True  # the body is in: Django's work starts (its arrival is not charged)
+                network.busy.enter()
+                every.enter()
             return message
 
+        def leave() -> None:
+            nonlocal inside
+            if inside:
+                inside = False
+                network.busy.leave()
+                every.leave()
+
         async def charged_send(message: dict[str, Any]) -> None:
-            nonlocal charged
-            if not charged and message["type"] == "http.response.start":
-                charged = True
-                share.spend_since(started)
+            if message["type"] == "http.response.start":
+                leave()
             await send(message)
 
         try:
             await self.app(scope, charged_receive, charged_send)
         finally:
-            if not charged:
-                share.spend_since(started)
+            leave()
             network.running -= 1
             self._next(network, per_network)
 
@@ -161,15 +226,17 @@ class HttpShare:
                 if turn in network.waiting:
                     network.waiting.remove(turn)
                 raise
-        share = network.share
-        if share.enforced and share.owed:
-            wait = -(share.level + (time.monotonic() - share._at) * share.rate) / share.rate
-            if wait > MAX_WAIT_SECONDS:
-                return 429, (f"your network's requests took more than their share of this server "
-                             f"(EXECAPP['HTTP_SHARE_PER_NETWORK'] = {share.share:g} of a second a second while "
-                             f"others are served); retry in {math.ceil(wait)} s\n")
-            metrics.LOOP_SHARE_WAITS.inc()
-            await share.wait()
+        assert self._all is not None
+        for share, whose, key in ((network.share, "your network's requests", "HTTP_SHARE_PER_NETWORK"),
+                                  (self._all.share, "this server's HTTP requests", "HTTP_SHARE_PER_WORKER")):
+            if share.enforced and share.owed:
+                wait = _owed_seconds(share)
+                if wait > MAX_WAIT_SECONDS:
+                    return 429, (f"{whose} took more than their share of this server (EXECAPP['{key}'] = "
+                                 f"{share.share:g} of a second a second while others are served); retry in "
+                                 f"{math.ceil(wait)} s\n")
+                metrics.LOOP_SHARE_WAITS.inc()
+                await share.wait()
         return None
 
     @staticmethod
@@ -189,6 +256,9 @@ class HttpShare:
         retry = text.rsplit("retry in ", 1)[-1].split(" ", 1)[0] if "retry in " in text else "1"
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"text/plain; charset=utf-8"),
-                                (b"content-length", str(len(body)).encode()), (b"retry-after", retry.encode())]})
+                                (b"content-length", str(len(body)).encode()), (b"retry-after", retry.encode()),
+                                # Closed after the answer: a client re-asking at once on its keep-alive
+                                # connection made ~4,000 429s a second, each on the loop (bystander p50 x10).
+                                (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
