@@ -10,6 +10,7 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 
 from execapp.http_limits import RequestBodyLimit  # noqa: E402
+from execapp.http_share import HttpShare  # noqa: E402
 from execapp.routing import websocket_application  # noqa: E402
 from execapp.static_files import StaticFiles  # noqa: E402
 
@@ -19,7 +20,9 @@ application = ProtocolTypeRouter(
         # static file server in front in production if the admin sees heavy use. Every request
         # body is bounded in size and time before Django reads it (execapp/http_limits.py); a
         # static path with ../ in it is a 404 (execapp/static_files.py).
-        "http": RequestBodyLimit(StaticFiles(django_asgi_app)),
+        # Each client network's requests run a few at once and within a share of the worker while
+        # others are served (execapp/http_share.py).
+        "http": RequestBodyLimit(HttpShare(StaticFiles(django_asgi_app))),
         "websocket": websocket_application,
     }
 )

@@ -19,7 +19,8 @@ _POSITIVE_INTS = ("POOL_MAX_WORKERS", "POOL_QUEUE_SIZE", "PROFILE_WINDOW", "MAX_
 _POSITIVE_NUMBERS = ("SLOW_THRESHOLD_SECONDS", "OVERFLOW_WAIT_SECONDS", "PROFILE_FLUSH_SECONDS",
                      "SNAPSHOT_SECONDS", "WORKER_STALE_SECONDS", "WORKER_DROP_SECONDS",
                      "REGISTRY_POLL_SECONDS", "DRAIN_TIMEOUT_SECONDS", "SHUTDOWN_GRACE_SECONDS",
-                     "DASHBOARD_HISTORY_SECONDS", "REQUEST_BODY_TIMEOUT_SECONDS")
+                     "DASHBOARD_HISTORY_SECONDS", "REQUEST_BODY_TIMEOUT_SECONDS",
+                     "WS_MESSAGE_TIMEOUT_SECONDS")
 
 
 #: The longest number of seconds a setting may have (~31 years): "never" in practice, and below
@@ -119,6 +120,7 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     errors += _watchdog_checks()
     errors += _frame_depth_checks()
     errors += _decode_share_checks()
+    errors += _http_share_checks()
     errors += _pool_share_checks()
     errors += _owner_outbox_checks()
     errors += _env_checks()
@@ -386,6 +388,23 @@ def _decode_share_checks() -> list[checks.CheckMessage]:
     """DECODE_SHARE_PER_OWNER: a fraction of one event loop, in (0, 1]."""
     return _fraction_check("DECODE_SHARE_PER_OWNER", "one event loop", 0.25,
                            "lets one owner's frames take the whole loop", "execapp.E045")
+
+
+def _http_share_checks() -> list[checks.CheckMessage]:
+    """HTTP_SHARE_PER_NETWORK: a fraction of a worker's time; HTTP_REQUESTS_PER_NETWORK: a whole number >= 0."""
+    errors = _fraction_check("HTTP_SHARE_PER_NETWORK", "a worker's time (seconds a second)", 0.25,
+                             "lets one client network's HTTP requests take the whole worker", "execapp.E140")
+    errors += _fraction_check("HTTP_SHARE_PER_WORKER", "a worker's time (seconds a second)", 0.25,
+                              "lets HTTP requests take the whole worker from WebSocket owners", "execapp.E142")
+    key = "HTTP_REQUESTS_PER_NETWORK"
+    value = conf.get(key)
+    if not _number(value, True) or value < 0:
+        errors.append(checks.Error(
+            f"EXECAPP[{key!r}] is {value!r}{_from(key)}, it must be a whole number of requests >= 0 (0: off)",
+            hint=f"Set it to {conf.DEFAULTS[key]} (the default): the HTTP requests one client network may have in "
+                 "Django at once on a worker; 0 turns the per-network limits off (execapp/http_share.py).",
+            id="execapp.E141"))
+    return errors
 
 
 def _pool_share_checks() -> list[checks.CheckMessage]:

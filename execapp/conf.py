@@ -47,6 +47,11 @@ DEFAULTS: dict[str, Any] = {
     # nothing, cannot hold a worker's file descriptors; 10 s is many round trips and a lost
     # packet's retransmissions even on a slow mobile link.
     "HANDSHAKE_TIMEOUT_SECONDS": 10.0,
+    # After the handshake (execapp/ws_flow.py): a WebSocket message (its frames, or one frame) not
+    # all in this long after its first byte closes the client (1008, "message_timeout"), so a client
+    # sending a message in fragments, or a frame a byte at a time, cannot hold a partial message
+    # (up to 128 KiB) on a worker for ever. 10 s lets the largest message come at ~13 KB/s.
+    "WS_MESSAGE_TIMEOUT_SECONDS": 10.0,
     # Connections one worker process lets wait for their request headers at once; past it the one
     # waiting the longest is closed. A client sends its request as soon as it connected, so its
     # wait is about a round trip: 256 is 1,000 new connections a second at 250 ms each, and a
@@ -82,6 +87,19 @@ DEFAULTS: dict[str, Any] = {
     # answered 503 (execapp/http_limits.py), so stalled bodies on many connections cannot take the
     # worker's memory. 64 MiB is eight of the largest uploads arriving together.
     "MAX_PENDING_BODY_BYTES": 64 * 1_048_576,
+    # Each client network's (an IPv4 address, an IPv6 /64) HTTP requests on one worker process
+    # (execapp/http_share.py): at most this many in Django at once, the next waiting their turn
+    # (past 64 times as many waiting: 429); and, while a WebSocket owner is active on the worker, a
+    # share of its time (seconds a second, in (0, 1]) charged from the body being in to the
+    # response's start: past it the next request waits (429 past 5 s). Without them 50 keep-alive
+    # connections asking for /admin/login/ took a bystander tenant's /ping p99 from 4 ms to 589 ms.
+    # HTTP_REQUESTS_PER_NETWORK 0 turns both off (behind a proxy that is not in
+    # FORWARDED_ALLOW_IPS every client is the proxy's one network).
+    "HTTP_REQUESTS_PER_NETWORK": 4,
+    "HTTP_SHARE_PER_NETWORK": 0.25,
+    # The same for every network's HTTP requests together (one client with many addresses): while
+    # a WebSocket owner is active on the worker, HTTP takes at most this share of it (a quarter).
+    "HTTP_SHARE_PER_WORKER": 0.25,
     # Password checks (a sign-in attempt: the admin's login) one worker process runs at once
     # (execapp/login_limit.py): each is ~0.5 s of CPU (PBKDF2), for an unknown user too, and needs
     # no credentials to ask for; past it the attempt is refused before hashing ("try again in a

@@ -206,6 +206,11 @@ class Worker:
             if pool is not None and not pool.held:  # else kept while its pooled events run (pool_share)
                 del self._pool_shares[owner]
 
+    @property
+    def share_group(self) -> ShareGroup:
+        """This worker's loop shares (WebSocket owners, and HTTP client networks: execapp.http_share)."""
+        return self._share_group
+
     def decode_share(self, owner: str, share: float) -> LoopShare:
         """The share of this worker's loop ``owner``'s connections may spend on their frames while
         other owners are active, one for all of them (event loop; dropped with the owner's last

@@ -62,6 +62,16 @@ of a ``/ping``). A text or binary frame is now encoded at once and written at th
 turn together with every other frame sent in it. The frames wait in the sans-I/O connection's
 own buffer, which every write of uvicorn's (a pong, a close, the keepalive) takes whole first, so
 nothing overtakes them; what parsing a read queues (pongs) finds them already written.
+
+And how long a message may take to arrive: nothing bounded it. A client that sent a message in
+fragments and answered the keepalive's pings between them held a partial message (up to
+``ws_max_size``, 128 KiB) on the worker for ever (measured: 400 such connections, +52 MB); one that
+trickled a single frame a byte at a time was ended only by the keepalive (40 s, 1011, no reason).
+A message now has ``EXECAPP['WS_MESSAGE_TIMEOUT_SECONDS']`` from its first byte (the first byte of
+its first frame) until its last frame is in; past it the client is closed 1008 with the reason,
+counted as ``message_timeout``. Time while this server is not reading the client (the app has a
+message of it waiting, its writes are backed up) does not count. A whole frame in one read, the
+usual case, arms nothing; a partial one arms one timer per message, re-armed only when it fires.
 """
 from __future__ import annotations
 
@@ -95,6 +105,20 @@ TOO_MANY_CONTROL_FRAMES, TOO_MANY_FRAGMENTS = "too_many_control_frames", "too_ma
 INVALID_UTF8 = "invalid_utf8"
 #: The ``reason`` label of a WebSocket handshake request the parser refused (answered 431 or 400).
 HANDSHAKE_REFUSED = "handshake_refused"
+#: The ``reason`` label of a message (or one frame) not all in within WS_MESSAGE_TIMEOUT_SECONDS (closed 1008).
+MESSAGE_TIMEOUT = "message_timeout"
+
+_message_timeout: float | None = None
+
+
+def message_timeout() -> float:
+    """EXECAPP['WS_MESSAGE_TIMEOUT_SECONDS'], read at a worker's first connection (manage.py check vets it)."""
+    global _message_timeout
+    if _message_timeout is None:
+        from . import conf  # here: the supervisor imports this module and stays light
+
+        _message_timeout = float(conf.get("WS_MESSAGE_TIMEOUT_SECONDS"))
+    return _message_timeout
 
 
 class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -114,6 +138,11 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
         self._flush_due = False
         #: loop.time() when the app's task last resumed from a wait (the start of its slice).
         self._slice_started = 0.0
+        #: loop.time() when the message arriving now began (None: between messages; see the module).
+        self._message_since: float | None = None
+        self._message_timer: asyncio.TimerHandle | None = None
+        #: The parser completed a frame (or the handshake request) since the last ``_track_message``.
+        self._frame_done = False
 
     def data_received(self, data: bytes) -> None:
         """Bytes from the client: parsed a slice at a time while the app keeps up (see the module)."""
@@ -129,6 +158,52 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
             self._parse(data)
         if not self.handshake_initiated and self.conn.handshake_exc is not None and not self.transport.is_closing():
             self._refuse_handshake(self.conn.handshake_exc)
+        self._track_message()
+
+    def handle_events(self) -> None:
+        """uvicorn's, noting that a frame was completed (the message deadline's bookkeeping)."""
+        if self.conn.events:
+            self._frame_done = True
+        super().handle_events()
+
+    def _track_message(self) -> None:
+        """After parsing: a message (or a frame) left partial starts the message deadline, unless one
+        runs; a completed frame with no fragmented message left ends it."""
+        done, self._frame_done = self._frame_done, False
+        if not self.handshake_complete or self.close_sent:
+            return
+        if done and not self.frames:
+            self._message_since = None
+        # Bytes that completed no frame (a header alone leaves the parser's buffer empty) start one too.
+        if self._message_since is None and (self.frames or self.conn.reader.buffer or not done):
+            since = self._message_since = self.loop.time()
+            if self._message_timer is None:
+                self._message_timer = self.loop.call_at(since + message_timeout(), self._message_due)
+
+    def _message_due(self) -> None:
+        """The message deadline's timer: close the client if its message is still not in, else re-arm."""
+        self._message_timer = None
+        since = self._message_since
+        if since is None or self.close_sent or self.transport.is_closing():
+            return
+        timeout, now = message_timeout(), self.loop.time()
+        if self._unparsed or self.read_paused or self.writes_backed_up:
+            # This server is not reading the client: the rest may sit in the socket's buffers. Its
+            # time starts again (a client that holds it so is ended by the keepalive: its pong is unread).
+            since = self._message_since = now
+        elif now - since >= timeout:
+            # A close reason is at most 123 bytes (a control frame's payload): this one is ~110.
+            self.refuse(1008, MESSAGE_TIMEOUT, f"message not all in {timeout:g} s after its first byte "
+                        "(EXECAPP['WS_MESSAGE_TIMEOUT_SECONDS']); send it whole")
+            return
+        self._message_timer = self.loop.call_at(since + timeout, self._message_due)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """uvicorn's, and the message deadline's timer cancelled."""
+        if self._message_timer is not None:
+            self._message_timer.cancel()
+            self._message_timer = None
+        super().connection_lost(exc)
 
     def _refuse_handshake(self, exc: Exception) -> None:
         """Answer a handshake request the parser refused (431 or 400, saying why) and close the connection."""
@@ -229,6 +304,7 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
             if self._unparsed:
                 rest, self._unparsed = self._unparsed, b""
                 self._parse(rest)
+                self._track_message()
                 if self._unparsed or not self.queue.empty():
                     return message  # more for the app first: reading stays paused
             self.read_paused = False

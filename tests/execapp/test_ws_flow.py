@@ -403,3 +403,99 @@ async def test_the_worker_s_startup_heap_is_out_of_the_cyclic_gc_s_reach_and_you
     state = json.loads(reply["text"]) if reply["data"] is None else reply["data"]
     assert state["frozen"] > 10_000, state
     assert state["threshold"][0] == exec_server.GC_YOUNG_THRESHOLD, state
+
+
+#: EXECAPP['WS_MESSAGE_TIMEOUT_SECONDS'] of the message-deadline tests' server.
+MESSAGE_TIMEOUT = 1.5
+
+
+@pytest.fixture(scope="module")
+def slow_message_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = started(tmp_path_factory, "ws-message", {"WS_MESSAGE_TIMEOUT_SECONDS": MESSAGE_TIMEOUT})
+    yield server
+    server.stop()
+
+
+def _pong_reply(received: bytes) -> bytes:
+    """Masked pongs (zero mask) answering every ping in ``received`` (the keepalive's, answered as a client does)."""
+    return b"".join(bytes([0x8A, 0x80 | len(p)]) + b"\x00" * 4 + p for op, p in _frames(received) if op == 0x9)
+
+
+def _close_of(sock: socket.socket, within: float, send: Iterator[bytes]) -> tuple[int, bytes, float]:
+    """Send what ``send`` yields, a piece every 0.3 s (answering pings too), until the server closes:
+    (close code, reason, seconds it took); (0, b"", within) if it did not close in ``within``."""
+    sock.setblocking(True)
+    sock.settimeout(0.3)
+    started_at, received = time.monotonic(), b""
+    while time.monotonic() - started_at < within:
+        try:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        except (TimeoutError, socket.timeout):
+            pass
+        except ConnectionResetError:
+            break
+        closes = [p for op, p in _frames(received) if op == 0x8]
+        if closes:
+            return int.from_bytes(closes[0][:2], "big"), closes[0][2:], time.monotonic() - started_at
+        try:
+            sock.sendall(_pong_reply(received) + next(send, b""))
+        except (BrokenPipeError, ConnectionResetError):
+            break
+    closes = [p for op, p in _frames(received) if op == 0x8]
+    if closes:
+        return int.from_bytes(closes[0][:2], "big"), closes[0][2:], time.monotonic() - started_at
+    return 0, b"", within
+
+
+def _fragments() -> Iterator[bytes]:
+    """A text message whose fragments never end (a continuation every call; 60 stays under MAX_FRAGMENTS)."""
+    yield bytes([0x01, 0x80 | 10]) + b"\x00" * 4 + b'{"text": "'
+    for _ in range(ws_flow.MAX_FRAGMENTS - 4):
+        yield bytes([0x00, 0x80 | 1]) + b"\x00" * 4 + b"x"
+
+
+def _trickled_frame() -> Iterator[bytes]:
+    """One text frame of 100 bytes, a byte per call (its header first, whole)."""
+    yield bytes([0x81, 0x80 | 100]) + b"\x00" * 4
+    for _ in range(99):
+        yield b"x"
+
+
+@pytest.mark.parametrize("pieces", [_fragments, _trickled_frame], ids=["fragments", "trickled-frame"])
+def test_a_message_not_all_in_within_the_deadline_closes_the_client_1008(slow_message_server: Server,
+                                                                          pieces: Any) -> None:
+    # A client sending a message in fragments and answering the keepalive between them held its
+    # partial message (up to 128 KiB) for ever; one trickling a frame was ended by the keepalive only
+    # (40 s, 1011). Now a message has WS_MESSAGE_TIMEOUT_SECONDS from its first byte.
+    server = slow_message_server
+    before = server.closed(ws_flow.MESSAGE_TIMEOUT)
+    sock = _upgraded(server.port, "/ws/events/?" + server.ws_url.split("?", 1)[1])
+    try:
+        code, reason, took = _close_of(sock, MESSAGE_TIMEOUT + 8, pieces())
+    finally:
+        sock.close()
+    assert code == 1008 and b"WS_MESSAGE_TIMEOUT_SECONDS" in reason, (code, reason)
+    assert took < MESSAGE_TIMEOUT + 3, took
+    assert wait_until(lambda: server.closed(ws_flow.MESSAGE_TIMEOUT) > before, 10)
+
+
+async def test_messages_each_within_the_deadline_are_served_for_longer_than_it(slow_message_server: Server) -> None:
+    # The deadline is a message's, not the connection's: one sent in pieces, each message whole in
+    # time, is served past it.
+    async with connect(slow_message_server.ws_url) as ws:
+        for n in range(4):
+            await ws.send([f'{{"id": "m{n}", ', '"text": "/nothing-matches"}'])
+            frame = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            assert frame["id"] == f"m{n}", frame
+            await asyncio.sleep(MESSAGE_TIMEOUT / 2)
+
+
+def test_the_checks_refuse_a_message_timeout_that_is_not_positive(settings: Any) -> None:
+    from execapp.checks import check_execapp_settings
+
+    settings.EXECAPP = {"WS_MESSAGE_TIMEOUT_SECONDS": 0}
+    errors = [e for e in check_execapp_settings() if "WS_MESSAGE_TIMEOUT_SECONDS" in e.msg]
+    assert errors and errors[0].id == "execapp.E004" and errors[0].hint, errors
