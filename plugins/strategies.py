@@ -45,14 +45,40 @@ _Empty = queue.Empty
 _now = time.monotonic
 #: Keys (sessions) whose shard a Sharded strategy remembers at most.
 _SHARD_KEYS = 4096
+#: Tenants whose last turn a Slots remembers at most (then it forgets them all: a turn lost is one
+#: tie decided by arrival order).
+_SERVED_TENANTS = 256
+
+
+class _Waiter:
+    """A pool thread waiting for a slot: its tenant, and a lock held until a slot is handed to it."""
+
+    __slots__ = ("tenant", "ready", "granted")
+
+    def __init__(self, tenant: str) -> None:
+        self.tenant = tenant
+        self.ready = threading.Lock()
+        self.ready.acquire()
+        self.granted = False
 
 
 class Slots:
-    """A counting limit that also reports busy / waiting and counts waits and refusals.
+    """A plugin's concurrency limit, shared in turn by the tenants waiting for it; reports busy /
+    waiting and counts waits and refusals.
 
-    The slots are tokens in a ``queue.SimpleQueue`` (C code): taking and giving one back are
-    two C calls with no Python-level lock (a Lock/Condition pair cost ~0.3 us per call, a
-    threading.Semaphore ~2.5 us). Only a caller that has to wait touches the Python lock.
+    Why in turn: a plugin's slots serve every tenant of the worker. One tenant's many pooled events
+    kept every slot busy and queued for them; another tenant's event waited among them, woken in no
+    particular order, and was refused ``plugin_busy`` when its wait ran out (19 of 24 refused in
+    tests/execapp/test_plugin_share_e2e.py). While callers wait, a freed slot is handed to a waiter
+    of the waiting tenant that took a slot least recently (each tenant's waiters in arrival order), so a
+    tenant waits for about one call per other waiting tenant, not for another tenant's whole queue.
+    Work-conserving: no slot is kept free while anyone waits. ``tenant`` is the event's opaque
+    owner id ("" for callers without one).
+
+    The slots are tokens in a ``queue.SimpleQueue`` (C code): while nobody waits, taking and giving
+    one back are two C calls with no Python-level lock (a Lock/Condition pair cost ~0.3 us per call,
+    a threading.Semaphore ~2.5 us; exact per-tenant counts under a lock ~0.8 us). Only while callers
+    wait does a take or give touch the lock: a taker then joins the line (no barging past it).
     """
 
     def __init__(self, capacity: int) -> None:
@@ -60,11 +86,13 @@ class Slots:
         self._tokens: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(capacity):
             self._tokens.put(None)
-        #: The hot path: ``take()`` raises queue.Empty when no slot is free; ``give(None)``.
-        self.take = self._tokens.get_nowait
-        self.give = self._tokens.put
+        self._get = self._tokens.get_nowait
+        self._put = self._tokens.put
         self._lock = threading.Lock()
-        self.waiting = 0
+        self._waiters: list[_Waiter] = []  # in arrival order
+        #: The turn at which each tenant last took a slot (a count: next() on it is one C call).
+        self._served: dict[str, int] = {}
+        self._next_turn = itertools.count().__next__
         self.waits_total = 0
         self.refused_total = 0
 
@@ -73,34 +101,84 @@ class Slots:
         """Slots taken now."""
         return self.capacity - self._tokens.qsize()
 
-    def acquire(self, blocking: bool, wait: float) -> bool:
-        """Take a slot: at once, or (``blocking``) within ``wait`` seconds. False if none."""
-        try:
-            self.take()
-            return True
-        except _Empty:
-            return self.wait(blocking, wait)
+    @property
+    def waiting(self) -> int:
+        """Callers waiting for a slot now."""
+        return len(self._waiters)
 
-    def wait(self, blocking: bool, wait: float) -> bool:
-        """The slow path once ``take`` found no free slot: wait (``blocking``) or refuse."""
-        if blocking:
+    def take(self, tenant: str = "") -> bool:
+        """The hot path: a free slot at once, or False (also while others wait: they come first)."""
+        if self._waiters:
+            return False
+        try:
+            self._get()
+        except _Empty:
+            return False
+        served = self._served
+        if len(served) > _SERVED_TENANTS:
+            served.clear()  # C calls, atomic under the GIL like the store below: no lock on this path
+        served[tenant] = self._next_turn()
+        return True
+
+    def give(self, tenant: str = "") -> None:
+        """Give a slot back; while callers wait, hand it to the next one's turn."""
+        self._put(None)
+        # A waiter appends itself before it looks for a token (both under the lock), so either it
+        # sees this token or this sees it: no slot stays free while someone waits.
+        if self._waiters:
             with self._lock:
-                self.waiting += 1
+                self._hand_out()
+
+    def release(self, tenant: str = "") -> None:
+        self.give(tenant)
+
+    def acquire(self, blocking: bool, wait: float, tenant: str = "") -> bool:
+        """Take a slot: at once, or (``blocking``) within ``wait`` seconds. False if none."""
+        return self.take(tenant) or self.wait(blocking, wait, tenant)
+
+    def wait(self, blocking: bool, wait: float, tenant: str = "") -> bool:
+        """The slow path once ``take`` found no free slot: wait in turn (``blocking``) or refuse."""
+        if blocking:
+            waiter = _Waiter(tenant)
+            with self._lock:
+                self._waiters.append(waiter)
                 self.waits_total += 1
-            try:
-                self._tokens.get(timeout=max(wait, 0.0))
+                self._hand_out()
+            if waiter.ready.acquire(timeout=max(wait, 0.0)):
                 return True
-            except _Empty:
-                pass
-            finally:
-                with self._lock:
-                    self.waiting -= 1
+            with self._lock:
+                if waiter.granted:  # handed a slot just as the wait ran out: it is ours
+                    return True
+                self._waiters.remove(waiter)
+                self.refused_total += 1
+            return False
         with self._lock:
             self.refused_total += 1
         return False
 
-    def release(self) -> None:
-        self.give(None)
+    def _hand_out(self) -> None:
+        """Under the lock: hand every free slot to a waiter, whose tenant's turn it is."""
+        waiters, served = self._waiters, self._served
+        while waiters:
+            try:
+                self._get()
+            except _Empty:
+                return
+            best, oldest = 0, None
+            seen: set[str] = set()
+            for i, waiter in enumerate(waiters):
+                if waiter.tenant in seen:
+                    continue
+                seen.add(waiter.tenant)
+                turn = served.get(waiter.tenant, -1)
+                if oldest is None or turn < oldest:
+                    best, oldest = i, turn
+                    if turn < 0:
+                        break
+            waiter = waiters.pop(best)
+            served[waiter.tenant] = self._next_turn()
+            waiter.granted = True
+            waiter.ready.release()
 
 
 class PluginCall(Protocol):
@@ -174,10 +252,10 @@ class Strategy(abc.ABC):
             wait = max(0.0, min(wait, deadline - _now()))
         return wait
 
-    def _no_slot(self, handler: str, blocking: bool, deadline: float | None = None) -> None:
+    def _no_slot(self, handler: str, blocking: bool, deadline: float | None = None, tenant: str = "") -> None:
         """Slow path: wait for a slot (pool thread) or raise PluginBusy."""
         wait = self._wait_for(deadline)
-        if not self.slots.wait(blocking, wait):
+        if not self.slots.wait(blocking, wait, tenant):
             raise PluginBusy(self._busy_message(handler) + (f" after waiting {wait:g} s" if blocking else "")
                              + "; " + self._busy_fix())
 
@@ -260,12 +338,11 @@ class PerRequest(Strategy):
         self._isolated = compiled.call_isolated
 
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
-        try:
-            self._take_slot()
-        except _Empty:
-            self._no_slot(handler, blocking, deadline)
+        tenant = event.get("tenant", "")
+        if not self._take_slot(tenant):
+            self._no_slot(handler, blocking, deadline, tenant)
         if self.closed:
-            self._give_slot(None)
+            self._give_slot(tenant)
             raise self._closed(handler)
         try:
             # The deadline starts when the guest is about to run, after any wait for a slot.
@@ -276,7 +353,7 @@ class PerRequest(Strategy):
         except GuestError as exc:
             raise self._failed(handler, exc) from None
         finally:
-            self._give_slot(None)
+            self._give_slot(tenant)
             self._count()
 
     def capacity(self) -> int:
@@ -319,12 +396,11 @@ class Pooled(Strategy):
         return "raise its pool size" if self.spec.pool_size < self.spec.max_concurrency else super()._busy_fix()
 
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
-        try:
-            self._take_slot()
-        except _Empty:
-            self._no_slot(handler, blocking, deadline)
+        tenant = event.get("tenant", "")
+        if not self._take_slot(tenant):
+            self._no_slot(handler, blocking, deadline, tenant)
         if self.closed:
-            self._give_slot(None)
+            self._give_slot(tenant)
             raise self._closed(handler)
         inst: Instance | None = None
         try:
@@ -347,7 +423,7 @@ class Pooled(Strategy):
                     self._discard(inst)
                 else:
                     self._push(inst)
-            self._give_slot(None)
+            self._give_slot(tenant)
             self._count()
 
     def capacity(self) -> int:
@@ -565,23 +641,21 @@ class ShardedGeneral(Sharded):
 
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
         limited = self._limited
-        if limited:
-            try:
-                self._take_slot()
-            except _Empty:
-                self._no_slot(handler, blocking, deadline)
+        tenant = event.get("tenant", "")
+        if limited and not self._take_slot(tenant):
+            self._no_slot(handler, blocking, deadline, tenant)
         try:
             shard = self.shards[self.shard_for(event)]
             if not shard.lock.acquire(False):
                 self._wait_shard(shard, event, blocking, deadline)
         except BaseException:
             if limited:
-                self._give_slot(None)
+                self._give_slot(tenant)
             raise
         if self.closed:  # a thread-bound shard's thread has stopped: nothing would run the call
             shard.lock.release()
             if limited:
-                self._give_slot(None)
+                self._give_slot(tenant)
             raise self._closed(handler)
         try:
             if self._thread_bound:
@@ -592,7 +666,7 @@ class ShardedGeneral(Sharded):
         finally:
             shard.lock.release()
             if limited:
-                self._give_slot(None)
+                self._give_slot(tenant)
             self._count()
 
 
