@@ -488,10 +488,11 @@ class PooledPerThread(Pooled):
 
 
 class _Shard:
-    __slots__ = ("lock", "instance", "queue", "thread")
+    __slots__ = ("slot", "instance", "queue", "thread")
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        #: One call at a time; while calls wait, tenants take turns (as for a plugin's slots).
+        self.slot = Slots(1)
         self.instance: Instance | None = None
         self.queue: queue.SimpleQueue | None = None
         self.thread: threading.Thread | None = None
@@ -500,10 +501,12 @@ class _Shard:
 class Sharded(Strategy):
     """``shard_count`` instances; the event's session (else its id) picks one; serial per shard.
 
-    Keeps per-session ordering and warm state. The shard locks already bound running calls to
-    ``shard_count``: the plugin's slot is taken only when ``max_concurrency`` is lower than
-    that. That case, and thread-bound runtimes (each shard owns a thread that runs its calls;
-    the caller holds the shard's lock while it waits), are ShardedGeneral's.
+    Keeps per-session ordering and warm state. Each shard is a Slots of one: while calls wait for
+    a shard, tenants take turns (a tenant's calls in arrival order), so one tenant's sessions that
+    hash to every shard do not keep another tenant's session waiting until refused. The shards
+    already bound running calls to ``shard_count``: the plugin's slot is taken only when
+    ``max_concurrency`` is lower than that. That case, and thread-bound runtimes (each shard owns
+    a thread that runs its calls; the caller holds the shard while it waits), are ShardedGeneral's.
     """
 
     name = "sharded"
@@ -520,7 +523,7 @@ class Sharded(Strategy):
 
     @property
     def busy(self) -> int:
-        return sum(1 for s in self.shards if s.lock.locked())
+        return sum(s.slot.busy for s in self.shards)
 
     def shard_for(self, event: dict[str, Any]) -> int:
         """The shard of an event: crc32 of its shard_key, stable across processes."""
@@ -544,11 +547,12 @@ class Sharded(Strategy):
         shard = self._by_key.get(key) if key.__class__ is str else None
         if shard is None:
             shard = self._shard_of(key)
-        lock = shard.lock
-        if not lock.acquire(False):
-            self._wait_shard(shard, event, blocking, deadline)
+        tenant = event.get("tenant", "")
+        slot = shard.slot
+        if not slot.take(tenant):
+            self._wait_shard(shard, event, blocking, deadline, tenant)
         if self.closed:
-            lock.release()
+            slot.give(tenant)
             raise self._closed(handler)
         inst = None
         try:
@@ -565,10 +569,11 @@ class Sharded(Strategy):
                 self._discard(inst)
             raise self._failed(handler, exc) from None
         finally:
-            lock.release()
+            slot.give(tenant)
             self._count()
 
-    def _wait_shard(self, shard: _Shard, event: dict[str, Any], blocking: bool, deadline: float | None = None) -> None:
+    def _wait_shard(self, shard: _Shard, event: dict[str, Any], blocking: bool, deadline: float | None = None,
+                    tenant: str = "") -> None:
         """Slow path: the shard is busy; wait for it (pool thread) or raise PluginBusy."""
         wait = self._wait_for(deadline)
         if blocking:
@@ -576,7 +581,7 @@ class Sharded(Strategy):
                 self.waiting += 1
                 self.waits_total += 1
             try:
-                if shard.lock.acquire(timeout=max(wait, 0.0)):
+                if shard.slot.wait(True, wait, tenant):
                     return
             finally:
                 with self._lock:
@@ -621,16 +626,16 @@ class Sharded(Strategy):
         return len(self.shards)
 
     def idle(self) -> int:
-        return sum(1 for s in self.shards if s.instance is not None and not s.lock.locked())
+        return sum(1 for s in self.shards if s.instance is not None and not s.slot.busy)
 
     def close(self) -> None:
         super().close()
         for shard in self.shards:
             if shard.queue is not None:
                 shard.queue.put(None)
-            elif shard.instance is not None and shard.lock.acquire(blocking=False):
+            elif shard.instance is not None and shard.slot.take():
                 inst, shard.instance = shard.instance, None
-                shard.lock.release()
+                shard.slot.give()
                 if inst is not None:
                     self._discard(inst)
 
@@ -646,14 +651,14 @@ class ShardedGeneral(Sharded):
             self._no_slot(handler, blocking, deadline, tenant)
         try:
             shard = self.shards[self.shard_for(event)]
-            if not shard.lock.acquire(False):
-                self._wait_shard(shard, event, blocking, deadline)
+            if not shard.slot.take(tenant):
+                self._wait_shard(shard, event, blocking, deadline, tenant)
         except BaseException:
             if limited:
                 self._give_slot(tenant)
             raise
         if self.closed:  # a thread-bound shard's thread has stopped: nothing would run the call
-            shard.lock.release()
+            shard.slot.give(tenant)
             if limited:
                 self._give_slot(tenant)
             raise self._closed(handler)
@@ -664,7 +669,7 @@ class ShardedGeneral(Sharded):
         except GuestError as exc:
             raise self._failed(handler, exc) from None
         finally:
-            shard.lock.release()
+            shard.slot.give(tenant)
             if limited:
                 self._give_slot(tenant)
             self._count()

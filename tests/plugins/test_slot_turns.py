@@ -89,7 +89,8 @@ def test_a_plugin_s_calls_of_one_tenant_do_not_keep_another_tenant_s_call_waitin
     # 2 slots, a 1 s timeout (the longest a call waits for a slot); tenant a's 12 threads calling
     # 0.3 s calls: before, b's call waited among a's ~10 waiters in no order, often past its wait.
     spec = PluginSpec(name="turns", runtime="lua", code='function h(e) sleep(tonumber(e.args)) return "ok" end',
-                      timeout=1.0, max_concurrency=2, pool_size=2, strategy=strategy, permissions=("log", "sleep"))
+                      timeout=1.0, max_concurrency=2, pool_size=2, strategy=strategy,
+                      permissions=frozenset({"log", "sleep"}))
     plugin = LoadedPlugin(spec)
     try:
         def call(tenant: str, ms: int) -> str:
@@ -115,6 +116,44 @@ def test_a_plugin_s_calls_of_one_tenant_do_not_keep_another_tenant_s_call_waitin
                 assert call("b", 10) == "ok"
                 # one of a's calls (0.3 s) and b's, plus slack; far under the 1 s wait
                 assert time.monotonic() - started < 0.9
+        finally:
+            stop.set()
+            for t in floods:
+                t.join(10)
+    finally:
+        plugin.close()
+
+
+def test_a_shard_busy_with_one_tenant_s_sessions_serves_another_tenant_s_session_in_turn() -> None:
+    # One shard (every session hashes to it), a 1 s timeout: tenant a's 12 threads keep it busy
+    # with 0.3 s calls on their sessions; b's session waits for one of them, not for all.
+    spec = PluginSpec(name="shard-turns", runtime="lua", code='function h(e) sleep(tonumber(e.args)) return "ok" end',
+                      timeout=1.0, strategy="sharded", shard_count=1, max_concurrency=8,
+                      permissions=frozenset({"log", "sleep"}))
+    plugin = LoadedPlugin(spec)
+    try:
+        def call(tenant: str, session: str, ms: int) -> str:
+            try:
+                return plugin.call("h", {"id": "e", "type": "message", "text": "", "args": str(ms), "data": {},
+                                         "session": session, "tenant": tenant}, True)
+            except PluginBusy:
+                return "plugin_busy"
+
+        stop = threading.Event()
+
+        def flood(n: int) -> None:
+            while not stop.is_set():
+                call("a", f"room-{n}", 300)
+
+        floods = [threading.Thread(target=flood, args=(n,), daemon=True) for n in range(12)]
+        for t in floods:
+            t.start()
+        try:
+            assert wait_until(lambda: plugin.strategy.waiting >= 8, 5)
+            for _ in range(4):
+                started = time.monotonic()
+                assert call("b", "room-1", 10) == "ok"
+                assert time.monotonic() - started < 0.9  # one of a's calls (0.3 s) and b's, plus slack
         finally:
             stop.set()
             for t in floods:
