@@ -51,15 +51,15 @@ _SERVED_TENANTS = 256
 
 
 class _Waiter:
-    """A pool thread waiting for a slot: its tenant, and a lock held until a slot is handed to it."""
+    """A pool thread waiting for a slot: its tenant, and a lock held until it is woken for its turn."""
 
-    __slots__ = ("tenant", "ready", "granted")
+    __slots__ = ("tenant", "ready", "woken")
 
     def __init__(self, tenant: str) -> None:
         self.tenant = tenant
         self.ready = threading.Lock()
         self.ready.acquire()
-        self.granted = False
+        self.woken = False
 
 
 class Slots:
@@ -69,16 +69,18 @@ class Slots:
     Why in turn: a plugin's slots serve every tenant of the worker. One tenant's many pooled events
     kept every slot busy and queued for them; another tenant's event waited among them, woken in no
     particular order, and was refused ``plugin_busy`` when its wait ran out (19 of 24 refused in
-    tests/execapp/test_plugin_share_e2e.py). While callers wait, a freed slot is handed to a waiter
-    of the waiting tenant that took a slot least recently (each tenant's waiters in arrival order), so a
+    tests/execapp/test_plugin_share_e2e.py). While callers wait, a freed slot wakes a waiter of the
+    waiting tenant that took a slot least recently (each tenant's waiters in arrival order), so a
     tenant waits for about one call per other waiting tenant, not for another tenant's whole queue.
-    Work-conserving: no slot is kept free while anyone waits. ``tenant`` is the event's opaque
-    owner id ("" for callers without one).
+    A pool thread that comes while others wait joins the line (``take`` refuses it); a caller that
+    never waits (inline on the event loop, ``barge``) may still take a slot that is free, as before:
+    a woken waiter that finds its slot so taken keeps its place at the front. ``tenant`` is the
+    event's opaque owner id ("" for callers without one).
 
     The slots are tokens in a ``queue.SimpleQueue`` (C code): while nobody waits, taking and giving
     one back are two C calls with no Python-level lock (a Lock/Condition pair cost ~0.3 us per call,
     a threading.Semaphore ~2.5 us; exact per-tenant counts under a lock ~0.8 us). Only while callers
-    wait does a take or give touch the lock: a taker then joins the line (no barging past it).
+    wait does a give touch the lock.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -89,7 +91,8 @@ class Slots:
         self._get = self._tokens.get_nowait
         self._put = self._tokens.put
         self._lock = threading.Lock()
-        self._waiters: list[_Waiter] = []  # in arrival order
+        self._waiters: list[_Waiter] = []  # not woken yet, in arrival order
+        self._woken = 0  # woken for a free slot, not yet back for it
         #: The turn at which each tenant last took a slot (a count: next() on it is one C call).
         self._served: dict[str, int] = {}
         self._next_turn = itertools.count().__next__
@@ -104,11 +107,12 @@ class Slots:
     @property
     def waiting(self) -> int:
         """Callers waiting for a slot now."""
-        return len(self._waiters)
+        return len(self._waiters) + self._woken
 
-    def take(self, tenant: str = "") -> bool:
-        """The hot path: a free slot at once, or False (also while others wait: they come first)."""
-        if self._waiters:
+    def take(self, tenant: str = "", barge: bool = False) -> bool:
+        """The hot path: a free slot at once, or False. A pool thread (not ``barge``) gets none
+        while others wait: they come first."""
+        if (self._waiters or self._woken) and not barge:
             return False
         try:
             self._get()
@@ -121,49 +125,61 @@ class Slots:
         return True
 
     def give(self, tenant: str = "") -> None:
-        """Give a slot back; while callers wait, hand it to the next one's turn."""
+        """Give a slot back; while callers wait, wake the one whose turn it is."""
         self._put(None)
         # A waiter appends itself before it looks for a token (both under the lock), so either it
-        # sees this token or this sees it: no slot stays free while someone waits.
+        # sees this token or this sees it: no slot stays free while someone waits unwoken.
         if self._waiters:
             with self._lock:
-                self._hand_out()
+                self._wake()
 
     def release(self, tenant: str = "") -> None:
         self.give(tenant)
 
     def acquire(self, blocking: bool, wait: float, tenant: str = "") -> bool:
         """Take a slot: at once, or (``blocking``) within ``wait`` seconds. False if none."""
-        return self.take(tenant) or self.wait(blocking, wait, tenant)
+        return self.take(tenant, not blocking) or self.wait(blocking, wait, tenant)
 
     def wait(self, blocking: bool, wait: float, tenant: str = "") -> bool:
         """The slow path once ``take`` found no free slot: wait in turn (``blocking``) or refuse."""
-        if blocking:
-            waiter = _Waiter(tenant)
+        if not blocking:
             with self._lock:
-                self._waiters.append(waiter)
-                self.waits_total += 1
-                self._hand_out()
-            if waiter.ready.acquire(timeout=max(wait, 0.0)):
-                return True
-            with self._lock:
-                if waiter.granted:  # handed a slot just as the wait ran out: it is ours
-                    return True
-                self._waiters.remove(waiter)
                 self.refused_total += 1
             return False
+        waiter = _Waiter(tenant)
+        end = _now() + max(wait, 0.0)
         with self._lock:
-            self.refused_total += 1
-        return False
+            self._waiters.append(waiter)
+            self.waits_total += 1
+            self._wake()
+        while True:
+            got = waiter.ready.acquire(timeout=max(end - _now(), 0.0))
+            with self._lock:
+                if not waiter.woken:  # the wait ran out (only _wake releases it, with woken set)
+                    self._waiters.remove(waiter)
+                    self.refused_total += 1
+                    return False
+                if not got:  # woken just as the wait ran out: re-arm (it was released with woken)
+                    waiter.ready.acquire(False)
+                waiter.woken = False
+                self._woken -= 1
+                try:
+                    self._get()
+                except _Empty:  # a caller that never waits took it first
+                    if _now() >= end:
+                        self.refused_total += 1
+                        return False
+                    self._waiters.insert(0, waiter)  # keeps its place
+                    self._wake()
+                    continue
+                self._served[tenant] = self._next_turn()
+                return True
 
-    def _hand_out(self) -> None:
-        """Under the lock: hand every free slot to a waiter, whose tenant's turn it is."""
+    def _wake(self) -> None:
+        """Under the lock: for each free slot no woken waiter is coming for, wake the waiter whose
+        tenant's turn it is (the one that took a slot least recently)."""
         waiters, served = self._waiters, self._served
-        while waiters:
-            try:
-                self._get()
-            except _Empty:
-                return
+        while waiters and self._tokens.qsize() > self._woken:
             best, oldest = 0, None
             seen: set[str] = set()
             for i, waiter in enumerate(waiters):
@@ -176,8 +192,8 @@ class Slots:
                     if turn < 0:
                         break
             waiter = waiters.pop(best)
-            served[waiter.tenant] = self._next_turn()
-            waiter.granted = True
+            waiter.woken = True
+            self._woken += 1
             waiter.ready.release()
 
 
@@ -339,7 +355,7 @@ class PerRequest(Strategy):
 
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
         tenant = event.get("tenant", "")
-        if not self._take_slot(tenant):
+        if not self._take_slot(tenant, not blocking):
             self._no_slot(handler, blocking, deadline, tenant)
         if self.closed:
             self._give_slot(tenant)
@@ -397,7 +413,7 @@ class Pooled(Strategy):
 
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
         tenant = event.get("tenant", "")
-        if not self._take_slot(tenant):
+        if not self._take_slot(tenant, not blocking):
             self._no_slot(handler, blocking, deadline, tenant)
         if self.closed:
             self._give_slot(tenant)
@@ -549,7 +565,7 @@ class Sharded(Strategy):
             shard = self._shard_of(key)
         tenant = event.get("tenant", "")
         slot = shard.slot
-        if not slot.take(tenant):
+        if not slot.take(tenant, not blocking):
             self._wait_shard(shard, event, blocking, deadline, tenant)
         if self.closed:
             slot.give(tenant)
@@ -633,7 +649,7 @@ class Sharded(Strategy):
         for shard in self.shards:
             if shard.queue is not None:
                 shard.queue.put(None)
-            elif shard.instance is not None and shard.slot.take():
+            elif shard.instance is not None and shard.slot.take("", True):
                 inst, shard.instance = shard.instance, None
                 shard.slot.give()
                 if inst is not None:
@@ -647,11 +663,11 @@ class ShardedGeneral(Sharded):
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
         limited = self._limited
         tenant = event.get("tenant", "")
-        if limited and not self._take_slot(tenant):
+        if limited and not self._take_slot(tenant, not blocking):
             self._no_slot(handler, blocking, deadline, tenant)
         try:
             shard = self.shards[self.shard_for(event)]
-            if not shard.slot.take(tenant):
+            if not shard.slot.take(tenant, not blocking):
                 self._wait_shard(shard, event, blocking, deadline, tenant)
         except BaseException:
             if limited:
