@@ -6,6 +6,8 @@ session's owner is its user.
 """
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import io
 import logging
 from typing import Any, Awaitable, Callable
@@ -53,6 +55,38 @@ class _Judging:
         if self._counted:
             self._counted = False
             _lookups[0] -= 1
+
+#: Token lookups running now, by the presented token's SHA-256 (event loop only). Handshakes that
+#: present a token already being looked up share that lookup: one tenant's burst of reconnects
+#: (150 at once with one token, on a 2-worker deployment) took every one of a worker's
+#: MAX_TOKEN_LOOKUPS and other tenants' handshakes were closed 1013 "checking too many
+#: credentials"; now it is one lookup. (Distinct bad tokens are the failure throttle's.)
+_token_lookups: "dict[str, asyncio.Future]" = {}
+
+
+def _shared_lookup(raw: str) -> "asyncio.Future | None":
+    """The lookup of token ``raw`` already running on this worker, or None."""
+    return _token_lookups.get(hashlib.sha256(raw.encode()).hexdigest())
+
+
+def _start_lookup(raw: str) -> "asyncio.Future":
+    """Look token ``raw`` up once for every handshake presenting it meanwhile, counted in
+    ``_lookups`` while it runs; a task, so that a handshake that goes away does not end it for the others."""
+    key = hashlib.sha256(raw.encode()).hexdigest()
+    judging = _Judging()
+    task = asyncio.ensure_future(_authenticate(raw))
+
+    def ended(done: "asyncio.Future") -> None:
+        judging.done()
+        if _token_lookups.get(key) is done:
+            del _token_lookups[key]
+        if not done.cancelled():
+            done.exception()  # retrieved: the handshakes that awaited it have it too
+
+    task.add_done_callback(ended)
+    _token_lookups[key] = task
+    return task
+
 
 #: Scope key of the handshake's _Judging, which _SessionGate ends once it runs (see TokenAuthMiddleware).
 _GATE_REACHED = "execapp_gate_reached"
@@ -211,10 +245,13 @@ class TokenAuthMiddleware:
             return await refuse_unavailable(receive, send, CLOSE_TRY_AGAIN_LATER,
                                             f"too many failed authentications from your network; retry in "
                                             f"{min(wait, 3600):.0f} s with a valid token")
+        raw = token_from_scope(scope)
+        shared = _shared_lookup(raw) if raw else None
         # Each lookup (a token's, a session cookie's and its user's) queues on the worker's one
         # sync thread: a flood of bad credentials from many networks (each within its own burst)
-        # must not queue them without bound.
-        if _lookups[0] >= int(conf.get("MAX_TOKEN_LOOKUPS")):
+        # must not queue them without bound. A handshake whose token is being looked up already
+        # adds no lookup: it waits for that one.
+        if shared is None and _lookups[0] >= int(conf.get("MAX_TOKEN_LOOKUPS")):
             _rare.log(logging.INFO, ("lookups",), "refused WebSocket %s unjudged: %d credential lookups already "
                       "running (EXECAPP['MAX_TOKEN_LOOKUPS'])", scope.get("path"), _lookups[0])
             metrics.count_event(AUTH_THROTTLED)
@@ -224,9 +261,8 @@ class TokenAuthMiddleware:
         # Token and session lookups need the database: without it no client can be judged, so
         # the handshake is closed with 1013 "try again later" instead of failing as HTTP 500.
         # (Only while nothing of the socket was read yet; the consumer covers its own part.)
-        judging = _Judging()  # shared through Channels' scope copies; ended by _SessionGate
-        raw = token_from_scope(scope)
         if raw is None:
+            judging = _Judging()  # shared through Channels' scope copies; ended by _SessionGate
             try:
                 return await self.session_app({**scope, _GATE_REACHED: judging}, receive, send)
             except DatabaseError as exc:  # the session or user lookup, before the gate
@@ -237,12 +273,10 @@ class TokenAuthMiddleware:
             finally:
                 judging.done()  # refused before the gate (or the connection ended)
         try:
-            token = await _authenticate(raw)
+            token = await asyncio.shield(shared if shared is not None else _start_lookup(raw))
         except DatabaseError as exc:
             return await refuse_unavailable(receive, send, CLOSE_TRY_AGAIN_LATER,
                                             database_unavailable(scope.get("path"), exc))
-        finally:
-            judging.done()
         if token is None:
             return await deny(scope, receive, send, "bad_token",
                               "the API token is unknown or revoked; create one with "

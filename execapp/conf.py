@@ -154,8 +154,8 @@ DEFAULTS: dict[str, Any] = {
     # instead of failing at once (redis-py's pool raised MaxConnectionsError at its 100th, and one
     # failed receive made the worker judge its whole layer down: every session's frames lost).
     "LAYER_MAX_CONNECTIONS": 100,
-    # Group sends (a session frame each) one owner's connections may have in flight to the channel
-    # layer at once, per worker process (execapp/consumers.py): past it that owner's next publish
+    # Group sends (a session frame each), joins and leaves one owner's connections may have in flight
+    # to the channel layer at once, per worker process (execapp/consumers.py): past it that owner's next publish
     # waits, its connections' session outboxes fill and they stop being read (backpressure on that
     # owner only). Without it 250 connections of one tenant publishing took every Redis connection
     # of the worker: another tenant's members heard 0 of 159 frames. Keep it well below

@@ -42,13 +42,13 @@ _READER_BACKOFF_SECONDS = (0.05, 1.0)
 CLOSE_POLICY_VIOLATION = 1008
 #: Problems with the URL's ?session= sent one error frame each; the rest in one more.
 _URL_PROBLEMS_SHOWN = 3
-#: owner -> its session publishes in flight on this worker (held by its connections while they live).
+#: owner -> its session publishes, joins and leaves in flight on this worker (held by its connections while they live).
 _publish_slots: "weakref.WeakValueDictionary[str, asyncio.Semaphore]" = weakref.WeakValueDictionary()
 
 
 def publish_slots(owner: str) -> asyncio.Semaphore:
-    """The group sends ``owner``'s connections may have in flight at once on this worker
-    (EXECAPP['SESSION_PUBLISHES_PER_OWNER']), shared by them."""
+    """The channel-layer calls (group sends, joins, leaves) ``owner``'s connections may have in
+    flight at once on this worker (EXECAPP['SESSION_PUBLISHES_PER_OWNER']), shared by them."""
     slots = _publish_slots.get(owner)
     if slots is None:
         slots = _publish_slots[owner] = asyncio.Semaphore(int(conf.get("SESSION_PUBLISHES_PER_OWNER")))
@@ -213,7 +213,8 @@ class EventConsumer(AsyncWebsocketConsumer):
         self.conn.close()
         if self.channel_name is not None and self._watch is not None:
             for group in self.conn.groups():
-                await self._watch.discard(group, self.channel_name)  # never raises: a down layer expires it
+                async with self._publishes:  # the owner's share of layer calls, as joins (_join)
+                    await self._watch.discard(group, self.channel_name)  # never raises: a down layer expires it
 
     def _unwatch(self) -> None:
         if self._watched is not None:
@@ -243,7 +244,13 @@ class EventConsumer(AsyncWebsocketConsumer):
             watch = self._watch = watch_for(self.channel_layer)
             self._reader = asyncio.get_running_loop().create_task(self._read_layer(), name="execapp-ws-layer")
         # Remembered by the watch even while the layer is down (joined for real once it is back).
-        await watch.add(group, channel)
+        # A join is a layer call like a publish: within the owner's share of them (publish_slots).
+        # One tenant's 300 connections joining 32 sessions each at once held the layer's
+        # connections until joins took over JOIN_TIMEOUT_SECONDS, and each worker judged the whole
+        # layer down (every tenant's session frames undelivered until it re-added thousands of
+        # memberships). Waiting for the share is outside the join's own timeout.
+        async with self._publishes:
+            await watch.add(group, channel)
 
     async def _read_layer(self) -> None:
         """Hand this connection's channel-layer messages (session frames) to dispatch, surviving

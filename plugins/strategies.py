@@ -45,14 +45,42 @@ _Empty = queue.Empty
 _now = time.monotonic
 #: Keys (sessions) whose shard a Sharded strategy remembers at most.
 _SHARD_KEYS = 4096
+#: Tenants whose last turn a Slots remembers at most (then it forgets them all: a turn lost is one
+#: tie decided by arrival order).
+_SERVED_TENANTS = 256
+
+
+class _Waiter:
+    """A pool thread waiting for a slot: its tenant, and a lock held until it is woken for its turn."""
+
+    __slots__ = ("tenant", "ready", "woken")
+
+    def __init__(self, tenant: str) -> None:
+        self.tenant = tenant
+        self.ready = threading.Lock()
+        self.ready.acquire()
+        self.woken = False
 
 
 class Slots:
-    """A counting limit that also reports busy / waiting and counts waits and refusals.
+    """A plugin's concurrency limit, shared in turn by the tenants waiting for it; reports busy /
+    waiting and counts waits and refusals.
 
-    The slots are tokens in a ``queue.SimpleQueue`` (C code): taking and giving one back are
-    two C calls with no Python-level lock (a Lock/Condition pair cost ~0.3 us per call, a
-    threading.Semaphore ~2.5 us). Only a caller that has to wait touches the Python lock.
+    Why in turn: a plugin's slots serve every tenant of the worker. One tenant's many pooled events
+    kept every slot busy and queued for them; another tenant's event waited among them, woken in no
+    particular order, and was refused ``plugin_busy`` when its wait ran out (19 of 24 refused in
+    tests/execapp/test_plugin_share_e2e.py). While callers wait, a freed slot wakes a waiter of the
+    waiting tenant that took a slot least recently (each tenant's waiters in arrival order), so a
+    tenant waits for about one call per other waiting tenant, not for another tenant's whole queue.
+    A pool thread that comes while others wait joins the line (``take`` refuses it); a caller that
+    never waits (inline on the event loop, ``barge``) may still take a slot that is free, as before:
+    a woken waiter that finds its slot so taken keeps its place at the front. ``tenant`` is the
+    event's opaque owner id ("" for callers without one).
+
+    The slots are tokens in a ``queue.SimpleQueue`` (C code): while nobody waits, taking and giving
+    one back are two C calls with no Python-level lock (a Lock/Condition pair cost ~0.3 us per call,
+    a threading.Semaphore ~2.5 us; exact per-tenant counts under a lock ~0.8 us). Only while callers
+    wait does a give touch the lock.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -60,11 +88,14 @@ class Slots:
         self._tokens: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(capacity):
             self._tokens.put(None)
-        #: The hot path: ``take()`` raises queue.Empty when no slot is free; ``give(None)``.
-        self.take = self._tokens.get_nowait
-        self.give = self._tokens.put
+        self._get = self._tokens.get_nowait
+        self._put = self._tokens.put
         self._lock = threading.Lock()
-        self.waiting = 0
+        self._waiters: list[_Waiter] = []  # not woken yet, in arrival order
+        self._woken = 0  # woken for a free slot, not yet back for it
+        #: The turn at which each tenant last took a slot (a count: next() on it is one C call).
+        self._served: dict[str, int] = {}
+        self._next_turn = itertools.count().__next__
         self.waits_total = 0
         self.refused_total = 0
 
@@ -73,34 +104,97 @@ class Slots:
         """Slots taken now."""
         return self.capacity - self._tokens.qsize()
 
-    def acquire(self, blocking: bool, wait: float) -> bool:
-        """Take a slot: at once, or (``blocking``) within ``wait`` seconds. False if none."""
+    @property
+    def waiting(self) -> int:
+        """Callers waiting for a slot now."""
+        return len(self._waiters) + self._woken
+
+    def take(self, tenant: str = "", barge: bool = False) -> bool:
+        """The hot path: a free slot at once, or False. A pool thread (not ``barge``) gets none
+        while others wait: they come first."""
+        if (self._waiters or self._woken) and not barge:
+            return False
         try:
-            self.take()
-            return True
+            self._get()
         except _Empty:
-            return self.wait(blocking, wait)
+            return False
+        served = self._served
+        if len(served) > _SERVED_TENANTS:
+            served.clear()  # C calls, atomic under the GIL like the store below: no lock on this path
+        served[tenant] = self._next_turn()
+        return True
 
-    def wait(self, blocking: bool, wait: float) -> bool:
-        """The slow path once ``take`` found no free slot: wait (``blocking``) or refuse."""
-        if blocking:
+    def give(self, tenant: str = "") -> None:
+        """Give a slot back; while callers wait, wake the one whose turn it is."""
+        self._put(None)
+        # A waiter appends itself before it looks for a token (both under the lock), so either it
+        # sees this token or this sees it: no slot stays free while someone waits unwoken.
+        if self._waiters:
             with self._lock:
-                self.waiting += 1
-                self.waits_total += 1
-            try:
-                self._tokens.get(timeout=max(wait, 0.0))
-                return True
-            except _Empty:
-                pass
-            finally:
-                with self._lock:
-                    self.waiting -= 1
-        with self._lock:
-            self.refused_total += 1
-        return False
+                self._wake()
 
-    def release(self) -> None:
-        self.give(None)
+    def release(self, tenant: str = "") -> None:
+        self.give(tenant)
+
+    def acquire(self, blocking: bool, wait: float, tenant: str = "") -> bool:
+        """Take a slot: at once, or (``blocking``) within ``wait`` seconds. False if none."""
+        return self.take(tenant, not blocking) or self.wait(blocking, wait, tenant)
+
+    def wait(self, blocking: bool, wait: float, tenant: str = "") -> bool:
+        """The slow path once ``take`` found no free slot: wait in turn (``blocking``) or refuse."""
+        if not blocking:
+            with self._lock:
+                self.refused_total += 1
+            return False
+        waiter = _Waiter(tenant)
+        end = _now() + max(wait, 0.0)
+        with self._lock:
+            self._waiters.append(waiter)
+            self.waits_total += 1
+            self._wake()
+        while True:
+            got = waiter.ready.acquire(timeout=max(end - _now(), 0.0))
+            with self._lock:
+                if not waiter.woken:  # the wait ran out (only _wake releases it, with woken set)
+                    self._waiters.remove(waiter)
+                    self.refused_total += 1
+                    return False
+                if not got:  # woken just as the wait ran out: re-arm (it was released with woken)
+                    waiter.ready.acquire(False)
+                waiter.woken = False
+                self._woken -= 1
+                try:
+                    self._get()
+                except _Empty:  # a caller that never waits took it first
+                    if _now() >= end:
+                        self.refused_total += 1
+                        return False
+                    self._waiters.insert(0, waiter)  # keeps its place
+                    self._wake()
+                    continue
+                self._served[tenant] = self._next_turn()
+                return True
+
+    def _wake(self) -> None:
+        """Under the lock: for each free slot no woken waiter is coming for, wake the waiter whose
+        tenant's turn it is (the one that took a slot least recently)."""
+        waiters, served = self._waiters, self._served
+        while waiters and self._tokens.qsize() > self._woken:
+            best, oldest = 0, None
+            seen: set[str] = set()
+            for i, waiter in enumerate(waiters):
+                if waiter.tenant in seen:
+                    continue
+                seen.add(waiter.tenant)
+                turn = served.get(waiter.tenant, -1)
+                if oldest is None or turn < oldest:
+                    best, oldest = i, turn
+                    if turn < 0:
+                        break
+            waiter = waiters.pop(best)
+            waiter.woken = True
+            self._woken += 1
+            waiter.ready.release()
 
 
 class PluginCall(Protocol):
@@ -174,10 +268,10 @@ class Strategy(abc.ABC):
             wait = max(0.0, min(wait, deadline - _now()))
         return wait
 
-    def _no_slot(self, handler: str, blocking: bool, deadline: float | None = None) -> None:
+    def _no_slot(self, handler: str, blocking: bool, deadline: float | None = None, tenant: str = "") -> None:
         """Slow path: wait for a slot (pool thread) or raise PluginBusy."""
         wait = self._wait_for(deadline)
-        if not self.slots.wait(blocking, wait):
+        if not self.slots.wait(blocking, wait, tenant):
             raise PluginBusy(self._busy_message(handler) + (f" after waiting {wait:g} s" if blocking else "")
                              + "; " + self._busy_fix())
 
@@ -260,12 +354,11 @@ class PerRequest(Strategy):
         self._isolated = compiled.call_isolated
 
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
-        try:
-            self._take_slot()
-        except _Empty:
-            self._no_slot(handler, blocking, deadline)
+        tenant = event.get("tenant", "")
+        if not self._take_slot(tenant, not blocking):
+            self._no_slot(handler, blocking, deadline, tenant)
         if self.closed:
-            self._give_slot(None)
+            self._give_slot(tenant)
             raise self._closed(handler)
         try:
             # The deadline starts when the guest is about to run, after any wait for a slot.
@@ -276,7 +369,7 @@ class PerRequest(Strategy):
         except GuestError as exc:
             raise self._failed(handler, exc) from None
         finally:
-            self._give_slot(None)
+            self._give_slot(tenant)
             self._count()
 
     def capacity(self) -> int:
@@ -319,12 +412,11 @@ class Pooled(Strategy):
         return "raise its pool size" if self.spec.pool_size < self.spec.max_concurrency else super()._busy_fix()
 
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
-        try:
-            self._take_slot()
-        except _Empty:
-            self._no_slot(handler, blocking, deadline)
+        tenant = event.get("tenant", "")
+        if not self._take_slot(tenant, not blocking):
+            self._no_slot(handler, blocking, deadline, tenant)
         if self.closed:
-            self._give_slot(None)
+            self._give_slot(tenant)
             raise self._closed(handler)
         inst: Instance | None = None
         try:
@@ -347,7 +439,7 @@ class Pooled(Strategy):
                     self._discard(inst)
                 else:
                     self._push(inst)
-            self._give_slot(None)
+            self._give_slot(tenant)
             self._count()
 
     def capacity(self) -> int:
@@ -412,10 +504,11 @@ class PooledPerThread(Pooled):
 
 
 class _Shard:
-    __slots__ = ("lock", "instance", "queue", "thread")
+    __slots__ = ("slot", "instance", "queue", "thread")
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        #: One call at a time; while calls wait, tenants take turns (as for a plugin's slots).
+        self.slot = Slots(1)
         self.instance: Instance | None = None
         self.queue: queue.SimpleQueue | None = None
         self.thread: threading.Thread | None = None
@@ -424,10 +517,12 @@ class _Shard:
 class Sharded(Strategy):
     """``shard_count`` instances; the event's session (else its id) picks one; serial per shard.
 
-    Keeps per-session ordering and warm state. The shard locks already bound running calls to
-    ``shard_count``: the plugin's slot is taken only when ``max_concurrency`` is lower than
-    that. That case, and thread-bound runtimes (each shard owns a thread that runs its calls;
-    the caller holds the shard's lock while it waits), are ShardedGeneral's.
+    Keeps per-session ordering and warm state. Each shard is a Slots of one: while calls wait for
+    a shard, tenants take turns (a tenant's calls in arrival order), so one tenant's sessions that
+    hash to every shard do not keep another tenant's session waiting until refused. The shards
+    already bound running calls to ``shard_count``: the plugin's slot is taken only when
+    ``max_concurrency`` is lower than that. That case, and thread-bound runtimes (each shard owns
+    a thread that runs its calls; the caller holds the shard while it waits), are ShardedGeneral's.
     """
 
     name = "sharded"
@@ -444,7 +539,7 @@ class Sharded(Strategy):
 
     @property
     def busy(self) -> int:
-        return sum(1 for s in self.shards if s.lock.locked())
+        return sum(s.slot.busy for s in self.shards)
 
     def shard_for(self, event: dict[str, Any]) -> int:
         """The shard of an event: crc32 of its shard_key, stable across processes."""
@@ -468,11 +563,12 @@ class Sharded(Strategy):
         shard = self._by_key.get(key) if key.__class__ is str else None
         if shard is None:
             shard = self._shard_of(key)
-        lock = shard.lock
-        if not lock.acquire(False):
-            self._wait_shard(shard, event, blocking, deadline)
+        tenant = event.get("tenant", "")
+        slot = shard.slot
+        if not slot.take(tenant, not blocking):
+            self._wait_shard(shard, event, blocking, deadline, tenant)
         if self.closed:
-            lock.release()
+            slot.give(tenant)
             raise self._closed(handler)
         inst = None
         try:
@@ -489,10 +585,11 @@ class Sharded(Strategy):
                 self._discard(inst)
             raise self._failed(handler, exc) from None
         finally:
-            lock.release()
+            slot.give(tenant)
             self._count()
 
-    def _wait_shard(self, shard: _Shard, event: dict[str, Any], blocking: bool, deadline: float | None = None) -> None:
+    def _wait_shard(self, shard: _Shard, event: dict[str, Any], blocking: bool, deadline: float | None = None,
+                    tenant: str = "") -> None:
         """Slow path: the shard is busy; wait for it (pool thread) or raise PluginBusy."""
         wait = self._wait_for(deadline)
         if blocking:
@@ -500,7 +597,7 @@ class Sharded(Strategy):
                 self.waiting += 1
                 self.waits_total += 1
             try:
-                if shard.lock.acquire(timeout=max(wait, 0.0)):
+                if shard.slot.wait(True, wait, tenant):
                     return
             finally:
                 with self._lock:
@@ -545,16 +642,16 @@ class Sharded(Strategy):
         return len(self.shards)
 
     def idle(self) -> int:
-        return sum(1 for s in self.shards if s.instance is not None and not s.lock.locked())
+        return sum(1 for s in self.shards if s.instance is not None and not s.slot.busy)
 
     def close(self) -> None:
         super().close()
         for shard in self.shards:
             if shard.queue is not None:
                 shard.queue.put(None)
-            elif shard.instance is not None and shard.lock.acquire(blocking=False):
+            elif shard.instance is not None and shard.slot.take("", True):
                 inst, shard.instance = shard.instance, None
-                shard.lock.release()
+                shard.slot.give()
                 if inst is not None:
                     self._discard(inst)
 
@@ -565,23 +662,21 @@ class ShardedGeneral(Sharded):
 
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
         limited = self._limited
-        if limited:
-            try:
-                self._take_slot()
-            except _Empty:
-                self._no_slot(handler, blocking, deadline)
+        tenant = event.get("tenant", "")
+        if limited and not self._take_slot(tenant, not blocking):
+            self._no_slot(handler, blocking, deadline, tenant)
         try:
             shard = self.shards[self.shard_for(event)]
-            if not shard.lock.acquire(False):
-                self._wait_shard(shard, event, blocking, deadline)
+            if not shard.slot.take(tenant, not blocking):
+                self._wait_shard(shard, event, blocking, deadline, tenant)
         except BaseException:
             if limited:
-                self._give_slot(None)
+                self._give_slot(tenant)
             raise
         if self.closed:  # a thread-bound shard's thread has stopped: nothing would run the call
-            shard.lock.release()
+            shard.slot.give(tenant)
             if limited:
-                self._give_slot(None)
+                self._give_slot(tenant)
             raise self._closed(handler)
         try:
             if self._thread_bound:
@@ -590,9 +685,9 @@ class ShardedGeneral(Sharded):
         except GuestError as exc:
             raise self._failed(handler, exc) from None
         finally:
-            shard.lock.release()
+            shard.slot.give(tenant)
             if limited:
-                self._give_slot(None)
+                self._give_slot(tenant)
             self._count()
 
 

@@ -59,8 +59,8 @@ def test_a_call_waiting_for_its_slot_or_shard_when_the_plugin_closes_is_refused(
     plugin = make("js", strategy, max_concurrency=8 if sharded else 1)
     assert plugin.call("count", event()) == "1"
     if sharded:
-        held = plugin.strategy.shards[plugin.strategy.shard_for(event())].lock  # type: ignore[attr-defined]
-        assert held.acquire(timeout=1.0)
+        held = plugin.strategy.shards[plugin.strategy.shard_for(event())].slot  # type: ignore[attr-defined]
+        assert held.acquire(True, 1.0)
         release, waiting = held.release, lambda: plugin.strategy.waiting
     else:
         assert plugin.slots.acquire(True, 1.0)
