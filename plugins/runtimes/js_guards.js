@@ -435,23 +435,85 @@
   // RegExp.prototype[Symbol.replace] (String.prototype.replace and replaceAll call it for a regexp):
   // its string and replacement made strings here, in the native's order, the replacement a function
   // past SUBST_MAX (above). A proxy of the native: name and length are its own.
+  // Both it and RegExp.prototype[Symbol.split] read each exec result's length, then every capture
+  // up to it, in one native loop, each missing index looked up along the result's prototype chain
+  // (a guest's exec returning 6,000 captures behind a chain 30,000 deep ran 9.8 s in replace, 19.8 s
+  // in split, at 16 MiB). Which exec runs is read by the native after guest code (a `flags` getter)
+  // may have swapped it, so it is never checked first: the natives see the regexp (and split's
+  // splitter) through a facade whose `exec` hands them a result that is a genuine array of at most
+  // FEW elements, or its copy made in bytecode (slow().execResult; a genuine array's holes cost
+  // little each, but its length is the guest's: 2**32 - 1 ran 2.7 s at 256 MiB). Every other read and
+  // write goes to the regexp itself, with it as the receiver: a getter sees the regexp, not us.
+  // Each facade has its own handler (the traps' `this`), which keeps the exec last read and what it
+  // hands the native for it: one closure per call, not per match.
+  const SPECIES = Symbol.species, facade = (t) => new NativeProxy(t, {__proto__: facadeTraps, f: null, exec: null});
+  const isObject = (v) => v !== null && (typeof v === "object" || typeof v === "function");
+  const facadeTraps = {__proto__: null, set: (t, k, v) => reflectSet(t, k, v, t), get(t, k) {
+    if (k === "exec") {
+      let f = reflectGet(t, k, t);
+      if (typeof f !== "function") f = checkedExec;  // (the native then runs its own exec, on the regexp)
+      if (f !== this.f) {
+        this.f = f;
+        // Ours: its checks once (a source cannot change but through compile, which checks its
+        // own), then the native exec at each match, whose result is an array of its own data.
+        if (f === checkedExec) {
+          checkPattern(t);
+          this.exec = (s) => apply(nativeExec, t, [s]);
+        } else {
+          this.exec = (s) => {
+            const r = apply(f, t, [s]);
+            return !isObject(r) || (genuine(r) && r.length <= FEW) ? r : slow().execResult(r);
+          };
+        }
+      }
+      return this.exec;
+    }
+    if (k !== "constructor") return reflectGet(t, k, t);
+    // Split's SpeciesConstructor. The splitter it makes is seen through a facade too, unless it is
+    // the sandbox's own RegExp's and finds the native exec: no guest code runs in split's loop then
+    // (its limit was made a number before the native ran: see RP[SPLIT]), so its exec stays ours.
+    const C = reflectGet(t, k, t);
+    let S = GuardedRegExp;
+    if (C !== undefined) {
+      if (!isObject(C)) throw new TypeError("RegExp.prototype[Symbol.split]: the regexp's constructor is not an object");
+      const species = C[SPECIES];
+      if (species != null) S = species;
+    }
+    return {__proto__: null, [SPECIES]: apply(nBind, splitter, [null, t, S])};
+  }};
+  // (bound, a constructor with no prototype object of its own to make at each split)
+  const nBind = NativeFunction.prototype.bind;
+  const splitter = function (t, S, _, flags) {
+    const r = nativeConstruct(S, [t, flags]);
+    return S === GuardedRegExp && reflectGet(r, "exec", r) === checkedExec ? r : facade(r);
+  };
   RP[REPLACE] = new NativeProxy(rxReplace, {__proto__: null, apply(native, self, args) {
+    if (!isObject(self)) return apply(native, self, args);
     const r = args.length > 1 ? args[1] : undefined;
-    if (self === null || (typeof self !== "object" && typeof self !== "function") || typeof r === "function")
-      return apply(native, self, args);
+    if (typeof r === "function") return apply(native, facade(self), args);
     const s = text(args.length > 0 ? args[0] : undefined), t = text(r);
-    return apply(native, self, [s, heavy(s.length, t, true) ? slow().template(t) : t]);
+    return apply(native, facade(self), [s, heavy(s.length, t, true) ? slow().template(t) : t]);
+  }});
+  // (A limit that is an object is made a number first, before the regexp's flags are read.)
+  RP[SPLIT] = new NativeProxy(RP[SPLIT], {__proto__: null, apply(native, self, args) {
+    if (!isObject(self)) return apply(native, self, args);
+    if (args.length > 1 && isObject(args[1])) args = [text(args[0]), args[1] >>> 0];
+    return apply(native, facade(self), args);
   }});
   const sourceOf = Reflect.getOwnPropertyDescriptor(RP, "source").get;
+  const checkPattern = (r) => {
+    const n = apply(sourceOf, r, []).length;
+    if (n > MAX_PATTERN)
+      throw new RangeError("RegExp.prototype.exec on a pattern of " + n + " characters: the sandbox allows at most " +
+                           MAX_PATTERN);
+  };
   assign(RP, {
     exec(string) {
-      const n = apply(sourceOf, this, []).length;
-      if (n > MAX_PATTERN)
-        throw new RangeError("RegExp.prototype.exec on a pattern of " + n + " characters: the sandbox allows at most " +
-                             MAX_PATTERN);
+      checkPattern(this);
       return apply(nativeExec, this, [string]);
     },
   });
+  const checkedExec = RP.exec;
   // Compiling a pattern is not polled either, and one of its steps is quadratic: each `\k<name>` before
   // its group scans the whole pattern (`new RegExp('\k<x>'.repeat(2e5) + '(?<x>a)')` ran 474 s at
   // 16 MiB; 10,000 of them 1 s). exec refuses a pattern over MAX_PATTERN anyway, so what compiles one

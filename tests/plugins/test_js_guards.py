@@ -300,6 +300,26 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     " return [Math.max(v(1), '5', v(2)), seen, Math.max.length, Math.max.name, String.fromCharCode.length]; })()",
     "/a+(b)/.exec('caab')", "[...'a1b2'.matchAll(/\\d/g)].map(m => m[0] + m.index)", "/x/y.test('ax')",
     "(() => { const r = /a/g; r.exec('aa'); return [r.lastIndex, r.exec('aa').index, r.lastIndex]; })()",
+    # regexp replace and split through the facade (a guest's exec, its result copied; species; getters)
+    "'x-y-z'.replace(/-/g, (m, at) => at)", "'a1b22c'.split(/(\\d)+/)", "'a1b22c'.split(/\\d/, 2)",
+    "'2026-12-01'.replace(/(?<y>\\d+)-(?<m>\\d+)/, '$<m>/$<y>|$2$1$&')", "'aaa'.replace(/a/y, 'b')",
+    "(() => { const r = /b/g; r.lastIndex = 5; return ['abcb'.replace(r, 'x'), r.lastIndex]; })()",
+    "(() => { const r = /a/; let n = 0; r.exec = function (s) { return n++ ? null :"
+    " {length: 3, 0: 'a', 1: 'q', index: 1, groups: {g: 'G'}, __proto__: Object.create({2: 'z'})}; };"
+    " return 'xab'.replace(r, '[$1$2$<g>]'); })()",
+    "(() => { const r = /a/g; let n = 0; r.exec = function (s) { if (n++ > 1) return null; this.lastIndex = n;"
+    " const m = ['a', undefined]; m.index = n - 1; return m; }; return 'aab'.replace(r, (...a) => a.length); })()",
+    "(() => { const r = /,/; r.exec = () => 1; return 'a,b'.replace(r, '-'); })()",
+    "(() => { const r = /,/; r.exec = 7; return 'a,b'.replace(r, '-'); })()",
+    "(() => { const r = /,/g; let seen = []; Object.defineProperty(r, 'flags', {get() { seen.push(this === r);"
+    " return 'g'; }}); return ['a,b,c'.replace(r, '-'), 'a,b'.split(r), seen]; })()",
+    "(() => { class R extends RegExp { exec(s) { const m = super.exec(s); if (m) m[0] = m[0].toUpperCase();"
+    " return m; } } return ['a,b,c'.split(new R(',')), 'a,b'.replace(new R(',', 'g'), (m) => m + m)]; })()",
+    "(() => { const r = /,/; r.constructor = {[Symbol.species]: function (p, f) { const s = new RegExp(p, f);"
+    " s.exec = (t) => { const m = RegExp.prototype.exec.call(s, t); return m && Object.assign({}, m,"
+    " {length: m.length}); }; return s; }}; return 'a,b,c'.split(r); })()",
+    "(() => { const r = /,/; r.constructor = 5; try { 'a,b'.split(r); } catch (e) { return e.name; } })()",
+    "(() => { const r = /,/; r.constructor = undefined; return 'a,b'.split(r); })()",
 ])
 def test_guarded_array_and_string_built_ins_answer_as_the_natives(expr: str) -> None:
     got, want = both(expr)

@@ -276,17 +276,43 @@ def test_a_regexp_literal_compiled_by_eval_stops_near_the_deadline(worker: Worke
     assert took < BUDGET + 0.5, took
 
 
-@pytest.mark.xfail(reason="not fixed: RegExp.prototype[Symbol.replace] and [Symbol.split] read a custom exec's result "
-                          "(its length, then each capture) in one native loop, each missing index along the "
-                          "result's prototype chain: 30,000 deep x 30,000 captures ran 9.8 s (split 19.8 s) at "
-                          "16 MiB. A fix needs the natives to see a facade whose exec copies the result in "
-                          "bytecode (split's splitter too, through its species), on every regexp replace",
-                   strict=False)
-def test_a_custom_exec_result_with_a_deep_chain_stops_near_the_deadline(worker: Worker) -> None:
-    code = ("function f(e) { let p = {}; for (let i = 0; i < 30000; i++) p = Object.create(p);"
-            " const res = Object.create(p); res.length = 6000; res[0] = 'a'; res.index = 0;"
-            " const r = /a/; let n = 0; r.exec = () => n++ ? null : res; return 'abc'.replace(r, 'x'); }"
-            " function ok(e) { return 'fine'; }")
+# A guest's exec result of 6,000 captures behind a prototype chain 30,000 deep (each missing capture
+# walks it in C): 9.8 s in one replace, 19.8 s in one split at 16 MiB before the regexp facade.
+DEEP_RESULT = ("let p = {}; for (let i = 0; i < 30000; i++) p = Object.create(p);"
+               " const res = Object.create(p); res.length = 6000; res[0] = 'a'; res.index = 0; let n = 0;"
+               " const deep = () => n++ ? null : res;")
+DEEP_EXEC = {
+    "replace": "const r = /a/; r.exec = deep; return 'abc'.replace(r, 'x');",
+    "replaceAll": "const r = /a/g; r.exec = deep; return 'abc'.replaceAll(r, 'x');",
+    # exec swapped by a getter the native runs after any check a guard could make before calling it
+    "exec swapped by a flags getter": "const r = /a/; Object.defineProperty(r, 'flags', {get() {"
+                                      " r.exec = deep; return ''; }}); return 'abc'.replace(r, 'x');",
+    "RegExp.prototype.exec replaced": "RegExp.prototype.exec = deep; return 'abc'.replace(/a/, 'x');",
+    "a plain object through Symbol.replace": "return RegExp.prototype[Symbol.replace].call({exec: deep,"
+                                             " flags: ''}, 'abc', 'x');",
+    "a species splitter's exec": "const r = /a/; r.constructor = {[Symbol.species]: function () {"
+                                 " return {exec: deep, lastIndex: 0}; }}; return 'abc'.split(r);",
+    "a subclass's exec, split": "class R extends RegExp { exec() { return deep(); } }"
+                                " return 'abc'.split(new R('a'));",
+}
+
+
+@pytest.mark.parametrize("case", DEEP_EXEC)
+def test_a_custom_exec_result_with_a_deep_chain_stops_near_the_deadline(worker: Worker, case: str) -> None:
+    code = f"function f(e) {{ {DEEP_RESULT} {DEEP_EXEC[case]} }} function ok(e) {{ return 'fine'; }}"
     outcome, took = outcome_within_budget(worker, code)
     assert isinstance(outcome, HandlerTimeout), outcome
+    assert took < BUDGET + 0.5, took
+
+
+# A genuine array's holes cost a short walk each, but its length is the guest's: 2**32 - 1 ran 2.7 s
+# in one replace at 256 MiB (1e7: 1.5 s) before exec results were bounded.
+@pytest.mark.parametrize("result", ["{length: 2 ** 30}",
+                                    "(() => { const a = ['a']; a.length = 2 ** 32 - 1; return a; })()",
+                                    "(() => { const a = ['a']; a.length = 1e7; return a; })()"])
+def test_a_custom_exec_result_past_the_captures_limit_is_refused(worker: Worker, result: str) -> None:
+    code = (f"function f(e) {{ const a = {result}; a.index = 0; const r = /a/; let n = 0;"
+            " r.exec = () => n++ ? null : a; return 'abc'.replace(r, 'x'); } function ok(e) { return 'fine'; }")
+    outcome, took = outcome_within_budget(worker, code, memory_mb=256)
+    assert isinstance(outcome, HandlerError) and "a RegExp exec result of length" in str(outcome), outcome
     assert took < BUDGET + 0.5, took
