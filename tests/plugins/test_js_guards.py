@@ -300,6 +300,8 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     " return [Math.max(v(1), '5', v(2)), seen, Math.max.length, Math.max.name, String.fromCharCode.length]; })()",
     "/a+(b)/.exec('caab')", "[...'a1b2'.matchAll(/\\d/g)].map(m => m[0] + m.index)", "/x/y.test('ax')",
     "(() => { const r = /a/g; r.exec('aa'); return [r.lastIndex, r.exec('aa').index, r.lastIndex]; })()",
+    # eval stays direct (QuickJS: only the realm's own eval, called as `eval(...)`, sees the caller's scope)
+    "(() => { const local = 42; return [eval('local'), typeof (0, eval)('typeof local')]; })()",
     # regexp replace and split through the facade (a guest's exec, its result copied; species; getters)
     "'x-y-z'.replace(/-/g, (m, at) => at)", "'a1b22c'.split(/(\\d)+/)", "'a1b22c'.split(/\\d/, 2)",
     "'2026-12-01'.replace(/(?<y>\\d+)-(?<m>\\d+)/, '$<m>/$<y>|$2$1$&')", "'aaa'.replace(/a/y, 'b')",
