@@ -303,7 +303,9 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     # eval stays direct (QuickJS: only the realm's own eval, called as `eval(...)`, sees the caller's scope)
     "(() => { const local = 42; return [eval('local'), typeof (0, eval)('typeof local')]; })()",
     # regexp replace and split through the facade (a guest's exec, its result copied; species; getters)
-    "'x-y-z'.replace(/-/g, (m, at) => at)", "'a1b22c'.split(/(\\d)+/)", "'a1b22c'.split(/\\d/, 2)",
+    "'x-y-z'.replace(/-/g, (m, at) => at)", "'a,b,c'.split(/,/, {valueOf: () => 2})", "'abc'.split(/b/, 0)",
+    "'abc'.split(/(?:)/u, 2 ** 32 + 2)", "RegExp.prototype[Symbol.split].call(/-/, 'a-b', -1)",
+    "'a1b22c'.split(/(\\d)+/)", "'a1b22c'.split(/\\d/, 2)",
     "'2026-12-01'.replace(/(?<y>\\d+)-(?<m>\\d+)/, '$<m>/$<y>|$2$1$&')", "'aaa'.replace(/a/y, 'b')",
     "(() => { const r = /b/g; r.lastIndex = 5; return ['abcb'.replace(r, 'x'), r.lastIndex]; })()",
     "(() => { const r = /a/; let n = 0; r.exec = function (s) { return n++ ? null :"
