@@ -5,7 +5,9 @@
 // captured before any guest code ran; it returns the implementations.
 const {apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
        sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
-       getOwnDescriptor, ITERATOR, TA, numValueOf, strValueOf, parse, sCharCodeAt} = c;
+       getOwnDescriptor, ITERATOR, TA, numValueOf, strValueOf, parse, sCharCodeAt, SORT_RUN, arrayFill} = c;
+// A genuine array of n elements, each an own data property (0): writing one then meets no setter.
+const filled = (n) => { const a = []; a.length = n; return apply(arrayFill, a, [0]); };
 // (The native's test for [[NumberData]] or [[StringData]]: its own valueOf throws on anything else.)
 const boxed = (valueOf, v) => { try { apply(valueOf, v, []); return true; } catch (_) { return false; } };
 const REPLACER_MAX = 1 << 26, COLLIDING = 128, OWN_KEYS_MAX = 1 << 26, CAPTURES_MAX = 65535;
@@ -316,6 +318,53 @@ return {
     for (let k = 0; k < n; k++) put(a, k, r[k]);
     put(a, "index", r.index);
     put(a, "groups", r.groups);
+    return a;
+  },
+  // A default sort (inPlace) or toSorted of the genuine array `a` (js_guards.js, sortTraps): its
+  // values read once (holes skipped, undefined counted), in runs of SORT_RUN sorted by the native
+  // (`sort`: the default order, stable), each value then made a string once, and the runs merged in
+  // bytecode by those strings (stable: the left run first on ties). The values are written back as
+  // the native writes them (undefined after them, holes deleted at the end), or into a new array
+  // (toSorted: holes read as undefined).
+  sorted(sort, a, inPlace) {
+    const n = a.length, vals = filled(n);
+    let m = 0, undef = 0;
+    for (let i = 0; i < n; i++) {
+      if (inPlace && !(i in a)) continue;
+      const v = a[i];
+      if (v === undefined) undef++;
+      else vals[m++] = v;
+    }
+    let src = filled(m), keys = filled(m), dst = filled(m), dkeys = filled(m);
+    for (let lo = 0; lo < m; lo += SORT_RUN) {
+      const hi = lo + SORT_RUN < m ? lo + SORT_RUN : m, run = filled(hi - lo);
+      for (let i = lo; i < hi; i++) run[i - lo] = vals[i];
+      apply(sort, run, []);
+      for (let i = lo; i < hi; i++) { const v = run[i - lo]; src[i] = v; keys[i] = text(v); }
+    }
+    for (let w = SORT_RUN; w < m; w *= 2) {
+      for (let lo = 0; lo < m; lo += 2 * w) {
+        const mid = lo + w < m ? lo + w : m, hi = lo + 2 * w < m ? lo + 2 * w : m;
+        let i = lo, j = mid, k = lo;
+        while (i < mid && j < hi) {
+          if (keys[j] < keys[i]) { dst[k] = src[j]; dkeys[k++] = keys[j++]; }
+          else { dst[k] = src[i]; dkeys[k++] = keys[i++]; }
+        }
+        while (i < mid) { dst[k] = src[i]; dkeys[k++] = keys[i++]; }
+        while (j < hi) { dst[k] = src[j]; dkeys[k++] = keys[j++]; }
+      }
+      const t = src, tk = keys;
+      src = dst; keys = dkeys; dst = t; dkeys = tk;
+    }
+    if (!inPlace) {
+      const out = filled(n);  // (toSorted: undefined for the undefined and the holes, after the values)
+      for (let k = 0; k < n; k++) out[k] = k < m ? src[k] : undefined;
+      return out;
+    }
+    let k = 0;
+    for (; k < m; k++) a[k] = src[k];
+    for (let u = 0; u < undef; u++, k++) a[k] = undefined;
+    for (; k < n; k++) delete a[k];
     return a;
   },
   // Object.fromEntries, as the native: each entry an object, its 0 and 1 read, defined as own data.

@@ -146,8 +146,9 @@ def _contexts() -> tuple[Any, Any]:
     short enough to search natively regardless; a plain one)."""
     guarded, plain = quickjs.Context(), quickjs.Context()
     prelude = js._PRELUDE.replace("SEARCH_MAX = 1 << 22", "SEARCH_MAX = 3").replace("SHORT = 8", "SHORT = 0")
-    prelude = prelude.replace("FEW = 64, MASS_MAX = 1 << 30", "FEW = 0, MASS_MAX = 4")
-    assert "SEARCH_MAX = 3" in prelude and "SHORT = 0" in prelude and "FEW = 0" in prelude
+    prelude = prelude.replace("FEW = 64, MASS_MAX = 1 << 30", "FEW = 0, MASS_MAX = 4").replace(
+        "SORT_MAX = 1 << 21, SORT_RUN = 1 << 17", "SORT_MAX = 2, SORT_RUN = 2")
+    assert "SEARCH_MAX = 3" in prelude and "SHORT = 0" in prelude and "FEW = 0" in prelude and "SORT_RUN = 2" in prelude
     guarded.eval(prelude)
     return guarded, plain
 
@@ -282,10 +283,17 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     "(() => { try { return ['ab'].indexOf('ab', 1n); } catch (e) { return e.name; } })()",
     "(() => { try { return ['ab'].includes('ab', Symbol()); } catch (e) { return e.name; } })()",
     "Array.prototype.indexOf.call({length: 3, 2: 'abc'}, 'abc')",
-    # a default sort past the (lowered) mass of strings: a comparator in the native's default order
+    # a default sort past the (lowered) mass of strings: a comparator in the native's default order;
+    # past the (lowered) count of comparisons: runs of 2 sorted natively, merged in bytecode
     "['b', undefined, 'a', , 10, 9, 'aa', null, {toString() { return 'ab'; }}, 1e21, -0, 'B'].sort().map(String)",
     "['bb', 'a', 'ba', 'ab', 'b', 'aa'].toSorted()", "[[2, 1], [1, 2], 'zz', 'z', true, 'true'].sort().map(String)",
     "(() => { const a = ['yy', 'xx']; return [a.sort() === a, a]; })()",
+    # past the (lowered) count of comparisons: made strings once, their indices sorted (stable)
+    "(() => { const a = [3, , undefined, '1', 1, , 20, 100, [1], undefined]; a.sort();"
+    " return [a.length, Object.keys(a), a.map(v => typeof v + v)]; })()",
+    "[3, , undefined, 1, , 20].toSorted().map(v => typeof v + v)", "[0.5, -1, 1e-7, NaN, -0, 0, Infinity].sort()",
+    "(() => { const a = [{n: 1, toString: () => 'b'}, {n: 2, toString: () => 'a'}, {n: 3, toString: () => 'b'}];"
+    " return a.sort().map(o => o.n); })()",
     "(() => { try { return ['aa', Symbol(), 'bb'].sort(); } catch (e) { return e.name; } })()",
     # typed arrays of strings within the (lowered) mass: converted as by the natives, whichever way in
     *(f"(() => {{ try {{ return {expr}; }} catch (e) {{ return e.name; }} }})()" for expr in (

@@ -9,6 +9,7 @@ js_guards.js (measured on the 2-core dev machine, Dec 2026): a replacer list of 
 from __future__ import annotations
 
 import json
+import time
 from typing import Iterator
 
 import pytest
@@ -17,6 +18,8 @@ import quickjs
 from execapp.engine import HandlerError, HandlerTimeout
 from tests.plugins.test_js_containment import BUDGET, Worker, event, make
 from tests.plugins.test_js_redteam import outcome_within_budget
+
+MIB = 1 << 20
 
 # 62,001 distinct 4-character keys with one QuickJS atom hash: (a, 263 * (248 - a)) hashes alike for
 # every a, as a pair of characters.
@@ -335,3 +338,36 @@ def test_a_custom_exec_result_past_the_captures_limit_is_refused(worker: Worker,
     outcome, took = outcome_within_budget(worker, code, memory_mb=256)
     assert isinstance(outcome, HandlerError) and "a RegExp exec result of length" in str(outcome), outcome
     assert took < BUDGET + 0.5, took
+
+
+# A default sort compares ToString of each pair in one native call: 1M numbers ran 1.36 s, 2M 3.1 s,
+# 2M short strings 1.76 s at 256 MiB before sorts past SORT_MAX comparisons left the native's loop.
+# (Not more: the native makes every element a string first, and past that the cap ends it sooner. Of
+# these cases only the first overran reliably here without the fix, 4.2 s; the others ended at
+# 0.3-1.8 s from one run to the next.)
+# The array is built by an earlier call (each call of a pooled plugin has its own budget).
+@pytest.mark.parametrize(("method", "values"), [("sort", "Math.random()"), ("toSorted", "Math.random()"),
+                                                ("sort", "String(Math.random())")])
+def test_a_default_sort_of_millions_stops_near_the_deadline(worker: Worker, values: str, method: str) -> None:
+    code = ("const b = []; function build(e) { for (let i = 0; i < 50000; i++) b.push(" + values + ");"
+            " return String(b.length); } function f(e) { return String(b." + method + "().length); }"
+            " function ok(e) { return 'fine'; }")
+    plugin = make("pooled", code=code, timeout=BUDGET, memory_bytes=256 * MIB)
+    try:
+        for _ in range(40):
+            built = plugin.call("build", event())
+        assert built == "2000000", built
+
+        def call() -> object:
+            try:
+                return plugin.call("f", event())
+            except HandlerTimeout as exc:
+                return exc
+        started = time.monotonic()
+        outcome = worker.run(call, BUDGET * 20)
+        took = time.monotonic() - started
+        assert isinstance(outcome, HandlerTimeout), outcome
+        assert took < BUDGET + 0.5, took
+        assert plugin.call("ok", event()) == "fine"
+    finally:
+        plugin.close()
