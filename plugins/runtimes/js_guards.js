@@ -6,11 +6,12 @@
   // before it starts, or has its work moved where the polls are (a bytecode loop). This part only
   // checks; the slow paths (js_guards_slow.js) are compiled in a Context the first time it needs
   // one: every byte here is read and run in each new Context (~7 us per KB of bytecode).
-  const apply = Reflect.apply, isArray = Array.isArray, NativeFunction = Function, NativeProxy = Proxy;
+  const apply = Reflect.apply, isArray = Array.isArray, NativeFunction = Function, NativeProxy = Proxy, NativeArray = Array;
   const reflectGet = Reflect.get, nativeConstruct = Reflect.construct, defineProp = Reflect.defineProperty, toObject = Object, trunc = Math.trunc;
   const SPLIT = Symbol.split, REPLACE = Symbol.replace, MATCH = Symbol.match, spreadable = Symbol.isConcatSpreadable;
   const ITER = Symbol.iterator, reflectSet = Reflect.set, ownKeys = Reflect.ownKeys;
   const getOwnDescriptor = Reflect.getOwnPropertyDescriptor, numValueOf = Number.prototype.valueOf;
+  const arraySpeciesGet = getOwnDescriptor(NativeArray, Symbol.species).get;
   const NativeRegExp = RegExp, rxReplace = RegExp.prototype[REPLACE];
   const AP = Array.prototype, SP = String.prototype, MAX_LENGTH = 1 << 22, SEARCH_MAX = 1 << 22, SHORT = 8;
   const tooLong = (what, n) => new RangeError(what + " on a length of " + n + ": the sandbox allows at most " +
@@ -72,7 +73,8 @@
     apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
     sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
     getOwnDescriptor, ITERATOR: ITER, TA: taNatives,
-    numValueOf, strValueOf, parse, sCharCodeAt, SORT_RUN, arrayFill: original[fillAt]});
+    numValueOf, strValueOf, parse, sCharCodeAt, SORT_RUN, arrayFill: original[fillAt], JOIN_RUN, arraySlice: original[sliceAt], AP, NativeArray,
+    speciesGet: arraySpeciesGet, hasOwn, getProto, SPECIES});
 
   // -- Array.prototype: its methods walk `length` in C (`a.length = 2**31; a.join()`, indexOf,
   // fill, sort, forEach over holes... ran for minutes). Each refuses a length past MAX_LENGTH,
@@ -85,7 +87,8 @@
   // read, a closure made and freed in every Context (~5,000 instructions a method).
   // The originals are written out by Python (_GUARDED_METHODS) as one array literal.
   const original = __GUARDED_ORIGINALS__, names = __GUARDED_NAMES__;
-  const sortAt = names.indexOf("sort"), fillAt = names.indexOf("fill");  // (the natives' indexOf, still)
+  // (the natives' indexOf, still)
+  const sortAt = names.indexOf("sort"), fillAt = names.indexOf("fill"), sliceAt = names.indexOf("slice");
   const nameOf = (native) => {  // (only for a message or the slow path: a scan of 29)
     for (let i = 0; i < original.length; i++) if (original[i] === native) return names[i];
   };
@@ -139,11 +142,21 @@
     }
     return arrayTraps.apply(native, self, args);
   }};
+  // join (and toString, which calls it) makes each element a string in one native loop: a number
+  // costs ~0.3 us, and 4M of them ran 1.25 s at 384 MiB. Past JOIN_MAX elements a genuine array is
+  // joined in runs of JOIN_RUN, each copied in bytecode and joined natively (slow().join).
+  const JOIN_MAX = 1 << 18, JOIN_RUN = 1 << 16;
+  const joinTraps = {__proto__: null, apply(native, self, args) {
+    if (genuine(self) && self.length > JOIN_MAX && self.length <= MAX_LENGTH)
+      return slow().join(native, self, args.length > 0 ? args[0] : undefined);
+    return arrayTraps.apply(native, self, args);
+  }};
   // Set, not defined: each property stays writable, configurable and not enumerable.
   for (let i = 0; i < names.length; i++) {
     const n = names[i];
     AP[n] = new NativeProxy(original[i], n === "indexOf" || n === "lastIndexOf" || n === "includes" ? searchTraps :
-                                         n === "sort" || n === "toSorted" ? sortTraps : arrayTraps);
+                                         n === "sort" || n === "toSorted" ? sortTraps :
+                                         n === "join" ? joinTraps : arrayTraps);
   }
   // concat also walks its arguments, and flat/flatMap the arrays nested in their receiver: their
   // lengths are not the receiver's. concat runs natively on genuine arrays (and primitives) whose

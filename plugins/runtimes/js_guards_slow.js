@@ -5,7 +5,15 @@
 // captured before any guest code ran; it returns the implementations.
 const {apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
        sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
-       getOwnDescriptor, ITERATOR, TA, numValueOf, strValueOf, parse, sCharCodeAt, SORT_RUN, arrayFill} = c;
+       getOwnDescriptor, ITERATOR, TA, numValueOf, strValueOf, parse, sCharCodeAt, SORT_RUN, arrayFill, JOIN_RUN,
+       arraySlice, AP, NativeArray, speciesGet, hasOwn, getProto, SPECIES} = c;
+// Whether the native slice of the genuine array `a` makes a plain Array (ArraySpeciesCreate finds
+// Array.prototype.constructor, as data, the native Array, whose species getter is the native's).
+const plainSpecies = (a) => {
+  if (getProto(a) !== AP || getOwnDescriptor(a, "constructor") !== undefined) return false;
+  const d = getOwnDescriptor(AP, "constructor"), sd = getOwnDescriptor(NativeArray, SPECIES);
+  return d !== undefined && hasOwn(d, "value") && d.value === NativeArray && sd !== undefined && sd.get === speciesGet;
+};
 // A genuine array of n elements, each an own data property (0): writing one then meets no setter.
 const filled = (n) => { const a = []; a.length = n; return apply(arrayFill, a, [0]); };
 // (The native's test for [[NumberData]] or [[StringData]]: its own valueOf throws on anything else.)
@@ -366,6 +374,23 @@ return {
     for (let u = 0; u < undef; u++, k++) a[k] = undefined;
     for (; k < n; k++) delete a[k];
     return a;
+  },
+  // Array.prototype.join (the native `join`) of a long genuine array (js_guards.js, joinTraps): its
+  // separator made a string once, then runs of JOIN_RUN elements joined natively, each copied by the
+  // native slice when that makes a plain array (no `constructor` of the guest's: checked at each
+  // run, an element's toString may run between), else here (holes read as undefined).
+  join(join, a, sep) {
+    const s = sep === undefined ? "," : text(sep), n = a.length;
+    let out = "";
+    for (let lo = 0; lo < n; lo += JOIN_RUN) {
+      const hi = lo + JOIN_RUN < n ? lo + JOIN_RUN : n;
+      let run;
+      if (plainSpecies(a)) run = apply(arraySlice, a, [lo, hi]);
+      else { run = filled(hi - lo); for (let i = lo; i < hi; i++) run[i - lo] = a[i]; }
+      const part = apply(join, run, [s]);
+      out = lo ? out + s + part : part;
+    }
+    return out;
   },
   // Object.fromEntries, as the native: each entry an object, its 0 and 1 read, defined as own data.
   fromEntries(entries) {

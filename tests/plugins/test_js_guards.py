@@ -147,8 +147,9 @@ def _contexts() -> tuple[Any, Any]:
     guarded, plain = quickjs.Context(), quickjs.Context()
     prelude = js._PRELUDE.replace("SEARCH_MAX = 1 << 22", "SEARCH_MAX = 3").replace("SHORT = 8", "SHORT = 0")
     prelude = prelude.replace("FEW = 64, MASS_MAX = 1 << 30", "FEW = 0, MASS_MAX = 4").replace(
-        "SORT_MAX = 1 << 21, SORT_RUN = 1 << 17", "SORT_MAX = 2, SORT_RUN = 2")
-    assert "SEARCH_MAX = 3" in prelude and "SHORT = 0" in prelude and "FEW = 0" in prelude and "SORT_RUN = 2" in prelude
+        "SORT_MAX = 1 << 21, SORT_RUN = 1 << 17", "SORT_MAX = 2, SORT_RUN = 2").replace(
+        "JOIN_MAX = 1 << 18, JOIN_RUN = 1 << 16", "JOIN_MAX = 2, JOIN_RUN = 2")
+    assert all(f in prelude for f in ("SEARCH_MAX = 3", "SHORT = 0", "FEW = 0", "SORT_RUN = 2", "JOIN_RUN = 2"))
     guarded.eval(prelude)
     return guarded, plain
 
@@ -288,6 +289,13 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     "['b', undefined, 'a', , 10, 9, 'aa', null, {toString() { return 'ab'; }}, 1e21, -0, 'B'].sort().map(String)",
     "['bb', 'a', 'ba', 'ab', 'b', 'aa'].toSorted()", "[[2, 1], [1, 2], 'zz', 'z', true, 'true'].sort().map(String)",
     "(() => { const a = ['yy', 'xx']; return [a.sort() === a, a]; })()",
+    # joined in (lowered) runs past a (lowered) length
+    "[1, , null, undefined, 'a', [2, 3], 4.5, -0, {toString: () => 'o'}].join()", "[1, 2, 3, 4, 5].join('')",
+    "[1, 2, 3, 4, 5].join({toString: () => '+'})",
+    "(() => { class A extends Array {} return A.from([1, 2, 3]).join(); })()",
+    "(() => { const a = [1, 2, 3, 4, 5]; a.constructor = {[Symbol.species]: function () { return {}; }};"
+    " return a.join('-'); })()", "String([1, [2, [3, 4]], 5, 6, 7])", "[1, 2, 3].join(undefined)",
+    "(() => { try { return [1, 2, 3].join(Symbol()); } catch (e) { return e.name; } })()",
     # past the (lowered) count of comparisons: made strings once, their indices sorted (stable)
     "(() => { const a = [3, , undefined, '1', 1, , 20, 100, [1], undefined]; a.sort();"
     " return [a.length, Object.keys(a), a.map(v => typeof v + v)]; })()",
