@@ -6,11 +6,12 @@
   // before it starts, or has its work moved where the polls are (a bytecode loop). This part only
   // checks; the slow paths (js_guards_slow.js) are compiled in a Context the first time it needs
   // one: every byte here is read and run in each new Context (~7 us per KB of bytecode).
-  const apply = Reflect.apply, isArray = Array.isArray, NativeFunction = Function, NativeProxy = Proxy;
+  const apply = Reflect.apply, isArray = Array.isArray, NativeFunction = Function, NativeProxy = Proxy, NativeArray = Array;
   const reflectGet = Reflect.get, nativeConstruct = Reflect.construct, defineProp = Reflect.defineProperty, toObject = Object, trunc = Math.trunc;
   const SPLIT = Symbol.split, REPLACE = Symbol.replace, MATCH = Symbol.match, spreadable = Symbol.isConcatSpreadable;
   const ITER = Symbol.iterator, reflectSet = Reflect.set, ownKeys = Reflect.ownKeys;
   const getOwnDescriptor = Reflect.getOwnPropertyDescriptor, numValueOf = Number.prototype.valueOf;
+  const arraySpeciesGet = getOwnDescriptor(NativeArray, Symbol.species).get;
   const NativeRegExp = RegExp, rxReplace = RegExp.prototype[REPLACE];
   const AP = Array.prototype, SP = String.prototype, MAX_LENGTH = 1 << 22, SEARCH_MAX = 1 << 22, SHORT = 8;
   const tooLong = (what, n) => new RangeError(what + " on a length of " + n + ": the sandbox allows at most " +
@@ -72,7 +73,8 @@
     apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
     sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
     getOwnDescriptor, ITERATOR: ITER, TA: taNatives,
-    numValueOf, strValueOf, parse, sCharCodeAt});
+    numValueOf, strValueOf, parse, sCharCodeAt, SORT_RUN, arrayFill: original[fillAt], JOIN_RUN, arraySlice: original[sliceAt], AP, NativeArray,
+    speciesGet: arraySpeciesGet, hasOwn, getProto, SPECIES});
 
   // -- Array.prototype: its methods walk `length` in C (`a.length = 2**31; a.join()`, indexOf,
   // fill, sort, forEach over holes... ran for minutes). Each refuses a length past MAX_LENGTH,
@@ -85,6 +87,8 @@
   // read, a closure made and freed in every Context (~5,000 instructions a method).
   // The originals are written out by Python (_GUARDED_METHODS) as one array literal.
   const original = __GUARDED_ORIGINALS__, names = __GUARDED_NAMES__;
+  // (the natives' indexOf, still)
+  const sortAt = names.indexOf("sort"), fillAt = names.indexOf("fill"), sliceAt = names.indexOf("slice");
   const nameOf = (native) => {  // (only for a message or the slow path: a scan of 29)
     for (let i = 0; i < original.length; i++) if (original[i] === native) return names[i];
   };
@@ -121,23 +125,38 @@
     for (let i = 0, n = a.length; i < n && m <= max; i++) { const v = a[i]; if (typeof v === "string") m += v.length; }
     return m;
   };
-  // sort and toSorted without a comparator: past MASS_MAX characters compared (mass times log2 of
-  // the length) the native sorts with a comparator that compares as the default order does (each
-  // comparison a polled call; undefined and holes still go last, never compared).
+  // sort and toSorted without a comparator compare ToString of each pair, natively. Past MASS_MAX
+  // characters compared (mass times log2 of the length) the native sorts with a comparator that
+  // compares as the default order does (each comparison a polled call; undefined and holes still go
+  // last, never compared). Past SORT_MAX comparisons (the length times its log2: a default sort of
+  // 2M numbers ran 4.2 s at 256 MiB, of 2M short strings up to 1.8 s), runs of SORT_RUN elements
+  // are sorted natively and merged in bytecode (slow().sorted).
+  const SORT_MAX = 1 << 21, SORT_RUN = 1 << 17;
   const byText = (x, y) => { const s = text(x), t = text(y); return s < t ? -1 : s > t ? 1 : 0; };
   const sortTraps = {__proto__: null, apply(native, self, args) {
     if ((args.length === 0 || args[0] === undefined) && genuine(self) && self.length > 1 &&
         self.length <= MAX_LENGTH) {
       const log2 = 32 - Math.clz32(self.length);
       if (mass(self, MASS_MAX / log2) > MASS_MAX / log2) return apply(native, self, [byText]);
+      if (self.length * log2 > SORT_MAX) return slow().sorted(original[sortAt], self, native === original[sortAt]);
     }
+    return arrayTraps.apply(native, self, args);
+  }};
+  // join (and toString, which calls it) makes each element a string in one native loop: a number
+  // costs ~0.3 us, and 4M of them ran 1.25 s at 384 MiB. Past JOIN_MAX elements a genuine array is
+  // joined in runs of JOIN_RUN, each copied in bytecode and joined natively (slow().join).
+  const JOIN_MAX = 1 << 18, JOIN_RUN = 1 << 16;
+  const joinTraps = {__proto__: null, apply(native, self, args) {
+    if (genuine(self) && self.length > JOIN_MAX && self.length <= MAX_LENGTH)
+      return slow().join(native, self, args.length > 0 ? args[0] : undefined);
     return arrayTraps.apply(native, self, args);
   }};
   // Set, not defined: each property stays writable, configurable and not enumerable.
   for (let i = 0; i < names.length; i++) {
     const n = names[i];
     AP[n] = new NativeProxy(original[i], n === "indexOf" || n === "lastIndexOf" || n === "includes" ? searchTraps :
-                                         n === "sort" || n === "toSorted" ? sortTraps : arrayTraps);
+                                         n === "sort" || n === "toSorted" ? sortTraps :
+                                         n === "join" ? joinTraps : arrayTraps);
   }
   // concat also walks its arguments, and flat/flatMap the arrays nested in their receiver: their
   // lengths are not the receiver's. concat runs natively on genuine arrays (and primitives) whose
@@ -435,23 +454,90 @@
   // RegExp.prototype[Symbol.replace] (String.prototype.replace and replaceAll call it for a regexp):
   // its string and replacement made strings here, in the native's order, the replacement a function
   // past SUBST_MAX (above). A proxy of the native: name and length are its own.
+  // Both it and RegExp.prototype[Symbol.split] read each exec result's length, then every capture
+  // up to it, in one native loop, each missing index looked up along the result's prototype chain
+  // (a guest's exec returning 6,000 captures behind a chain 30,000 deep ran 9.8 s in replace, 19.8 s
+  // in split, at 16 MiB). Which exec runs is read by the native after guest code (a `flags` getter)
+  // may have swapped it, so it is never checked first: the natives see the regexp (and split's
+  // splitter) through a facade whose `exec` hands them a result that is a genuine array of at most
+  // FEW elements, or its copy made in bytecode (slow().execResult; a genuine array's holes cost
+  // little each, but its length is the guest's: 2**32 - 1 ran 2.7 s at 256 MiB). Every other read and
+  // write goes to the regexp itself, with it as the receiver: a getter sees the regexp, not us.
+  // Each facade has its own handler (the traps' `this`), which keeps the exec last read and what it
+  // hands the native for it: one closure per call, not per match.
+  const SPECIES = Symbol.species, facade = (t) => new NativeProxy(t, {__proto__: facadeTraps, f: null, exec: null});
+  const isObject = (v) => v !== null && (typeof v === "object" || typeof v === "function");
+  const facadeTraps = {__proto__: null, set: (t, k, v) => reflectSet(t, k, v, t), get(t, k) {
+    if (k === "exec") {
+      let f = reflectGet(t, k, t);
+      if (typeof f !== "function") f = checkedExec;  // (the native then runs its own exec, on the regexp)
+      if (f !== this.f) {
+        this.f = f;
+        // Ours: its checks once (a source cannot change but through compile, which checks its
+        // own), then the native exec at each match, whose result is an array of its own data.
+        if (f === checkedExec) {
+          checkPattern(t);
+          this.exec = (s) => apply(nativeExec, t, [s]);
+        } else {
+          this.exec = (s) => {
+            const r = apply(f, t, [s]);
+            return !isObject(r) || (genuine(r) && r.length <= FEW) ? r : slow().execResult(r);
+          };
+        }
+      }
+      return this.exec;
+    }
+    if (k !== "constructor") return reflectGet(t, k, t);
+    // Split's SpeciesConstructor. The splitter it makes is seen through a facade too, unless it is
+    // the sandbox's own RegExp's and finds the native exec: no guest code runs in split's loop then
+    // (its limit was made a number before the native ran: see RP[SPLIT]), so its exec stays ours.
+    const C = reflectGet(t, k, t);
+    let S = GuardedRegExp;
+    if (C !== undefined) {
+      if (!isObject(C)) throw new TypeError("RegExp.prototype[Symbol.split]: the regexp's constructor is not an object");
+      const species = C[SPECIES];
+      if (species != null) S = species;
+    }
+    return {__proto__: null, [SPECIES]: apply(nBind, splitter, [null, t, S])};
+  }};
+  // (bound, a constructor with no prototype object of its own to make at each split)
+  const nBind = NativeFunction.prototype.bind;
+  // ("finds the native exec": as data, RegExp.prototype's own, not a getter: one that gave ours to
+  // this check and the guest's to the native ran 5.2 s.)
+  const hasOwn = Object.hasOwn;
+  const splitter = function (t, S, _, flags) {
+    const r = nativeConstruct(S, [t, flags]);
+    if (S !== GuardedRegExp || getProto(r) !== RP || hasOwn(r, "exec")) return facade(r);
+    const d = getOwnDescriptor(RP, "exec");
+    return d !== undefined && hasOwn(d, "value") && d.value === checkedExec ? r : facade(r);
+  };
   RP[REPLACE] = new NativeProxy(rxReplace, {__proto__: null, apply(native, self, args) {
+    if (!isObject(self)) return apply(native, self, args);
     const r = args.length > 1 ? args[1] : undefined;
-    if (self === null || (typeof self !== "object" && typeof self !== "function") || typeof r === "function")
-      return apply(native, self, args);
+    if (typeof r === "function") return apply(native, facade(self), args);
     const s = text(args.length > 0 ? args[0] : undefined), t = text(r);
-    return apply(native, self, [s, heavy(s.length, t, true) ? slow().template(t) : t]);
+    return apply(native, facade(self), [s, heavy(s.length, t, true) ? slow().template(t) : t]);
+  }});
+  // (A limit that is an object is made a number first, before the regexp's flags are read.)
+  RP[SPLIT] = new NativeProxy(RP[SPLIT], {__proto__: null, apply(native, self, args) {
+    if (!isObject(self)) return apply(native, self, args);
+    if (args.length > 1 && isObject(args[1])) args = [text(args[0]), args[1] >>> 0];
+    return apply(native, facade(self), args);
   }});
   const sourceOf = Reflect.getOwnPropertyDescriptor(RP, "source").get;
+  const checkPattern = (r) => {
+    const n = apply(sourceOf, r, []).length;
+    if (n > MAX_PATTERN)
+      throw new RangeError("RegExp.prototype.exec on a pattern of " + n + " characters: the sandbox allows at most " +
+                           MAX_PATTERN);
+  };
   assign(RP, {
     exec(string) {
-      const n = apply(sourceOf, this, []).length;
-      if (n > MAX_PATTERN)
-        throw new RangeError("RegExp.prototype.exec on a pattern of " + n + " characters: the sandbox allows at most " +
-                             MAX_PATTERN);
+      checkPattern(this);
       return apply(nativeExec, this, [string]);
     },
   });
+  const checkedExec = RP.exec;
   // Compiling a pattern is not polled either, and one of its steps is quadratic: each `\k<name>` before
   // its group scans the whole pattern (`new RegExp('\k<x>'.repeat(2e5) + '(?<x>a)')` ran 474 s at
   // 16 MiB; 10,000 of them 1 s). exec refuses a pattern over MAX_PATTERN anyway, so what compiles one

@@ -5,10 +5,20 @@
 // captured before any guest code ran; it returns the implementations.
 const {apply, reflectGet, defineProp, isArray, toObject, trunc, NativeProxy, rxReplace, sIndexOf, sLastIndexOf,
        sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
-       getOwnDescriptor, ITERATOR, TA, numValueOf, strValueOf, parse, sCharCodeAt} = c;
+       getOwnDescriptor, ITERATOR, TA, numValueOf, strValueOf, parse, sCharCodeAt, SORT_RUN, arrayFill, JOIN_RUN,
+       arraySlice, AP, NativeArray, speciesGet, hasOwn, getProto, SPECIES} = c;
+// Whether the native slice of the genuine array `a` makes a plain Array (ArraySpeciesCreate finds
+// Array.prototype.constructor, as data, the native Array, whose species getter is the native's).
+const plainSpecies = (a) => {
+  if (getProto(a) !== AP || getOwnDescriptor(a, "constructor") !== undefined) return false;
+  const d = getOwnDescriptor(AP, "constructor"), sd = getOwnDescriptor(NativeArray, SPECIES);
+  return d !== undefined && hasOwn(d, "value") && d.value === NativeArray && sd !== undefined && sd.get === speciesGet;
+};
+// A genuine array of n elements, each an own data property (0): writing one then meets no setter.
+const filled = (n) => { const a = []; a.length = n; return apply(arrayFill, a, [0]); };
 // (The native's test for [[NumberData]] or [[StringData]]: its own valueOf throws on anything else.)
 const boxed = (valueOf, v) => { try { apply(valueOf, v, []); return true; } catch (_) { return false; } };
-const REPLACER_MAX = 1 << 26, COLLIDING = 128, OWN_KEYS_MAX = 1 << 26;
+const REPLACER_MAX = 1 << 26, COLLIDING = 128, OWN_KEYS_MAX = 1 << 26, CAPTURES_MAX = 65535;
 const FIELDS = ["enumerable", "configurable", "value", "writable", "get", "set"];
 // CreateDataProperty: a plain `a[i] = v` would call a setter the guest put on Array.prototype.
 const put = (a, k, v) => {
@@ -301,6 +311,86 @@ return {
       end = at + n.length;
     }
     return out + apply(sSlice, s, [end]);
+  },
+  // A guest's exec result that is not a short genuine array (js_guards.js, the regexp facade), read
+  // once here as RegExp.prototype[Symbol.replace] and [Symbol.split] read it (its length, each index
+  // up to it, index, groups), each read polled: the natives read the copy, in one loop (~0.1 us a
+  // capture), so past CAPTURES_MAX it is refused (the native exec makes at most 256; a replacement
+  // function is called with the captures as its arguments, of which QuickJS takes at most 65,535).
+  execResult(r) {
+    const n = toLength(r.length);
+    if (n > CAPTURES_MAX)
+      throw new RangeError("a RegExp exec result of length " + n + ": the sandbox allows at most " + CAPTURES_MAX +
+                           " (the match and its captures): return fewer from exec");
+    const a = [];
+    for (let k = 0; k < n; k++) put(a, k, r[k]);
+    put(a, "index", r.index);
+    put(a, "groups", r.groups);
+    return a;
+  },
+  // A default sort (inPlace) or toSorted of the genuine array `a` (js_guards.js, sortTraps): its
+  // values read once (holes skipped, undefined counted), in runs of SORT_RUN sorted by the native
+  // (`sort`: the default order, stable), each value then made a string once, and the runs merged in
+  // bytecode by those strings (stable: the left run first on ties). The values are written back as
+  // the native writes them (undefined after them, holes deleted at the end), or into a new array
+  // (toSorted: holes read as undefined).
+  sorted(sort, a, inPlace) {
+    const n = a.length, vals = filled(n);
+    let m = 0, undef = 0;
+    for (let i = 0; i < n; i++) {
+      if (inPlace && !(i in a)) continue;
+      const v = a[i];
+      if (v === undefined) undef++;
+      else vals[m++] = v;
+    }
+    let src = filled(m), keys = filled(m), dst = filled(m), dkeys = filled(m);
+    for (let lo = 0; lo < m; lo += SORT_RUN) {
+      const hi = lo + SORT_RUN < m ? lo + SORT_RUN : m, run = filled(hi - lo);
+      for (let i = lo; i < hi; i++) run[i - lo] = vals[i];
+      apply(sort, run, []);
+      for (let i = lo; i < hi; i++) { const v = run[i - lo]; src[i] = v; keys[i] = text(v); }
+    }
+    for (let w = SORT_RUN; w < m; w *= 2) {
+      for (let lo = 0; lo < m; lo += 2 * w) {
+        const mid = lo + w < m ? lo + w : m, hi = lo + 2 * w < m ? lo + 2 * w : m;
+        let i = lo, j = mid, k = lo;
+        while (i < mid && j < hi) {
+          if (keys[j] < keys[i]) { dst[k] = src[j]; dkeys[k++] = keys[j++]; }
+          else { dst[k] = src[i]; dkeys[k++] = keys[i++]; }
+        }
+        while (i < mid) { dst[k] = src[i]; dkeys[k++] = keys[i++]; }
+        while (j < hi) { dst[k] = src[j]; dkeys[k++] = keys[j++]; }
+      }
+      const t = src, tk = keys;
+      src = dst; keys = dkeys; dst = t; dkeys = tk;
+    }
+    if (!inPlace) {
+      const out = filled(n);  // (toSorted: undefined for the undefined and the holes, after the values)
+      for (let k = 0; k < n; k++) out[k] = k < m ? src[k] : undefined;
+      return out;
+    }
+    let k = 0;
+    for (; k < m; k++) a[k] = src[k];
+    for (let u = 0; u < undef; u++, k++) a[k] = undefined;
+    for (; k < n; k++) delete a[k];
+    return a;
+  },
+  // Array.prototype.join (the native `join`) of a long genuine array (js_guards.js, joinTraps): its
+  // separator made a string once, then runs of JOIN_RUN elements joined natively, each copied by the
+  // native slice when that makes a plain array (no `constructor` of the guest's: checked at each
+  // run, an element's toString may run between), else here (holes read as undefined).
+  join(join, a, sep) {
+    const s = sep === undefined ? "," : text(sep), n = a.length;
+    let out = "";
+    for (let lo = 0; lo < n; lo += JOIN_RUN) {
+      const hi = lo + JOIN_RUN < n ? lo + JOIN_RUN : n;
+      let run;
+      if (plainSpecies(a)) run = apply(arraySlice, a, [lo, hi]);
+      else { run = filled(hi - lo); for (let i = lo; i < hi; i++) run[i - lo] = a[i]; }
+      const part = apply(join, run, [s]);
+      out = lo ? out + s + part : part;
+    }
+    return out;
   },
   // Object.fromEntries, as the native: each entry an object, its 0 and 1 read, defined as own data.
   fromEntries(entries) {

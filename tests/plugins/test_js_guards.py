@@ -146,8 +146,10 @@ def _contexts() -> tuple[Any, Any]:
     short enough to search natively regardless; a plain one)."""
     guarded, plain = quickjs.Context(), quickjs.Context()
     prelude = js._PRELUDE.replace("SEARCH_MAX = 1 << 22", "SEARCH_MAX = 3").replace("SHORT = 8", "SHORT = 0")
-    prelude = prelude.replace("FEW = 64, MASS_MAX = 1 << 30", "FEW = 0, MASS_MAX = 4")
-    assert "SEARCH_MAX = 3" in prelude and "SHORT = 0" in prelude and "FEW = 0" in prelude
+    prelude = prelude.replace("FEW = 64, MASS_MAX = 1 << 30", "FEW = 0, MASS_MAX = 4").replace(
+        "SORT_MAX = 1 << 21, SORT_RUN = 1 << 17", "SORT_MAX = 2, SORT_RUN = 2").replace(
+        "JOIN_MAX = 1 << 18, JOIN_RUN = 1 << 16", "JOIN_MAX = 2, JOIN_RUN = 2")
+    assert all(f in prelude for f in ("SEARCH_MAX = 3", "SHORT = 0", "FEW = 0", "SORT_RUN = 2", "JOIN_RUN = 2"))
     guarded.eval(prelude)
     return guarded, plain
 
@@ -282,10 +284,24 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     "(() => { try { return ['ab'].indexOf('ab', 1n); } catch (e) { return e.name; } })()",
     "(() => { try { return ['ab'].includes('ab', Symbol()); } catch (e) { return e.name; } })()",
     "Array.prototype.indexOf.call({length: 3, 2: 'abc'}, 'abc')",
-    # a default sort past the (lowered) mass of strings: a comparator in the native's default order
+    # a default sort past the (lowered) mass of strings: a comparator in the native's default order;
+    # past the (lowered) count of comparisons: runs of 2 sorted natively, merged in bytecode
     "['b', undefined, 'a', , 10, 9, 'aa', null, {toString() { return 'ab'; }}, 1e21, -0, 'B'].sort().map(String)",
     "['bb', 'a', 'ba', 'ab', 'b', 'aa'].toSorted()", "[[2, 1], [1, 2], 'zz', 'z', true, 'true'].sort().map(String)",
     "(() => { const a = ['yy', 'xx']; return [a.sort() === a, a]; })()",
+    # joined in (lowered) runs past a (lowered) length
+    "[1, , null, undefined, 'a', [2, 3], 4.5, -0, {toString: () => 'o'}].join()", "[1, 2, 3, 4, 5].join('')",
+    "[1, 2, 3, 4, 5].join({toString: () => '+'})",
+    "(() => { class A extends Array {} return A.from([1, 2, 3]).join(); })()",
+    "(() => { const a = [1, 2, 3, 4, 5]; a.constructor = {[Symbol.species]: function () { return {}; }};"
+    " return a.join('-'); })()", "String([1, [2, [3, 4]], 5, 6, 7])", "[1, 2, 3].join(undefined)",
+    "(() => { try { return [1, 2, 3].join(Symbol()); } catch (e) { return e.name; } })()",
+    # past the (lowered) count of comparisons: made strings once, their indices sorted (stable)
+    "(() => { const a = [3, , undefined, '1', 1, , 20, 100, [1], undefined]; a.sort();"
+    " return [a.length, Object.keys(a), a.map(v => typeof v + v)]; })()",
+    "[3, , undefined, 1, , 20].toSorted().map(v => typeof v + v)", "[0.5, -1, 1e-7, NaN, -0, 0, Infinity].sort()",
+    "(() => { const a = [{n: 1, toString: () => 'b'}, {n: 2, toString: () => 'a'}, {n: 3, toString: () => 'b'}];"
+    " return a.sort().map(o => o.n); })()",
     "(() => { try { return ['aa', Symbol(), 'bb'].sort(); } catch (e) { return e.name; } })()",
     # typed arrays of strings within the (lowered) mass: converted as by the natives, whichever way in
     *(f"(() => {{ try {{ return {expr}; }} catch (e) {{ return e.name; }} }})()" for expr in (
@@ -300,6 +316,30 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     " return [Math.max(v(1), '5', v(2)), seen, Math.max.length, Math.max.name, String.fromCharCode.length]; })()",
     "/a+(b)/.exec('caab')", "[...'a1b2'.matchAll(/\\d/g)].map(m => m[0] + m.index)", "/x/y.test('ax')",
     "(() => { const r = /a/g; r.exec('aa'); return [r.lastIndex, r.exec('aa').index, r.lastIndex]; })()",
+    # eval stays direct (QuickJS: only the realm's own eval, called as `eval(...)`, sees the caller's scope)
+    "(() => { const local = 42; return [eval('local'), typeof (0, eval)('typeof local')]; })()",
+    # regexp replace and split through the facade (a guest's exec, its result copied; species; getters)
+    "'x-y-z'.replace(/-/g, (m, at) => at)", "'a,b,c'.split(/,/, {valueOf: () => 2})", "'abc'.split(/b/, 0)",
+    "'abc'.split(/(?:)/u, 2 ** 32 + 2)", "RegExp.prototype[Symbol.split].call(/-/, 'a-b', -1)",
+    "'a1b22c'.split(/(\\d)+/)", "'a1b22c'.split(/\\d/, 2)",
+    "'2026-12-01'.replace(/(?<y>\\d+)-(?<m>\\d+)/, '$<m>/$<y>|$2$1$&')", "'aaa'.replace(/a/y, 'b')",
+    "(() => { const r = /b/g; r.lastIndex = 5; return ['abcb'.replace(r, 'x'), r.lastIndex]; })()",
+    "(() => { const r = /a/; let n = 0; r.exec = function (s) { return n++ ? null :"
+    " {length: 3, 0: 'a', 1: 'q', index: 1, groups: {g: 'G'}, __proto__: Object.create({2: 'z'})}; };"
+    " return 'xab'.replace(r, '[$1$2$<g>]'); })()",
+    "(() => { const r = /a/g; let n = 0; r.exec = function (s) { if (n++ > 1) return null; this.lastIndex = n;"
+    " const m = ['a', undefined]; m.index = n - 1; return m; }; return 'aab'.replace(r, (...a) => a.length); })()",
+    "(() => { const r = /,/; r.exec = () => 1; return 'a,b'.replace(r, '-'); })()",
+    "(() => { const r = /,/; r.exec = 7; return 'a,b'.replace(r, '-'); })()",
+    "(() => { const r = /,/g; let seen = []; Object.defineProperty(r, 'flags', {get() { seen.push(this === r);"
+    " return 'g'; }}); return ['a,b,c'.replace(r, '-'), 'a,b'.split(r), seen]; })()",
+    "(() => { class R extends RegExp { exec(s) { const m = super.exec(s); if (m) m[0] = m[0].toUpperCase();"
+    " return m; } } return ['a,b,c'.split(new R(',')), 'a,b'.replace(new R(',', 'g'), (m) => m + m)]; })()",
+    "(() => { const r = /,/; r.constructor = {[Symbol.species]: function (p, f) { const s = new RegExp(p, f);"
+    " s.exec = (t) => { const m = RegExp.prototype.exec.call(s, t); return m && Object.assign({}, m,"
+    " {length: m.length}); }; return s; }}; return 'a,b,c'.split(r); })()",
+    "(() => { const r = /,/; r.constructor = 5; try { 'a,b'.split(r); } catch (e) { return e.name; } })()",
+    "(() => { const r = /,/; r.constructor = undefined; return 'a,b'.split(r); })()",
 ])
 def test_guarded_array_and_string_built_ins_answer_as_the_natives(expr: str) -> None:
     got, want = both(expr)
