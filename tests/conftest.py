@@ -15,6 +15,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -325,6 +326,30 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Any:
     manual = ManualClock()
     monkeypatch.setattr(time, "monotonic", manual)
     return manual
+
+
+@pytest.fixture
+def flood_checks(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, list[str]]]:
+    """(release, held): password checks of the username "flood" are held running (each listed in
+    ``held``) until ``release`` is set (at the latest when the test ends); every other sign-in is
+    checked as ever."""
+    from django.contrib.auth.backends import ModelBackend
+
+    release = threading.Event()
+    held: list[str] = []
+    real = ModelBackend.authenticate
+
+    def holding(self: Any, request: Any, username: str | None = None, password: str | None = None,
+                **kwargs: Any) -> Any:
+        if username != "flood":
+            return real(self, request, username, password, **kwargs)
+        held.append(username)
+        release.wait(LIVENESS * 3)  # a password check the flood keeps running
+        return None
+
+    monkeypatch.setattr(ModelBackend, "authenticate", holding)
+    yield release, held
+    release.set()
 
 
 @pytest.fixture(autouse=True)

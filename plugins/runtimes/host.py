@@ -174,14 +174,19 @@ class Host:
         except TimeoutError:
             raise GuestTimeout("kv_get: the KV store did not answer before the plugin's deadline") from None
 
+    def _writes_left(self, call: str) -> Any:
+        """The plugin's quotas, once ``call`` (a KV write) is known to be within the writes per call."""
+        q = self.quotas
+        if self.kv_writes >= q.kv_writes:
+            raise GuestQuota("quota_kv_writes", f"{call}: plugin {self.spec.name!r} already made {self.kv_writes} "
+                                                f"kv_set/kv_incr calls in this call, its KV writes per call quota is "
+                                                f"{q.kv_writes}; write less per event, or raise the quota")
+        return q
+
     def kv_set(self, key: Any, value: Any) -> None:
         """Store ``value`` (a string; numbers and booleans are converted) under ``key``."""
         self._check("kv", "kv_set")
-        q = self.quotas
-        if self.kv_writes >= q.kv_writes:
-            raise GuestQuota("quota_kv_writes", f"kv_set: plugin {self.spec.name!r} already made {self.kv_writes} "
-                                                f"kv_set/kv_incr calls in this call, its KV writes per call quota is "
-                                                f"{q.kv_writes}; write less per event, or raise the quota")
+        q = self._writes_left("kv_set")
         if isinstance(value, bool):
             value = "true" if value else "false"
         elif isinstance(value, float) and value.is_integer():
@@ -208,11 +213,7 @@ class Host:
         an integer, or a result past +-MAX_SAFE_INTEGER, is a failed call (the value unchanged).
         """
         self._check("kv", "kv_incr")
-        q = self.quotas
-        if self.kv_writes >= q.kv_writes:
-            raise GuestQuota("quota_kv_writes", f"kv_incr: plugin {self.spec.name!r} already made {self.kv_writes} "
-                                                f"kv_set/kv_incr calls in this call, its KV writes per call quota is "
-                                                f"{q.kv_writes}; write less per event, or raise the quota")
+        q = self._writes_left("kv_incr")
         delta = _delta(delta)
         key = _key(key)
         store = _kv("kv_incr")

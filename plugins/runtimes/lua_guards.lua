@@ -562,29 +562,38 @@ end
 
 -- fmt with each %q whose argument is a string over Q_PIECE bytes made a %s, and that argument
 -- escaped (quoted) in args; nil if there is none (or the format is malformed: the native raises).
-local function split_q(fmt, args, nargs)
-  local out, no, pos, last, arg = {}, 0, 1, 1, 0
+-- The next conversion of fmt from pos: the position of its '%', of its letter, and the letter
+-- ("%%" skipped); nil when there is none; i and nil when the one at i is malformed.
+local function next_conversion(fmt, pos)
   while true do
     local i = S.find(fmt, "%", pos, true)
-    if i == nil then break end
-    if S.byte(fmt, i + 1) == 37 then -- "%%"
-      pos = i + 2
-    else
+    if i == nil then return nil end
+    if S.byte(fmt, i + 1) ~= 37 then -- not "%%"
       -- a conversion is at most 32 characters (lstrlib's MAX_FORMAT: longer raises), so the
       -- backtracking match runs on a bounded piece, whatever the format holds after the '%'
       local _, e, conv = S.find(S.sub(fmt, i + 1, i + 40), "^[-+ #0]*%d*%.?%d*(%a)")
-      if e == nil then return nil end
-      e = i + e
-      arg = arg + 1
-      local x = args[arg]
-      if conv == "q" and e == i + 1 and arg <= nargs and type(x) == "string" and #x > Q_PIECE then
-        no = no + 1
-        out[no] = S.sub(fmt, last, i - 1) .. "%s"
-        last = e + 1
-        args[arg] = quoted(x)
-      end
-      pos = e + 1
+      if e == nil then return i, nil end
+      return i, i + e, conv
     end
+    pos = i + 2
+  end
+end
+
+local function split_q(fmt, args, nargs)
+  local out, no, pos, last, arg = {}, 0, 1, 1, 0
+  while true do
+    local i, e, conv = next_conversion(fmt, pos)
+    if i == nil then break end
+    if e == nil then return nil end
+    arg = arg + 1
+    local x = args[arg]
+    if conv == "q" and e == i + 1 and arg <= nargs and type(x) == "string" and #x > Q_PIECE then
+      no = no + 1
+      out[no] = S.sub(fmt, last, i - 1) .. "%s"
+      last = e + 1
+      args[arg] = quoted(x)
+    end
+    pos = e + 1
   end
   if no == 0 then return nil end
   out[no + 1] = S.sub(fmt, last)
@@ -610,40 +619,32 @@ end
 local function format_pieces(fmt, args, nargs)
   local out, no, pos, last, arg = {}, 0, 1, 1, 0
   while true do
-    local i = S.find(fmt, "%", pos, true)
-    if i == nil then break end
-    if S.byte(fmt, i + 1) == 37 then -- "%%"
-      pos = i + 2
+    local i, e, conv = next_conversion(fmt, pos)
+    if e == nil then break end -- none left, or malformed: the rest raises below, at this conversion
+    arg = arg + 1
+    local piece, x = S.sub(fmt, last, e), args[arg]
+    local u = #piece
+    if type(x) == "string" then u = u + #x end
+    if conv == "q" and e == i + 1 and type(x) == "string" and #x > Q_PIECE then
+      piece, x = S.sub(fmt, last, i - 1) .. "%s", quoted(x)
     else
-      -- a conversion is at most 32 characters (lstrlib's MAX_FORMAT): matched on a bounded piece
-      local _, e, conv = S.find(S.sub(fmt, i + 1, i + 40), "^[-+ #0]*%d*%.?%d*(%a)")
-      if e == nil then break end -- malformed: the rest raises below, at this conversion
-      e = i + e
-      arg = arg + 1
-      local piece, x = S.sub(fmt, last, e), args[arg]
-      local u = #piece
-      if type(x) == "string" then u = u + #x end
-      if conv == "q" and e == i + 1 and type(x) == "string" and #x > Q_PIECE then
-        piece, x = S.sub(fmt, last, i - 1) .. "%s", quoted(x)
-      else
-        u = u * 4 -- %q escapes (up to 4 bytes per byte)
-      end
-      charge(u * BYTE)
-      no = no + 1
-      if arg > nargs then
-        out[no] = renumber(arg, NAT.pcall(S.format, piece))
-      elseif conv == "s" and e == i + 1 and type(x) == "string" then
-        -- a plain %s of a string is the string: not copied once more (the literal text before it
-        -- still goes through the native, for its %%)
-        out[no] = S.format(S.sub(piece, 1, -3))
-        no = no + 1
-        out[no] = x
-      else
-        -- (counted as built: each piece is a string the collector does not count, see built())
-        out[no] = built(renumber(arg, NAT.pcall(S.format, piece, x)))
-      end
-      last, pos = e + 1, e + 1
+      u = u * 4 -- %q escapes (up to 4 bytes per byte)
     end
+    charge(u * BYTE)
+    no = no + 1
+    if arg > nargs then
+      out[no] = renumber(arg, NAT.pcall(S.format, piece))
+    elseif conv == "s" and e == i + 1 and type(x) == "string" then
+      -- a plain %s of a string is the string: not copied once more (the literal text before it
+      -- still goes through the native, for its %%)
+      out[no] = S.format(S.sub(piece, 1, -3))
+      no = no + 1
+      out[no] = x
+    else
+      -- (counted as built: each piece is a string the collector does not count, see built())
+      out[no] = built(renumber(arg, NAT.pcall(S.format, piece, x)))
+    end
+    last, pos = e + 1, e + 1
   end
   -- the literal text after the last conversion, or the rest from a malformed one (which raises as
   -- in the whole call: "no value" if no argument is left, else "invalid conversion")

@@ -10,7 +10,6 @@ import threading
 from typing import Any
 
 import pytest
-from django.contrib.auth.backends import ModelBackend
 from django.contrib.auth.models import User
 from django.core import signing
 from django.test import Client, RequestFactory
@@ -72,22 +71,10 @@ def test_an_expired_cookie_is_no_device(staff: User, monkeypatch: pytest.MonkeyP
 
 
 def test_a_flood_from_many_networks_holding_every_slot_does_not_hold_a_device_holder(
-        settings: Any, staff: User, monkeypatch: pytest.MonkeyPatch) -> None:
+        settings: Any, staff: User, flood_checks: Any) -> None:
     cookie = _device_cookie()
     settings.EXECAPP = {"MAX_PASSWORD_CHECKS": 2}
-    release = threading.Event()
-    held: list[str] = []
-    real = ModelBackend.authenticate
-
-    def holding(self: Any, request: Any, username: str | None = None, password: str | None = None,
-                **kwargs: Any) -> Any:
-        if username != "flood":
-            return real(self, request, username, password, **kwargs)
-        held.append(username)
-        release.wait(LIVENESS * 3)  # a password check the flood keeps running
-        return None
-
-    monkeypatch.setattr(ModelBackend, "authenticate", holding)
+    release, held = flood_checks
     # Two networks, one check each: every slot is taken, and no per-network rule refuses them.
     flood = [threading.Thread(target=_sign_in, args=(f"203.0.113.{i + 1}", "flood", "x"), daemon=True)
              for i in range(2)]

@@ -45,21 +45,9 @@ def staff(settings: Any) -> User:
 
 
 def test_a_flood_holding_the_check_slots_does_not_refuse_staff_from_another_network(
-        settings: Any, staff: User, monkeypatch: pytest.MonkeyPatch) -> None:
+        settings: Any, staff: User, flood_checks: Any) -> None:
     settings.EXECAPP = {"MAX_PASSWORD_CHECKS": 2}
-    release = threading.Event()
-    held: list[str] = []
-    real = ModelBackend.authenticate
-
-    def holding(self: Any, request: Any, username: str | None = None, password: str | None = None,
-                **kwargs: Any) -> Any:
-        if username != "flood":
-            return real(self, request, username, password, **kwargs)
-        held.append(username)
-        release.wait(LIVENESS * 3)  # a password check the flood keeps running
-        return None
-
-    monkeypatch.setattr(ModelBackend, "authenticate", holding)
+    release, held = flood_checks
     results: list[tuple[int, str]] = []
     flood = [threading.Thread(target=lambda: results.append(_sign_in(ATTACKER, "flood", "x")), daemon=True)
              for _ in range(4)]
