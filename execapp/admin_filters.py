@@ -21,7 +21,8 @@ class BoundedValuesFilter(admin.AllValuesFieldListFilter):
 
     def __init__(self, field: Any, request: Any, params: Any, model: Any, model_admin: Any, field_path: str) -> None:
         super().__init__(field, request, params, model, model_admin, field_path)
-        values = list(self.lookup_choices[:MAX_CHOICES + 1])  # a LIMIT on the DISTINCT query
+        choices: Any = getattr(self, "lookup_choices")  # noqa: B009  (Django's queryset of values; untyped)
+        values = list(choices[:MAX_CHOICES + 1])  # a LIMIT on the DISTINCT query
         self.more = len(values) > MAX_CHOICES
         values = values[:MAX_CHOICES]
         for selected in self.lookup_val or ():  # the value filtered on stays listed (and shown selected)

@@ -164,7 +164,8 @@ class RedisBackend:
         """Score the entries written without seen_key (an older version's) as seen now."""
         known = self.client.hkeys(self.workers_key)
         if known:
-            self.client.zadd(self.seen_key, {k: now for k in known}, nx=True)
+            seen: dict[Any, float] = {k: now for k in known}  # (the members as Redis gave them: bytes)
+            self.client.zadd(self.seen_key, seen, nx=True)
         self._adopted_at = time.monotonic()
 
     def remove(self, worker_id: str) -> None:
