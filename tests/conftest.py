@@ -10,6 +10,7 @@ its own PostgreSQL database (``postgres_url``); both are deleted when the run en
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import socket
@@ -150,14 +151,12 @@ def _database_url(base: str, name: str) -> str:
     return urlparse(base)._replace(path=f"/{name}").geturl()
 
 
-@pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
-    """This run's own PostgreSQL database (``test_execapp_<pid>_<random>``), created empty on first
-    use through POSTGRES_TEST_URL and dropped when the run ends; tests may migrate it."""
+@contextlib.contextmanager
+def empty_postgres_database(name: str) -> Iterator[str]:
+    """The URL of a new empty PostgreSQL database ``name`` (through POSTGRES_TEST_URL), dropped after."""
     import psycopg
 
     base = require_service("PostgreSQL", POSTGRES_TEST_URL)
-    name = "test_execapp_" + RUN_ID.replace("-", "_")
     with psycopg.connect(base, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     try:
@@ -166,6 +165,14 @@ def postgres_url() -> Iterator[str]:
         with psycopg.connect(base, autocommit=True) as conn:
             # FORCE: a server a test started may still hold a connection (PostgreSQL 13+).
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """This run's own PostgreSQL database (``test_execapp_<pid>_<random>``), created empty on first
+    use and dropped when the run ends; tests may migrate it."""
+    with empty_postgres_database("test_execapp_" + RUN_ID.replace("-", "_")) as url:
+        yield url
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from ..conftest import POSTGRES_TEST_URL, ROOT, _database_url, manage, require_service
+from ..conftest import ROOT, empty_postgres_database, manage
 
 COMMANDS = (("create_token", "ops"), ("revoke_token", "ops"), ("prune_history",), ("loadplugins",),
             ("runplugin", "ping", "ping"), ("migrate", "--noinput"))
@@ -60,17 +60,8 @@ def test_loadplugins_run_by_every_replica_at_once_all_succeed(postgres_url: str,
 @pytest.fixture
 def empty_postgres_url() -> Iterator[str]:
     """A PostgreSQL database of this test's own, never migrated; dropped after."""
-    import psycopg
-
-    base = require_service("PostgreSQL", POSTGRES_TEST_URL)
-    name = f"test_execapp_migrate_{secrets.token_hex(4)}"
-    with psycopg.connect(base, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield _database_url(base, name)
-    finally:
-        with psycopg.connect(base, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with empty_postgres_database(f"test_execapp_migrate_{secrets.token_hex(4)}") as url:
+        yield url
 
 
 def test_migrate_run_by_every_replica_at_once_all_succeed(empty_postgres_url: str) -> None:
