@@ -52,8 +52,12 @@ welcome:
 serve: $(VENV)/.installed
 	$(PY) -m execapp.serve --host $(HOST) --port $(PORT) --workers $(WORKERS)
 
+# TEST_WORKERS pytest-xdist processes (each with its own run id: its own PostgreSQL database and
+# Redis key prefix, see tests/conftest.py). Many tests wait on servers they start, so two
+# processes keep the 2-core CI machine busy; worksteal evens out the long tail.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed sysdeps
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 # Static checks, configured in pyproject.toml: ruff on the repository's Python, mypy on the app
 # (execapp, plugins, config). .ci/run runs this before `make test`.
