@@ -31,6 +31,7 @@ from execapp.engine import (
     HandlerTimeout,
     ProfileState,
 )
+from execapp.engine import engine as engine_module
 from execapp.engine import pool as pool_module
 from execapp.engine.engine import INLINE_ESCAPE_SECONDS
 from execapp.engine.matcher import MARK_SIZE, make_mark
@@ -227,6 +228,31 @@ def test_an_inline_overrun_promotes_at_once_and_the_result_still_counts(engines)
     m.handler = lambda ctx: "fast"
     _, out = dispatch(engine)
     assert out.replies[0].exec_class is ExecClass.POOL, "runs inline again only after proving fast afresh"
+
+
+def test_one_event_starts_inline_runs_only_within_one_inline_budget(engines, monkeypatch):
+    # A frame matching many proven-fast handlers (a plugin may bind 100 to one command), each
+    # slow on a crafted input but within its own budget, held a real worker's loop 47 x 0.1 s
+    # until its watchdog killed it. The event's inline runs now share one budget: once it is
+    # spent the rest of its handlers go to the pool, without changing their profiles.
+    now = [1000.0]
+    monkeypatch.setattr(engine_module, "_clock", lambda: now[0])
+    engine = engines(inline_timeout=0.05, profile_factory=lambda: ExecProfile(slow_threshold=5.0))
+
+    def costly(ctx):
+        now[0] += 0.03  # each run within its own budget (0.05 s), two of them past it
+        return ctx.matcher.name
+
+    matchers = [demote(add_cmd(engine, costly, name=f"h{i}")) for i in range(5)]
+    completion, out = dispatch(engine)
+    assert completion.matched == 5 and not out.failures
+    classes = {r.text: r.exec_class for r in out.replies}
+    assert classes == {"h0": ExecClass.SYNC, "h1": ExecClass.SYNC, "h2": ExecClass.POOL, "h3": ExecClass.POOL,
+                       "h4": ExecClass.POOL}
+    assert all(m.profile.state is ProfileState.DEMOTED for m in matchers), "moved for this event only"
+    assert engine.counts["inline"] == 2 and engine.counts["pooled"] == 3
+    _, out = dispatch(engine)  # the next event has a budget of its own
+    assert [r.exec_class for r in out.replies if r.text == "h0"] == [ExecClass.SYNC]
 
 
 def test_an_inline_run_far_past_its_budget_quarantines_its_matcher(engines):
