@@ -21,6 +21,7 @@ from .errors import (
     NotStarted,
     Overloaded,
     PoolClosed,
+    describe,
 )
 from .event import Completion, Context, Event, EventRun, Failure, OutcomeCallback, new_run
 from .matcher import MARK_SIZE, Handler, Matcher, MatcherKind, Routes
@@ -669,14 +670,15 @@ class Engine:
         """A handler raised: one Failure, an error (a timeout or an inline ``overrun`` promotes at
         once) in its profile, counted and observed."""
         if isinstance(exc, ExecAppError):
-            code, message = exc.code, str(exc) or type(exc).__name__
+            code, message = exc.code, describe(exc) or type(exc).__name__
         else:
             code = HandlerError.code
-            message = str(exc) or type(exc).__name__
+            message = describe(exc) or type(exc).__name__
             if not isinstance(exc, Exception):
                 message = (f"handler {m.name!r} raised {type(exc).__name__}({message}); a handler must return "
                            "or raise an Exception, never stop the server")
-            _rlog.warning(("handler", m.name, type(exc).__name__), "handler %s failed: %r", m.name, exc)
+            _rlog.warning(("handler", m.name, type(exc).__name__), "handler %s failed: %s: %s", m.name,
+                          type(exc).__name__, message)
         m.profile.record(elapsed, error=message, timeout=code == HandlerTimeout.code, overrun=overrun)
         self._count("errors")
         run.emit(Failure(run.event.id, m.name, m.plugin, code, message, exec_class, elapsed))

@@ -34,6 +34,7 @@ from execapp.engine import (
 from execapp.engine import engine as engine_module
 from execapp.engine import pool as pool_module
 from execapp.engine.engine import INLINE_ESCAPE_SECONDS
+from execapp.engine.errors import MAX_MESSAGE_CHARS
 from execapp.engine.matcher import MARK_SIZE, make_mark
 from execapp.engine.profile import SIZE_FACTOR, SIZE_FLOOR
 
@@ -89,6 +90,40 @@ def test_a_handler_raising_base_exception_is_a_recorded_failure(engines, placeme
     assert engine.pool.stats()["failed"] == 0, "the engine handled it; the pool's last resort never saw it"
     m.handler = lambda ctx: "alive"  # the same engine and pool keep serving
     assert dispatch(engine)[1].replies[0].text == "alive"
+
+
+class _UnreadableError(Exception):
+    def __init__(self, raised: BaseException) -> None:
+        super().__init__()
+        self.raised = raised
+
+    def __str__(self) -> str:
+        raise self.raised
+
+
+@pytest.mark.parametrize("raised", [_UnreadableError(RuntimeError("no text")), _UnreadableError(SystemExit(2)),
+                                    ValueError("x" * 1_000_000)], ids=["str-raises", "str-exits", "huge"])
+@pytest.mark.parametrize("placement", ["pooled", "inline"])
+def test_a_handler_error_whose_message_raises_or_is_huge_is_one_bounded_failure(engines, placement, raised):
+    # Inline, an exception whose str() raised escaped the dispatch: the event's other handlers
+    # were skipped and its failure lost (a SystemExit from str() stopped the server); pooled, its
+    # failure was lost. A 1 MB message went whole into the error frame.
+    engine = engines()
+
+    def handler(ctx):
+        raise raised
+
+    m = add_cmd(engine, handler, name="odd", priority=1)
+    (promote if placement == "pooled" else demote)(m)
+    demote(add_cmd(engine, lambda ctx: "next ran", name="next"))
+    completion, out = dispatch(engine)
+    assert [f.code for f in out.failures] == ["handler_error"]
+    assert [r.text for r in out.replies] == ["next ran"]
+    assert completion.errors == tuple(out.failures) and completion.matched == 2
+    message = out.failures[0].message
+    assert len(message) <= MAX_MESSAGE_CHARS + 100
+    assert ("could not be read" in message) is isinstance(raised, _UnreadableError)
+    assert m.profile.errors == 1
 
 
 # -- matcher timeout: the pool's watcher ------------------------------------------------------------
