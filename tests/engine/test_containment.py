@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import sys
 import threading
 import time
 
@@ -338,10 +339,10 @@ def test_a_sandboxed_plugin_inline_is_stopped_by_the_inline_budget_not_its_own(e
     try:
         engine = engines(inline_timeout=0.1)
         handler = plugin.engine_handler("spin")
-        assert handler.timeout == 5.0 + ENGINE_GRACE_SECONDS
+        assert handler.timeout == 2 * 5.0 + ENGINE_GRACE_SECONDS  # a wait for a slot, a run, a grace
         m = demote(engine.add(engine.make_matcher("command", "cmd", handler, name="spinner.spin",
                                                   plugin="spinner")))
-        assert m.timeout == 5.0 + ENGINE_GRACE_SECONDS, "plugin bindings carry their budget plus a grace"
+        assert m.timeout == 2 * 5.0 + ENGINE_GRACE_SECONDS, "plugin bindings carry their budget plus a grace"
         t0 = time.monotonic()
         completion, out = dispatch(engine)
         took = time.monotonic() - t0
@@ -357,6 +358,49 @@ def test_a_sandboxed_plugin_inline_is_stopped_by_the_inline_budget_not_its_own(e
         assert plugin.call("echo", {"args": "x"}, False, None) == "x"
     finally:
         plugin.close()
+
+
+def test_a_pooled_plugin_run_that_waited_for_its_slot_is_stopped_by_its_sandbox_before_the_backstop(engines):
+    # A pooled run that waited for its plugin's slot longer than the grace got a guest deadline
+    # equal to the engine's backstop (then the plugin's timeout plus the grace from its start):
+    # the two raced, the watcher won, and the thread was counted stuck. One frame matching 100
+    # handlers of one plugin (8 slots) counted 76 stuck threads on a real worker, where
+    # EXECAPP['STUCK_THREADS_LIMIT'] (8) at once recycles it.
+    from plugins.loaded import ENGINE_GRACE_SECONDS, LoadedPlugin
+    from plugins.spec import PluginSpec
+
+    own = ENGINE_GRACE_SECONDS + 0.3  # the second run waits longer than the grace for the slot
+    plugin = LoadedPlugin(PluginSpec(name="spinner", runtime="lua", code=LUA_SPIN, timeout=own, max_concurrency=1))
+    given: list[tuple[float, float]] = []  # (the guest's deadline, the engine's) of each pooled call
+    call = plugin.call
+
+    def watched_call(handler, event, blocking=True, deadline=None):
+        ctx_deadline = next(f.f_locals["ctx"].deadline for f in _frames() if "ctx" in f.f_locals)
+        given.append((deadline, ctx_deadline))
+        return call(handler, event, blocking, deadline)
+
+    plugin.call = watched_call  # type: ignore[method-assign]
+    try:
+        engine = engines()
+        for i in range(2):
+            promote(engine.add(engine.make_matcher("command", "cmd", plugin.engine_handler("spin"),
+                                                   name=f"spinner.spin#{i}", plugin="spinner")))
+        completion, out = dispatch(engine)
+        assert len(out.failures) == 2 and {f.code for f in out.failures} <= {"timeout", "plugin_busy"}
+        assert not [f.message for f in out.failures if "did not stop" in f.message], "the backstop fired"
+        assert engine.pool.stats()["stuck_total"] == 0
+        # The contract, whatever the race's outcome on this machine: the sandbox's deadline is a
+        # grace before the backstop's, wait for the slot included.
+        assert len(given) == 2 and all(guest <= backstop - ENGINE_GRACE_SECONDS + 1e-9 for guest, backstop in given)
+    finally:
+        plugin.close()
+
+
+def _frames():
+    frame = sys._getframe(1)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
 
 
 # -- inline is earned per input size ----------------------------------------------------------------
