@@ -707,8 +707,9 @@ class Engine:
         elapsed = _clock() - started
         if m.plugin is not None:
             message = (f"handler {m.name!r} of plugin {m.plugin!r} did not stop within its backstop "
-                       f"({m.timeout:g} s: a wait for a slot and a run, each up to its timeout, plus a grace) though its sandbox should have stopped it; its thread is stuck and its "
-                       "late result will be discarded")
+                       f"({m.timeout:g} s: a wait for a slot and a run, each up to its timeout, plus a grace) "
+                       "though its sandbox should have stopped it; its thread is stuck and its late result will be "
+                       "discarded")
         else:
             message = (f"handler {m.name!r} ran past its timeout of {m.timeout:g} s; it keeps running in its pool "
                        "thread (counted as stuck) and its late result will be discarded; make it return sooner "
