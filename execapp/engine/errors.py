@@ -54,10 +54,11 @@ class ConfigError(ExecAppError):
     code = "config_error"
 
 
-#: The longest handler error message the engine passes on (characters; the plugins' runtimes cut
-#: their guests' to the same, plugins.runtimes.base.MAX_ERROR_CHARS): a Python handler's
+#: The longest handler error message the engine passes on (characters): a Python handler's
 #: ``ValueError("x" * 50_000_000)`` went whole into its error frame, its trace and its log line.
-MAX_MESSAGE_CHARS = 8192
+#: Twice the plugins' runtimes' cut of their guests' messages (plugins.runtimes.base.MAX_ERROR_CHARS),
+#: so a cut guest message keeps its own note and what the plugin layer adds to it.
+MAX_MESSAGE_CHARS = 16384
 
 
 def describe(exc: BaseException) -> str:
