@@ -7,8 +7,9 @@ its own until they were refused ``overloaded``. Each owner's connections on a wo
 one ``PoolShare`` (execapp.worker): the count of the pool tasks (pooled handlers) of the owner's
 events that left pooled work running, queued or parked for a slot (``take`` when
 ``Connection.receive`` dispatched one, ``give`` when its done is delivered; one frame matching 100
-handlers counts 100: counted as one event it let one frame hold the whole pool while counting 1). Past ``limit`` (EXECAPP['POOL_SHARE_PER_OWNER'] of POOL_MAX_WORKERS) the
-owner's connections stop reading frames until one of its events finished: TCP backpressure on
+handlers counts 100: counted as one event it let one frame hold the whole pool while counting 1).
+Past ``limit`` (EXECAPP['POOL_SHARE_PER_OWNER'] of POOL_MAX_WORKERS) the owner's connections stop
+reading frames until one of its events finished: TCP backpressure on
 that owner only, no frame refused. A parked dispatch of an owner within its share waits for a
 slot ahead of the others' (``ahead``: the engine's priority lane), so the first event of an owner
 arriving at a pool another one filled is not refused behind that owner's parked dispatches.
