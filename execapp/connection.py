@@ -84,6 +84,9 @@ class Connection:
         self.engine = engine
         self.worker = worker
         self.limits = limits
+        #: Awaits a dispatch that waits for pool slots instead of ``receive`` awaiting it itself (the
+        #: consumer's, which abandons it when the client leaves meanwhile); None: awaited here.
+        self.watch_parked: Callable[[Coroutine[Any, Any, Any]], Awaitable[None]] | None = None
         self.owner = owner or ""
         # group_name(owner, session) == this prefix + session: the digest is computed once.
         self._group_prefix = group_name(self.owner, "")
@@ -224,7 +227,7 @@ class Connection:
                     pool.take(held)
                 if rest is not None:
                     self._dispatching = None
-                    await rest
+                    await (rest if self.watch_parked is None else self.watch_parked(rest))
                 elif not run.matched and eid in self.in_flight:  # rare: its done waits behind pooled outcomes
                     hint = extensions.unmatched_hint(event.type, event.text)
                     if hint:  # _deliver adds it
