@@ -128,10 +128,11 @@ DEFAULTS: dict[str, Any] = {
     "DECODE_SHARE_PER_OWNER": 0.25,
     # The share of one worker's thread pool (a fraction of POOL_MAX_WORKERS, in (0, 1];
     # execapp/pool_share.py) one owner's events may hold with pooled work running, queued or
-    # waiting for a slot, while another owner's events use the pool too: past it the owner's
-    # connections stop reading until one of its pooled events is done (TCP backpressure on that
-    # owner), so one tenant's slow handlers cannot take every thread and queue slot from the
-    # others. Alone on a worker an owner keeps the whole pool.
+    # waiting for a slot (counted in pooled handlers: a frame matching 10 of them holds 10),
+    # while another owner's events use the pool too: past it the owner's connections stop reading
+    # until one of its pooled events is done (TCP backpressure on that owner), so one tenant's
+    # slow handlers cannot take every thread and queue slot from the others. Alone on a worker an
+    # owner keeps the whole pool.
     "POOL_SHARE_PER_OWNER": 0.5,
     # Deepest nesting of arrays/objects in a frame (the event object is level 1), checked before
     # the JSON decoder runs: deeper frames get "too_deep" (docs/protocol.md).

@@ -84,6 +84,9 @@ class Connection:
         self.engine = engine
         self.worker = worker
         self.limits = limits
+        #: Awaits a dispatch that waits for pool slots instead of ``receive`` awaiting it itself (the
+        #: consumer's, which abandons it when the client leaves meanwhile); None: awaited here.
+        self.watch_parked: Callable[[Coroutine[Any, Any, Any]], Awaitable[None]] | None = None
         self.owner = owner or ""
         # group_name(owner, session) == this prefix + session: the digest is computed once.
         self._group_prefix = group_name(self.owner, "")
@@ -111,7 +114,7 @@ class Connection:
         self._pool_share = pool_share
         self._ahead = pool_share.ahead if pool_share is not None else None
         #: ids of this connection's events counted in ``_pool_share`` (given back with their done).
-        self._pooled: set[str] = set()
+        self._pooled: dict[str, int] = {}
         self.sessions: set[str] = set()
         #: event id -> its session (None without one), from acceptance until its done is queued.
         self.in_flight: dict[str, str | None] = {}
@@ -216,12 +219,15 @@ class Connection:
                     if share is not None:
                         share.spend_since(started)
                 # Pooled work left running or parked: counted in the owner's pool share until its done.
+                # Counted by its pooled handlers (a frame matching 100 handlers holds 100 pool
+                # tasks, not one), as it stands now: handlers a parked dispatch submits later
+                # are covered by the one hold it still counts.
                 if pool is not None and (rest is not None or not run.done):
-                    self._pooled.add(eid)
-                    pool.take()
+                    held = self._pooled[eid] = max(1, run.outstanding)
+                    pool.take(held)
                 if rest is not None:
                     self._dispatching = None
-                    await rest
+                    await (rest if self.watch_parked is None else self.watch_parked(rest))
                 elif not run.matched and eid in self.in_flight:  # rare: its done waits behind pooled outcomes
                     hint = extensions.unmatched_hint(event.type, event.text)
                     if hint:  # _deliver adds it
@@ -294,8 +300,7 @@ class Connection:
         history.delivered(self, outcome)
         pooled = self._pooled
         if pooled and eid in pooled:  # its pooled work is over (the client may have left: counted until now)
-            pooled.discard(eid)
-            self._pool_share.give()  # type: ignore[union-attr]
+            self._pool_share.give(pooled.pop(eid))  # type: ignore[union-attr]
         hint = None
         session = self.in_flight.pop(eid, None)
         if not outcome.matched:

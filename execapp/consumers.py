@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Coroutine
 from urllib.parse import parse_qs
 
 from asgiref.sync import sync_to_async
@@ -30,6 +30,7 @@ from .protocol import (
     session_of,
 )
 from .redis_layer import ChannelReleased
+from .ws_flow import CONNECTION_LOST
 
 log = logging.getLogger("execapp.consumers")
 _rare = RateLimitedLog(log, 60.0)
@@ -111,6 +112,34 @@ class EventConsumer(AsyncWebsocketConsumer):
             self._unwatch()
             await self._stop_reader()
 
+    async def _parked(self, rest: Coroutine[Any, Any, Any]) -> None:
+        """A frame's dispatch waiting for pool slots (policy "wait": up to OVERFLOW_WAIT_SECONDS for
+        each of its handlers), awaited while the socket is watched. The consumer reads the next
+        ASGI message (a disconnect too, queued behind the client's frames) only once a frame is
+        done, so a client that left went unseen until every parked handler of its frame had a slot
+        or its refusal: 30 clients that each sent a frame matching 100 handlers and left kept a
+        worker's pool full for minutes. When the server says the socket is gone
+        (``CONNECTION_LOST``, execapp.ws_flow), the dispatch is abandoned: the handlers not yet
+        submitted never run, and the event completes once."""
+        lost = self.scope.get("extensions", {}).get(CONNECTION_LOST)
+        if lost is None:  # a server without it (bare uvicorn, daphne, the tests' communicator)
+            await rest
+            return
+        task = asyncio.ensure_future(rest)
+        watch = asyncio.ensure_future(lost.wait())
+        try:
+            await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                task.cancel()
+            await asyncio.wait((task,))
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            watch.cancel()
+        if not task.cancelled():
+            task.result()
+
     async def dispatch(self, message: dict[str, Any]) -> None:
         kind = message["type"]
         if kind == "websocket.receive":
@@ -180,6 +209,7 @@ class EventConsumer(AsyncWebsocketConsumer):
                                decode_share=worker.decode_share(self.owner, conf.get("DECODE_SHARE_PER_OWNER")),
                                pool_share=worker.pool_share(self.owner, conf.get("POOL_SHARE_PER_OWNER")),
                                outbox_budget=worker.outbox_budget(self.owner, int(conf.get("OWNER_OUTBOX_BYTES"))))
+        self.conn.watch_parked = self._parked
         # Join the URL's sessions before accepting, so a client is a member once it is connected.
         problems = []
         query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))

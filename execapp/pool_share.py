@@ -4,10 +4,12 @@ Why: one worker's ExecPool (POOL_MAX_WORKERS threads and a queue) serves every o
 arrival order. One owner with many connections, each with events in flight whose handlers are
 slow and pooled, took every thread and queue slot, and other owners' pooled events waited behind
 its own until they were refused ``overloaded``. Each owner's connections on a worker now share
-one ``PoolShare`` (execapp.worker): the count of the owner's events that left pooled work running,
-queued or parked for a slot (``take`` when ``Connection.receive`` dispatched one, ``give`` when its
-done is delivered). Past ``limit`` (EXECAPP['POOL_SHARE_PER_OWNER'] of POOL_MAX_WORKERS) the
-owner's connections stop reading frames until one of its events finished: TCP backpressure on
+one ``PoolShare`` (execapp.worker): the count of the pool tasks (pooled handlers) of the owner's
+events that left pooled work running, queued or parked for a slot (``take`` when
+``Connection.receive`` dispatched one, ``give`` when its done is delivered; one frame matching 100
+handlers counts 100: counted as one event it let one frame hold the whole pool while counting 1).
+Past ``limit`` (EXECAPP['POOL_SHARE_PER_OWNER'] of POOL_MAX_WORKERS) the owner's connections stop
+reading frames until one of its events finished: TCP backpressure on
 that owner only, no frame refused. A parked dispatch of an owner within its share waits for a
 slot ahead of the others' (``ahead``: the engine's priority lane), so the first event of an owner
 arriving at a pool another one filled is not refused behind that owner's parked dispatches.
@@ -63,7 +65,7 @@ class PoolShareGroup(ActiveOwners):
 
 
 class PoolShare:
-    """At most ``limit`` of one owner's events with pooled work at once, while another owner has some."""
+    """At most ``limit`` pool tasks of one owner's events at once, while another owner has some."""
 
     __slots__ = ("limit", "held", "group", "waits", "_waiters", "key")
 
@@ -71,7 +73,7 @@ class PoolShare:
         if limit < 1:
             raise ValueError(f"a pool share is at least one event, got {limit!r}")
         self.limit = limit
-        #: The owner's events whose pooled work runs, is queued or waits for a slot (take/give).
+        #: The pool tasks of the owner's events that run, are queued or wait for a slot (take/give).
         self.held = 0
         #: The worker's shares; None: this one alone, always enforced.
         self.group = group
@@ -94,16 +96,17 @@ class PoolShare:
         group = self.group
         return self.held < self.limit and group is not None and group.others_than(self.key)
 
-    def take(self) -> None:
-        """One more of the owner's events holds pooled work."""
-        self.held += 1
+    def take(self, n: int = 1) -> None:
+        """One more of the owner's events holds pooled work: ``n`` pool tasks (its pooled handlers)."""
+        self.held += n
         group = self.group
         if group is not None:
             group.saw(self, time.monotonic())
 
-    def give(self) -> None:
-        """One of the owner's events with pooled work is done: a waiting connection may read on."""
-        self.held -= 1
+    def give(self, n: int = 1) -> None:
+        """One of the owner's events with pooled work is done (the ``n`` it took): a waiting
+        connection may read on."""
+        self.held -= n
         group = self.group
         if group is not None:
             group.saw(self, time.monotonic())

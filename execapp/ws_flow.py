@@ -121,6 +121,12 @@ def message_timeout() -> float:
     return _message_timeout
 
 
+#: The scope's extension (an asyncio.Event) set when the client's socket is gone, ahead of the
+#: ``websocket.disconnect`` message, which an app reads only after the frames queued before it:
+#: execapp.consumers abandons a frame's dispatch still waiting for pool slots when it is set.
+CONNECTION_LOST = "execapp.connection_lost"
+
+
 class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's sans-I/O WebSocket protocol that reads nothing from a client while its writes are backed up."""
 
@@ -143,6 +149,15 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
         self._message_timer: asyncio.TimerHandle | None = None
         #: The parser completed a frame (or the handshake request) since the last ``_track_message``.
         self._frame_done = False
+        #: Set once the socket is gone (the scope's CONNECTION_LOST extension).
+        self._lost = asyncio.Event()
+
+    def handle_connect(self, event: Any) -> None:
+        """uvicorn's, and the CONNECTION_LOST extension in the scope (before the app's task runs)."""
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)
+        if scope is not None:
+            scope.setdefault("extensions", {})[CONNECTION_LOST] = self._lost
 
     def data_received(self, data: bytes) -> None:
         """Bytes from the client: parsed a slice at a time while the app keeps up (see the module)."""
@@ -199,10 +214,11 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
         self._message_timer = self.loop.call_at(since + timeout, self._message_due)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        """uvicorn's, and the message deadline's timer cancelled."""
+        """uvicorn's, the message deadline's timer cancelled, and CONNECTION_LOST set."""
         if self._message_timer is not None:
             self._message_timer.cancel()
             self._message_timer = None
+        self._lost.set()
         super().connection_lost(exc)
 
     def _refuse_handshake(self, exc: Exception) -> None:

@@ -147,8 +147,9 @@ class LoadedPlugin:
 
         The guest's deadline is min(the plugin's timeout, ``ctx.deadline``): inline, the
         engine's inline budget may be the shorter, and a run it stops says so. The function
-        carries ``timeout`` (the plugin's timeout + ENGINE_GRACE_SECONDS), which the engine
-        takes as its matcher's deadline for pooled runs (the backstop behind the sandbox).
+        carries ``timeout`` (twice the plugin's timeout + ENGINE_GRACE_SECONDS: a pooled call may
+        wait up to its timeout for a slot, then run up to its timeout), which the engine takes as
+        its matcher's deadline for pooled runs (the backstop behind the sandbox).
         """
         call = self.call
         sync = ExecClass.SYNC
@@ -160,6 +161,13 @@ class LoadedPlugin:
             event["args"] = ctx.args
             inline = ctx.exec_class is sync
             deadline = ctx.deadline
+            if not inline and deadline is not None:
+                # Pooled, ctx.deadline is the engine's backstop (``run.timeout`` from the run's
+                # start): the sandbox stops the guest a whole grace before it, however long the
+                # call waited for a slot. A guest that waited longer than the grace was given the
+                # backstop's own deadline, raced the watcher, which won under load and counted the
+                # thread stuck (76 on a real worker for one frame; 8 at once recycle it).
+                deadline -= ENGINE_GRACE_SECONDS
             try:
                 reply = call(handler, event, not inline, deadline)
                 # The reply's size is checked here, inside the handler's measured run, for every
@@ -186,7 +194,7 @@ class LoadedPlugin:
                 raise
 
         run.__name__ = run.__qualname__ = f"{self.spec.name}.{handler}"
-        run.timeout = own + ENGINE_GRACE_SECONDS  # type: ignore[attr-defined]
+        run.timeout = 2 * own + ENGINE_GRACE_SECONDS  # type: ignore[attr-defined]
         return run
 
     def stats(self) -> dict[str, Any]:

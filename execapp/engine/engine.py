@@ -21,6 +21,7 @@ from .errors import (
     NotStarted,
     Overloaded,
     PoolClosed,
+    describe,
 )
 from .event import Completion, Context, Event, EventRun, Failure, OutcomeCallback, new_run
 from .matcher import MARK_SIZE, Handler, Matcher, MatcherKind, Routes
@@ -395,6 +396,12 @@ class Engine:
                     if commands is not None:
                         plan, cmd_args = commands, rest.strip()
         size = event.size
+        budget = self.inline_timeout
+        # The end of this dispatch's inline budget, from its first inline run's start (None: none
+        # ran yet, or no budget): a handler starts inline only before it, so one frame matching
+        # many proven-fast handlers holds the loop for at most about twice the budget (the last
+        # one started may use its whole own budget); the rest go to the pool.
+        cutoff: float | None = None
         done = False
         try:
             # Most events start at 0: iterate the tuple itself (its position is only needed to park).
@@ -411,16 +418,20 @@ class Engine:
                 # The class, and the size this handler has earned inline (a much larger event goes
                 # to the pool before it runs; the profile is not changed by this decision): what
                 # m.profile.should_pool(size) says, read as one attribute (-1 while pooled).
-                if allow_pool and size <= m.profile.inline_limit:
+                if allow_pool and size <= m.profile.inline_limit and (cutoff is None or run._ended < cutoff):
                     # 4. proven fast: inline, with the inline budget (a privilege) ...
-                    if self._run_inline(run, m, args, self.inline_timeout, size, True):
+                    started = self._run_inline(run, m, args, budget, size, True)
+                    if started:
+                        if cutoff is None and budget is not None:
+                            cutoff = started + budget
                         next(self._n_inline)
                         if blocking:
                             run.blocked_by = m.name
                             break
                         continue
                     # ... unless it could not start there (NotStarted: its plugin's slots were all
-                    # taken, and the loop must not wait for one): the pool, where it may wait.
+                    # taken, and the loop must not wait for one): the pool, where it may wait. So
+                    # does a proven-fast handler once this dispatch's inline budget is spent.
                 if allow_pool:
                     pool = self.pool
                     if pool is not None:
@@ -536,11 +547,11 @@ class Engine:
                 run.release()
 
     def _run_inline(self, run: EventRun, m: Matcher, args: str, budget: float | None, size: int,
-                    may_defer: bool) -> bool:
+                    may_defer: bool) -> float:
         """Run one handler on the calling thread (the event loop, on the asyncio path), record its
-        duration in its profile and emit its outcome: the hot path of every inline event. False,
+        duration in its profile and emit its outcome: the hot path of every inline event. 0.0,
         with nothing recorded or emitted, when ``may_defer`` and the handler raised NotStarted
-        (the caller runs it in the pool instead); True otherwise.
+        (the caller runs it in the pool instead); otherwise the run's start (clock seconds, > 0).
 
         ``budget``: seconds from the start to ``ctx.deadline`` (None: no deadline); a run that
         times out or outlasts it promotes its matcher at once. ``size``: the event's, as the
@@ -580,11 +591,11 @@ class Engine:
             if slot is not None:
                 slot[0] = 0
             if may_defer and isinstance(exc, NotStarted):
-                return False
+                return 0.0
             if budget is not None and elapsed > budget + INLINE_ESCAPE_SECONDS:
                 self._escaped(m, elapsed, budget)
             self._failed(run, m, exc, _SYNC, elapsed, budget is not None and elapsed > budget)
-            return True
+            return started
         run._ended = ended = _clock()
         elapsed = ended - started
         if slot is not None:
@@ -605,7 +616,7 @@ class Engine:
                     observe(m, _SYNC, elapsed, "ok", run.event)
                 except Exception:  # metrics must never break dispatch
                     _rlog.exception(("observer", id(observe)), "run observer %r failed", observe)
-        return True
+        return started
 
     @staticmethod
     def _escaped(m: Matcher, elapsed: float, budget: float) -> None:
@@ -659,14 +670,15 @@ class Engine:
         """A handler raised: one Failure, an error (a timeout or an inline ``overrun`` promotes at
         once) in its profile, counted and observed."""
         if isinstance(exc, ExecAppError):
-            code, message = exc.code, str(exc) or type(exc).__name__
+            code, message = exc.code, describe(exc) or type(exc).__name__
         else:
             code = HandlerError.code
-            message = str(exc) or type(exc).__name__
+            message = describe(exc) or type(exc).__name__
             if not isinstance(exc, Exception):
                 message = (f"handler {m.name!r} raised {type(exc).__name__}({message}); a handler must return "
                            "or raise an Exception, never stop the server")
-            _rlog.warning(("handler", m.name, type(exc).__name__), "handler %s failed: %r", m.name, exc)
+            _rlog.warning(("handler", m.name, type(exc).__name__), "handler %s failed: %s: %s", m.name,
+                          type(exc).__name__, message)
         m.profile.record(elapsed, error=message, timeout=code == HandlerTimeout.code, overrun=overrun)
         self._count("errors")
         run.emit(Failure(run.event.id, m.name, m.plugin, code, message, exec_class, elapsed))
@@ -694,9 +706,10 @@ class Engine:
         m: Matcher = ctx.matcher
         elapsed = _clock() - started
         if m.plugin is not None:
-            message = (f"handler {m.name!r} of plugin {m.plugin!r} did not stop within its timeout plus grace "
-                       f"({m.timeout:g} s) though its sandbox should have stopped it; its thread is stuck and its "
-                       "late result will be discarded")
+            message = (f"handler {m.name!r} of plugin {m.plugin!r} did not stop within its backstop "
+                       f"({m.timeout:g} s: a wait for a slot and a run, each up to its timeout, plus a grace) "
+                       "though its sandbox should have stopped it; its thread is stuck and its late result will be "
+                       "discarded")
         else:
             message = (f"handler {m.name!r} ran past its timeout of {m.timeout:g} s; it keeps running in its pool "
                        "thread (counted as stuck) and its late result will be discarded; make it return sooner "

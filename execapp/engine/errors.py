@@ -52,3 +52,31 @@ class ConfigError(ExecAppError):
     """An engine, pool or profile was built with an impossible setting."""
 
     code = "config_error"
+
+
+#: The longest handler error message the engine passes on (characters): a Python handler's
+#: ``ValueError("x" * 50_000_000)`` went whole into its error frame, its trace and its log line.
+#: Twice the plugins' runtimes' cut of their guests' messages (plugins.runtimes.base.MAX_ERROR_CHARS),
+#: so a cut guest message keeps its own note and what the plugin layer adds to it.
+MAX_MESSAGE_CHARS = 16384
+
+
+def describe(exc: BaseException) -> str:
+    """``str(exc)`` as an error frame can carry it: cut to MAX_MESSAGE_CHARS, and never raising (an
+    exception whose ``__str__`` raises, even SystemExit, is described by its type instead: raised
+    on the event loop it skipped the event's other handlers and lost its failure, or stopped the
+    server). Empty when the exception has no message."""
+    try:
+        text = str(exc)
+        if text.__class__ is not str:  # a str subclass's own methods could raise too
+            text = str.__str__(text)
+    except BaseException as inner:  # noqa: B036 - the handler's exception must not escape, whatever it is
+        return f"{_name(exc)} (its message could not be read: str() raised {_name(inner)})"
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return f"{text[:MAX_MESSAGE_CHARS]} ... (cut: the message was {len(text)} characters)"
+
+
+def _name(exc: BaseException) -> str:
+    name = type(exc).__name__
+    return name if name.__class__ is str else "?"

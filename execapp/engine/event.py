@@ -335,6 +335,12 @@ class EventRun:
         """True once every handler has finished (``completion`` is then set)."""
         return not self._pending
 
+    @property
+    def outstanding(self) -> int:
+        """Holds not yet released: the pooled handlers not finished, plus the dispatch itself
+        while it runs or waits for a pool slot (0 once done)."""
+        return self._pending
+
     def reply(self, matcher: str, plugin: str | None, text: str | None, data: Any, exec_class: ExecClass,
               elapsed: float) -> None:
         """Count one reply of a handler and pass it on, from whichever thread ran the handler;

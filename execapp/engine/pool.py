@@ -29,6 +29,11 @@ MAX_WORKERS = 64
 QUEUE_SIZE = 128
 IDLE_SECONDS = 2.0
 
+#: How long the pool's starter thread (ExecPool._start) lingers with no worker to start before it
+#: exits (seconds), and how long it waits before trying a failed start again.
+STARTER_LINGER = 30.0
+START_RETRY = 0.1
+
 _RUNNING, _STUCK, _FINISHED = 0, 1, 2
 
 
@@ -65,8 +70,10 @@ class ExecPool:
     starts a worker, or queues the task, or returns False. Workers start when there is work
     and exit after ``idle_seconds`` without any.
 
-    Why workers linger (default 2 s): a Python thread costs ~94 us to start and the submitter,
-    i.e. the event loop, pays it. Measured on the 2-core build machine (bench/bench_engine.py,
+    Why workers linger (default 2 s): a Python thread costs ~94 us to start (far more while
+    other threads hold the GIL: ``Thread.start()`` waits until the new thread runs, so the
+    pool's one starter thread starts workers, never the submitter, i.e. the event loop: see
+    ``_start``). Measured on the 2-core build machine (bench/bench_engine.py,
     docs/benchmarks.md), a submit-to-completion round trip with ``idle_seconds=0`` cost
     1.6-2.6x a lingering worker's back to back (59 vs 26 us in one run) and 3.5-5.7x with one
     task every 2 ms (168 vs 38 us), the bursty case. An idle lingering worker blocks on its
@@ -114,6 +121,11 @@ class ExecPool:
         self._completed = itertools.count()
         self._failed = itertools.count()
         self._spawned = itertools.count()  # worker threads started
+        # Worker starts asked of the starter thread (see _start); the lock orders a request
+        # against the starter's exit.
+        self._start_requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._starter: threading.Thread | None = None
+        self._starter_lock = threading.Lock()
         self._exited = itertools.count()
         self._delays: collections.deque[float] = collections.deque(maxlen=1024)
         self._listeners: list[Callable[[str, float], None]] = []
@@ -200,8 +212,42 @@ class ExecPool:
         return False
 
     def _start(self, task: tuple | None) -> None:
-        seq = next(self._spawned) + 1
-        threading.Thread(target=self._work, args=(task,), name=f"{self.name}-{seq}", daemon=True).start()
+        """Have a worker started for a token just taken, by the pool's starter thread, not by the
+        caller (the event loop): ``Thread.start()`` waits until the new thread runs, and while
+        busy threads (guests) hold the GIL each start took 20-400 ms, 64 of them 1.3 s with two
+        busy threads and 5.9 s with eight; on the loop every connection waited that long. Raises
+        only when no starter thread can be started (then nothing was asked)."""
+        with self._starter_lock:
+            if self._starter is None:
+                starter = threading.Thread(target=self._starts, name=f"{self.name}-starter", daemon=True)
+                starter.start()  # may raise: nothing asked yet
+                self._starter = starter
+            self._start_requests.put(task)
+
+    def _starts(self) -> None:
+        """The starter thread: start a worker for each request; exit after STARTER_LINGER idle."""
+        requests = self._start_requests
+        while True:
+            try:
+                task = requests.get(timeout=STARTER_LINGER)
+            except queue.Empty:
+                with self._starter_lock:
+                    if requests.empty():
+                        self._starter = None
+                        return
+                continue
+            while True:
+                seq = next(self._spawned) + 1
+                try:
+                    threading.Thread(target=self._work, args=(task,), name=f"{self.name}-{seq}", daemon=True).start()
+                    break
+                except Exception as exc:
+                    # Its token stays taken and its task waits (in the hand-off deque or the
+                    # queue, where a live worker may take it first) until a start succeeds.
+                    next(self._exited)  # counted as started above: it never was
+                    _rlog.error(("start", type(exc).__name__), "pool %s could not start a worker, retrying every "
+                                "%g s: %r", self.name, START_RETRY, exc)
+                    sleep(START_RETRY)
 
     # -- the worker ---------------------------------------------------------------------------
 

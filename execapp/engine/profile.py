@@ -53,6 +53,12 @@ SIZE_FLOOR = 1024
 #: (execapp/conf.py reads them from here).
 WINDOW = 32
 SLOW_THRESHOLD = 0.050
+#: Earning inline back costs twice as many fresh fast runs each time it was earned before (a
+#: window, then 2, 4, ... windows), at most 2**RECOVERY_DOUBLINGS windows: a demoted handler that
+#: is promoted again broke the trust it was given. Without it a handler fast on 32 events and
+#: slow on the 33rd (a crafted one) held the loop its whole inline budget every 33 events, for
+#: as long as its author liked.
+RECOVERY_DOUBLINGS = 10
 #: The profile's monotonic counters (keys of ``snapshot``): persisted per matcher and summed
 #: over workers by execapp.persistence and the dashboard.
 COUNTERS = ("runs", "errors", "timeouts", "promotions", "demotions")
@@ -70,6 +76,9 @@ class ExecProfile:
     - one run over ``promote_after`` (2x threshold) promotes at once and clears demotion;
     - a timeout, or an inline run past the engine's inline budget (``overrun``), promotes at
       once too (and restarts a promoted handler's recovery window);
+    - each demotion doubles the fresh runs the next one needs (``recovery_needed``: a window,
+      then 2, 4, ... windows, at most 2**RECOVERY_DOUBLINGS), so a handler fast on most events
+      and slow on a crafted one cannot keep coming back inline;
     - a demoted handler takes inline only events up to ``inline_max_size`` (SIZE_FACTOR x the
       largest size of a fast, successful run since the last promotion, at least SIZE_FLOOR);
     - a quarantined profile (``quarantine``) is pinned to the pool and never demoted until
@@ -319,9 +328,15 @@ class ExecProfile:
         """True when the window's p50 (upper median) is >= the threshold counted by n_at_least."""
         return n_at_least >= self._count - self._count // 2
 
+    @property
+    def recovery_needed(self) -> int:
+        """Fresh fast runs a promoted handler needs before it may be demoted: a window, doubled for
+        each earlier demotion (RECOVERY_DOUBLINGS at most)."""
+        return self.window << min(self.demotions, RECOVERY_DOUBLINGS)
+
     def _may_demote(self) -> bool:
         return (self._count == self.window
-                and self._fresh >= self.window
+                and self._fresh >= self.window << min(self.demotions, RECOVERY_DOUBLINGS)
                 and not self._half_at_least(self._n_not_fast)
                 and self._fast_streak >= self.recent)
 
@@ -440,6 +455,7 @@ class ExecProfile:
                 "last_error": self.last_error,
                 "updated_at": self.updated_at,
                 "recovery_samples": self._fresh,
+                "recovery_needed": self.recovery_needed,
                 "proven_size": self.proven_size,
                 "inline_max_size": self.inline_max_size,
                 "quarantined": self.quarantined,

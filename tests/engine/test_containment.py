@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import sys
 import threading
 import time
 
@@ -31,8 +32,10 @@ from execapp.engine import (
     HandlerTimeout,
     ProfileState,
 )
+from execapp.engine import engine as engine_module
 from execapp.engine import pool as pool_module
 from execapp.engine.engine import INLINE_ESCAPE_SECONDS
+from execapp.engine.errors import MAX_MESSAGE_CHARS
 from execapp.engine.matcher import MARK_SIZE, make_mark
 from execapp.engine.profile import SIZE_FACTOR, SIZE_FLOOR
 
@@ -88,6 +91,40 @@ def test_a_handler_raising_base_exception_is_a_recorded_failure(engines, placeme
     assert engine.pool.stats()["failed"] == 0, "the engine handled it; the pool's last resort never saw it"
     m.handler = lambda ctx: "alive"  # the same engine and pool keep serving
     assert dispatch(engine)[1].replies[0].text == "alive"
+
+
+class _UnreadableError(Exception):
+    def __init__(self, raised: BaseException) -> None:
+        super().__init__()
+        self.raised = raised
+
+    def __str__(self) -> str:
+        raise self.raised
+
+
+@pytest.mark.parametrize("raised", [_UnreadableError(RuntimeError("no text")), _UnreadableError(SystemExit(2)),
+                                    ValueError("x" * 1_000_000)], ids=["str-raises", "str-exits", "huge"])
+@pytest.mark.parametrize("placement", ["pooled", "inline"])
+def test_a_handler_error_whose_message_raises_or_is_huge_is_one_bounded_failure(engines, placement, raised):
+    # Inline, an exception whose str() raised escaped the dispatch: the event's other handlers
+    # were skipped and its failure lost (a SystemExit from str() stopped the server); pooled, its
+    # failure was lost. A 1 MB message went whole into the error frame.
+    engine = engines()
+
+    def handler(ctx):
+        raise raised
+
+    m = add_cmd(engine, handler, name="odd", priority=1)
+    (promote if placement == "pooled" else demote)(m)
+    demote(add_cmd(engine, lambda ctx: "next ran", name="next"))
+    completion, out = dispatch(engine)
+    assert [f.code for f in out.failures] == ["handler_error"]
+    assert [r.text for r in out.replies] == ["next ran"]
+    assert completion.errors == tuple(out.failures) and completion.matched == 2
+    message = out.failures[0].message
+    assert len(message) <= MAX_MESSAGE_CHARS + 100
+    assert ("could not be read" in message) is isinstance(raised, _UnreadableError)
+    assert m.profile.errors == 1
 
 
 # -- matcher timeout: the pool's watcher ------------------------------------------------------------
@@ -229,6 +266,31 @@ def test_an_inline_overrun_promotes_at_once_and_the_result_still_counts(engines)
     assert out.replies[0].exec_class is ExecClass.POOL, "runs inline again only after proving fast afresh"
 
 
+def test_one_event_starts_inline_runs_only_within_one_inline_budget(engines, monkeypatch):
+    # A frame matching many proven-fast handlers (a plugin may bind 100 to one command), each
+    # slow on a crafted input but within its own budget, held a real worker's loop 47 x 0.1 s
+    # until its watchdog killed it. The event's inline runs now share one budget: once it is
+    # spent the rest of its handlers go to the pool, without changing their profiles.
+    now = [1000.0]
+    monkeypatch.setattr(engine_module, "_clock", lambda: now[0])
+    engine = engines(inline_timeout=0.05, profile_factory=lambda: ExecProfile(slow_threshold=5.0))
+
+    def costly(ctx):
+        now[0] += 0.03  # each run within its own budget (0.05 s), two of them past it
+        return ctx.matcher.name
+
+    matchers = [demote(add_cmd(engine, costly, name=f"h{i}")) for i in range(5)]
+    completion, out = dispatch(engine)
+    assert completion.matched == 5 and not out.failures
+    classes = {r.text: r.exec_class for r in out.replies}
+    assert classes == {"h0": ExecClass.SYNC, "h1": ExecClass.SYNC, "h2": ExecClass.POOL, "h3": ExecClass.POOL,
+                       "h4": ExecClass.POOL}
+    assert all(m.profile.state is ProfileState.DEMOTED for m in matchers), "moved for this event only"
+    assert engine.counts["inline"] == 2 and engine.counts["pooled"] == 3
+    _, out = dispatch(engine)  # the next event has a budget of its own
+    assert [r.exec_class for r in out.replies if r.text == "h0"] == [ExecClass.SYNC]
+
+
 def test_an_inline_run_far_past_its_budget_quarantines_its_matcher(engines):
     # A C call no deadline reaches (a QuickJS BigInt turned into text: 3.4 s on a real worker's
     # loop) was only promoted: 46 fast runs later the handler ran inline again, to stall it again.
@@ -277,10 +339,10 @@ def test_a_sandboxed_plugin_inline_is_stopped_by_the_inline_budget_not_its_own(e
     try:
         engine = engines(inline_timeout=0.1)
         handler = plugin.engine_handler("spin")
-        assert handler.timeout == 5.0 + ENGINE_GRACE_SECONDS
+        assert handler.timeout == 2 * 5.0 + ENGINE_GRACE_SECONDS  # a wait for a slot, a run, a grace
         m = demote(engine.add(engine.make_matcher("command", "cmd", handler, name="spinner.spin",
                                                   plugin="spinner")))
-        assert m.timeout == 5.0 + ENGINE_GRACE_SECONDS, "plugin bindings carry their budget plus a grace"
+        assert m.timeout == 2 * 5.0 + ENGINE_GRACE_SECONDS, "plugin bindings carry their budget plus a grace"
         t0 = time.monotonic()
         completion, out = dispatch(engine)
         took = time.monotonic() - t0
@@ -296,6 +358,49 @@ def test_a_sandboxed_plugin_inline_is_stopped_by_the_inline_budget_not_its_own(e
         assert plugin.call("echo", {"args": "x"}, False, None) == "x"
     finally:
         plugin.close()
+
+
+def test_a_pooled_plugin_run_that_waited_for_its_slot_is_stopped_by_its_sandbox_before_the_backstop(engines):
+    # A pooled run that waited for its plugin's slot longer than the grace got a guest deadline
+    # equal to the engine's backstop (then the plugin's timeout plus the grace from its start):
+    # the two raced, the watcher won, and the thread was counted stuck. One frame matching 100
+    # handlers of one plugin (8 slots) counted 76 stuck threads on a real worker, where
+    # EXECAPP['STUCK_THREADS_LIMIT'] (8) at once recycles it.
+    from plugins.loaded import ENGINE_GRACE_SECONDS, LoadedPlugin
+    from plugins.spec import PluginSpec
+
+    own = ENGINE_GRACE_SECONDS + 0.3  # the second run waits longer than the grace for the slot
+    plugin = LoadedPlugin(PluginSpec(name="spinner", runtime="lua", code=LUA_SPIN, timeout=own, max_concurrency=1))
+    given: list[tuple[float, float]] = []  # (the guest's deadline, the engine's) of each pooled call
+    call = plugin.call
+
+    def watched_call(handler, event, blocking=True, deadline=None):
+        ctx_deadline = next(f.f_locals["ctx"].deadline for f in _frames() if "ctx" in f.f_locals)
+        given.append((deadline, ctx_deadline))
+        return call(handler, event, blocking, deadline)
+
+    plugin.call = watched_call  # type: ignore[method-assign]
+    try:
+        engine = engines()
+        for i in range(2):
+            promote(engine.add(engine.make_matcher("command", "cmd", plugin.engine_handler("spin"),
+                                                   name=f"spinner.spin#{i}", plugin="spinner")))
+        completion, out = dispatch(engine)
+        assert len(out.failures) == 2 and {f.code for f in out.failures} <= {"timeout", "plugin_busy"}
+        assert not [f.message for f in out.failures if "did not stop" in f.message], "the backstop fired"
+        assert engine.pool.stats()["stuck_total"] == 0
+        # The contract, whatever the race's outcome on this machine: the sandbox's deadline is a
+        # grace before the backstop's, wait for the slot included.
+        assert len(given) == 2 and all(guest <= backstop - ENGINE_GRACE_SECONDS + 1e-9 for guest, backstop in given)
+    finally:
+        plugin.close()
+
+
+def _frames():
+    frame = sys._getframe(1)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
 
 
 # -- inline is earned per input size ----------------------------------------------------------------

@@ -199,7 +199,7 @@ def test_inline_limit_is_the_decision_through_every_transition():
     p.quarantine("test")
     agrees()
     p.release_quarantine()
-    for _ in range(4):
+    for _ in range(p.recovery_needed):
         p.record(FAST)
     agrees()
     assert p.state is ProfileState.DEMOTED

@@ -16,6 +16,7 @@ import pytest
 
 from execapp.engine import ConfigError, ExecClass, ExecProfile, ProfileState
 from execapp.engine import profile as profile_module
+from execapp.engine.profile import RECOVERY_DOUBLINGS
 
 FAST = 0.001  # well under the fast threshold (25 ms)
 MID = 0.030  # between fast (25 ms) and slow (50 ms): neither
@@ -176,10 +177,30 @@ def test_promoted_profile_recovers_only_on_a_full_window_of_post_promotion_sampl
     # long ago; judged on post-promotion samples only, the window is not yet full.
     assert p.state is ProfileState.PROMOTED
     assert p.should_pool() is ExecClass.POOL
+    # Its second demotion: it needs two windows of fresh runs (see the next test).
+    feed(p, FAST, p.recovery_needed - 31 - 1)
+    assert p.state is ProfileState.PROMOTED
     p.record(FAST)
     assert p.state is ProfileState.DEMOTED
     assert p.should_pool() is ExecClass.SYNC
     assert p.demotions == 2
+
+
+def test_each_demotion_doubles_the_fresh_runs_the_next_one_needs_up_to_a_cap():
+    # A handler fast on 32 events and slow on a crafted 33rd came back inline after every 32
+    # fast runs, to hold the loop its whole inline budget again: the attacker's pace, forever.
+    p = ExecProfile(window=4, recent=2, min_samples=2)
+    needed = []
+    for _ in range(RECOVERY_DOUBLINGS + 3):
+        runs = 0
+        while p.state is not ProfileState.DEMOTED:
+            p.record(FAST)
+            runs += 1
+        needed.append(runs)
+        p.record(OUTLIER)  # the crafted event: promoted again
+    assert needed[:4] == [4, 8, 16, 32]
+    assert needed[-1] == needed[-2] == 4 << RECOVERY_DOUBLINGS
+    assert p.snapshot()["recovery_needed"] == 4 << RECOVERY_DOUBLINGS
 
 
 def test_promoted_profile_window_is_fresh():

@@ -14,6 +14,7 @@ from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 
 from execapp.routing import websocket_application
+from execapp.ws_flow import CONNECTION_LOST
 
 from . import ws_handlers
 from .ws_fixtures import Client, authed, channel_layer, demote, wait_for, ws_worker  # noqa: F401
@@ -213,6 +214,40 @@ async def test_a_full_pool_holds_back_only_the_connection_that_waits_for_a_slot(
                 if not any(f["id"] == f"h{i}" and f["type"] == "done" for f in frames):
                     frames += await waiting.until_done(f"h{i}")
             assert all(f["type"] != "error" for f in frames)
+    finally:
+        hold.set()
+
+
+@pytest.mark.parametrize("ws_worker", [
+    {"POOL_MAX_WORKERS": 1, "POOL_QUEUE_SIZE": 0, "OVERFLOW_POLICY": "wait", "OVERFLOW_WAIT_SECONDS": 30.0},
+], indirect=True)
+async def test_a_client_that_leaves_while_its_frame_waits_for_pool_slots_abandons_the_rest(ws_worker: Any) -> None:
+    # The consumer reads the next ASGI message (its disconnect too, queued behind the frames the
+    # client sent before it left) only once a frame is done: a client that left while its frame's
+    # handlers waited for pool slots went unseen until each had a slot or its refusal, and 30
+    # clients that sent a frame matching 100 handlers and left held a worker's pool full for
+    # minutes. The server's CONNECTION_LOST (execapp.ws_flow) now abandons what was not submitted.
+    hold = threading.Event()
+    ran: list[str] = []
+
+    def held(ctx: Any) -> str:
+        hold.wait(10)
+        ran.append(ctx.matcher.name)
+        return "held"
+
+    engine = ws_worker.engine
+    for i in range(3):
+        engine.add(engine.make_matcher("command", "fan", held, name=f"fan{i}", plugin="test"))
+    lost = asyncio.Event()
+    try:
+        async with Client(app=authed({"extensions": {CONNECTION_LOST: lost}})) as c:
+            await c.send(msg("/fan", "f"))
+            await wait_for(lambda: engine.waiting == 1)  # fan0 holds the one thread, fan1 waits for it
+            lost.set()  # the socket is gone (its disconnect is still behind in the ASGI queue)
+            await wait_for(lambda: engine.waiting == 0)
+            hold.set()
+            await wait_for(lambda: ws_worker.pool.busy() == 0)
+            assert ran == ["fan0"], "the handlers not submitted when the client left never ran"
     finally:
         hold.set()
 

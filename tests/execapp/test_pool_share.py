@@ -282,3 +282,32 @@ async def _until(predicate: Any, timeout: float = 15.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+async def test_an_event_counts_each_of_its_pooled_handlers() -> None:
+    # One frame matching many handlers (a plugin may bind 100 to one command) held that many pool
+    # tasks while its owner's share counted it once: 32 such frames could hold 3,200 tasks while
+    # another owner waited behind them.
+    pool = ExecPool(8, 8)
+    engine = Engine(pool=pool)
+    gate = threading.Event()
+    for i in range(5):
+        promote(engine.add(engine.make_matcher("command", "fan", lambda ctx: gate.wait(10) and None,
+                                               name=f"fan{i}", plugin="test")))
+    sent: list[str] = []
+
+    async def send(text: str) -> None:
+        sent.append(text)
+
+    share = PoolShare(3)  # alone in no group: always enforced
+    conn = Connection(engine, Admission(), Limits(), send, owner="tenant:a", pool_share=share)
+    try:
+        await conn.receive(json.dumps({"id": "f1", "text": "/fan"}))
+        assert share.held == 5 and share.over
+        gate.set()
+        await _until(lambda: any(json.loads(f).get("type") == "done" for f in sent))
+        assert share.held == 0 and not conn._pooled
+    finally:
+        gate.set()
+        conn.close()
+        pool.drain(10)
