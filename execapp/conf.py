@@ -36,6 +36,12 @@ DEFAULTS: dict[str, Any] = {
     # loop for each 64 KB message (and up to ~50 ms each for a pattern whose DFA explodes).
     "MAX_BINDINGS_PER_PLUGIN": 100,
     "MAX_REGEX_BINDINGS_PER_PLUGIN": 10,
+    # Enabled plugins a worker loads, and regex bindings of all enabled plugins together (saves past
+    # them are refused; a worker loads the first created). The per-plugin limits alone let 500
+    # plugins add 5,000 regex searches to every message, and every enabled plugin is compiled and
+    # holds its instances (up to pool_size x memory_mb) in every worker.
+    "MAX_PLUGINS": 100,
+    "MAX_REGEX_BINDINGS": 100,
     # Asyncio overflow policy when the pool is full (engine.OVERFLOW_POLICIES): "wait" (per-client
     # backpressure for up to OVERFLOW_WAIT_SECONDS, then refuse with code "overloaded"), "reject"
     # (refuse at once) or "inline".

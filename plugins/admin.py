@@ -5,6 +5,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 from django.utils.html import format_html
 
@@ -13,7 +14,7 @@ from execapp.history_admin import events_url
 
 from .forms import BindingFormSet, PluginForm
 from .kv import kv_store
-from .models import QUOTA_FIELDS, Binding, KVEntry, Plugin, RegistryState
+from .models import QUOTA_FIELDS, Binding, KVEntry, Plugin, RegistryState, registry_limits
 from .runtimes import registry
 from .sync import refresh_tracked_engines
 
@@ -109,6 +110,17 @@ class PluginAdmin(admin.ModelAdmin):
         obj.save(check_bindings=False)
 
     def _set_enabled(self, request: Any, queryset: Any, enabled: bool) -> None:
+        if enabled:
+            most_plugins, most_regex = registry_limits()
+            plugins = Plugin.objects.filter(enabled=True).count() + queryset.filter(enabled=False).count()
+            regexes = Binding.objects.filter(kind="regex").filter(
+                Q(plugin__enabled=True) | Q(plugin__in=queryset)).count()
+            if plugins > most_plugins or regexes > most_regex:
+                self.message_user(request, f"Nothing enabled: {plugins} plugins with {regexes} regex bindings "
+                                  f"would be enabled; at most {most_plugins} and {most_regex} may be "
+                                  "(EXECAPP['MAX_PLUGINS'], ['MAX_REGEX_BINDINGS']). Select fewer, or disable others "
+                                  "first.", messages.ERROR)
+                return
         with transaction.atomic():
             # updated_at too (update() skips auto_now): a page opened before this is refused, not
             # allowed to switch the plugin back unseen.

@@ -10,7 +10,7 @@ from django.forms.models import BaseInlineFormSet
 
 from .errors import PluginInvalid
 from .loaded import validate
-from .models import QUOTA_FIELDS, Plugin, check_binding_counts
+from .models import QUOTA_FIELDS, Plugin, check_binding_counts, check_regex_total
 from .runtimes import registry
 from .spec import PERMISSIONS
 
@@ -127,7 +127,10 @@ class BindingFormSet(BaseInlineFormSet):
         kept = [f.cleaned_data for f in self.forms if f.cleaned_data and not f.cleaned_data.get("DELETE")]
         handlers = [data["handler"] for data in kept if data.get("enabled")]
         try:
-            check_binding_counts(plugin.name, len(kept), sum(data.get("kind") == "regex" for data in kept))
+            regexes = sum(data.get("kind") == "regex" for data in kept)
+            check_binding_counts(plugin.name, len(kept), regexes)
+            if plugin.enabled:
+                check_regex_total(plugin.name, plugin.pk, regexes)
             plugin.prepare_code()
             plugin.check_fields()
             # Names the plugin, the bound handlers and the runtime's own message, whether the

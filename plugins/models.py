@@ -191,7 +191,12 @@ class Plugin(models.Model):
 
     def save(self, *args: Any, check_bindings: bool = True, **kwargs: Any) -> None:
         """Validate in the sandbox, then save. ``check_bindings=False`` checks the code only
-        (for a caller that validated the new bindings itself, like the admin's formset)."""
+        (for a caller that validated the new bindings itself, like the admin's formset).
+        A plugin becoming enabled must fit MAX_PLUGINS and, with its stored bindings, MAX_REGEX_BINDINGS."""
+        if self.enabled and not (self.pk and Plugin.objects.filter(pk=self.pk, enabled=True).exists()):
+            check_plugin_count(self.name, self.pk)
+            if check_bindings and self.pk:
+                check_regex_total(self.name, self.pk, self.bindings.filter(kind="regex").count())
         self.validate_code(handlers=None if check_bindings else [])
         super().save(*args, **kwargs)
 
@@ -224,6 +229,35 @@ def check_binding_counts(plugin: str, total: int, regexes: int) -> None:
         raise PluginInvalid(f"plugin {plugin!r} would have {regexes} regex bindings; a plugin may have at most "
                             f"{most_regex} (EXECAPP['MAX_REGEX_BINDINGS_PER_PLUGIN']): every message is searched with "
                             "each of them on the event loop; join patterns with '|' or use command bindings")
+
+
+def registry_limits() -> tuple[int, int]:
+    """(enabled plugins a worker loads, regex bindings of all enabled plugins together): EXECAPP's
+    MAX_PLUGINS and MAX_REGEX_BINDINGS (docs/operations.md)."""
+    return int(conf.get("MAX_PLUGINS")), int(conf.get("MAX_REGEX_BINDINGS"))
+
+
+def check_plugin_count(plugin: str, pk: int | None) -> None:
+    """Refuse one more enabled plugin than a worker loads (PluginInvalid): every enabled plugin is
+    compiled and holds its instances in every worker, and adds its bindings to every message's routes."""
+    most = registry_limits()[0]
+    others = Plugin.objects.filter(enabled=True).exclude(pk=pk).count()
+    if others >= most:
+        raise PluginInvalid(f"plugin {plugin!r} would be enabled plugin number {others + 1}; at most {most} may be "
+                            "enabled (EXECAPP['MAX_PLUGINS']): disable or delete one you no longer need, or join "
+                            "plugins into one")
+
+
+def check_regex_total(plugin: str, pk: int | None, regexes: int) -> None:
+    """Refuse regex bindings past MAX_REGEX_BINDINGS across the enabled plugins, counting ``regexes``
+    for plugin ``pk`` (PluginInvalid): each is a search of every message on the event loop."""
+    most = registry_limits()[1]
+    others = Binding.objects.filter(plugin__enabled=True, kind="regex").exclude(plugin_id=pk).count()
+    if others + regexes > most:
+        raise PluginInvalid(f"plugin {plugin!r} would bring the enabled plugins' regex bindings to {others + regexes}; "
+                            f"at most {most} may exist together (EXECAPP['MAX_REGEX_BINDINGS']): every message is "
+                            "searched with each of them on the event loop; use command bindings, or join patterns "
+                            "with '|'")
 
 
 class Binding(models.Model):
@@ -277,8 +311,10 @@ class Binding(models.Model):
     def check_count(self) -> None:
         """The plugin's bindings with this one stay within binding_limits(); raises PluginInvalid."""
         others = self.plugin.bindings.exclude(pk=self.pk) if self.pk else self.plugin.bindings.all()
-        check_binding_counts(self.plugin.name, others.count() + 1,
-                             others.filter(kind="regex").count() + (self.kind == "regex"))
+        regexes = others.filter(kind="regex").count() + (self.kind == "regex")
+        check_binding_counts(self.plugin.name, others.count() + 1, regexes)
+        if self.kind == "regex" and self.plugin.enabled:
+            check_regex_total(self.plugin.name, self.plugin.pk, regexes)
 
     def save(self, *args: Any, **kwargs: Any) -> None:
         self.check_count()

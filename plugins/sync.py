@@ -37,7 +37,7 @@ from execapp.seams import EngineLike, WorkerLike
 
 from .errors import PluginInvalid
 from .loaded import LoadedPlugin, validate
-from .models import Binding, Plugin, RegistryState, binding_limits
+from .models import Binding, Plugin, RegistryState, binding_limits, registry_limits
 
 log = logging.getLogger("plugins.sync")
 
@@ -130,9 +130,11 @@ def sync_engine(engine: EngineLike, force: bool = False) -> bool:
         if not force and _synced.get(engine) == version:
             return False
         plugins = list(Plugin.objects.filter(enabled=True).prefetch_related("bindings"))
+        bindings, not_loaded = _registry_share(plugins)
         matchers: list[Matcher] = []
-        not_loaded: dict[str, str] = {}
         for plugin in plugins:
+            if plugin.name not in bindings:  # past MAX_PLUGINS: never compiled here
+                continue
             try:
                 loaded = manager.load(plugin)
             except PluginInvalid as exc:  # saved before a runtime upgrade, or edited in SQL
@@ -142,9 +144,9 @@ def sync_engine(engine: EngineLike, force: bool = False) -> bool:
                     exc.logged = True  # type: ignore[attr-defined]
                     log.error("plugin %s not loaded (%s): %s; every other plugin serves", plugin.name, exc.code, exc)
                 continue
-            matchers.extend(_matchers(engine, plugin, loaded))
+            matchers.extend(_matchers(engine, plugin, loaded, bindings[plugin.name]))
         engine.set_matchers(matchers)
-        _set_hints(plugins, not_loaded)
+        _set_hints(plugins, bindings, not_loaded)
         manager.retain({p.name for p in plugins})
         _synced[engine] = version
     log.info("engine synced to registry version %s: %d plugins, %d matchers", version, len(plugins), len(matchers))
@@ -157,15 +159,16 @@ _hints: dict[tuple[str, str], str] = {}
 #: The regex hints, compiled when the hints are made (on the sync's thread), not on the loop.
 _regex_hints: list[tuple[LinearRegex, str, str]] = []
 #: Regex patterns the unmatched hint tries at most: each is a search of every message that
-#: matched nothing, on the event loop (the bindings per plugin are bounded, not the plugins).
+#: matched nothing, on the event loop (the regex bindings of disabled plugins are bounded per plugin only).
 MAX_HINT_REGEXES = 32
 
 
-def _set_hints(enabled: list[Any], not_loaded: dict[str, str]) -> None:
+def _set_hints(enabled: list[Any], bindings: dict[str, list[Any]], not_loaded: dict[str, str]) -> None:
     """Rebuild ``_hints`` from this sync's registry read (one more query, on a registry change only)."""
     hints: dict[tuple[str, str], str] = {}
     for plugin in enabled:
-        for b in _loadable(plugin.name, plugin.bindings.all()):
+        loads = bindings[plugin.name] if plugin.name in bindings else _loadable(plugin.name, plugin.bindings.all())
+        for b in loads:
             if plugin.name in not_loaded:
                 hints.setdefault((b.kind, b.pattern), f"plugin {plugin.name!r} is enabled but did not load "
                                  f"({not_loaded[plugin.name]}); the server log says why")
@@ -217,11 +220,11 @@ def unmatched_hint(event_type: str, text: str) -> str | None:
     return None
 
 
-def _matchers(engine: EngineLike, plugin: Any, loaded: LoadedPlugin) -> list[Matcher]:
+def _matchers(engine: EngineLike, plugin: Any, loaded: LoadedPlugin, bindings: list[Any]) -> list[Matcher]:
     out: list[Matcher] = []
     seen: set[str] = set()
     pool_only = _pool_only(loaded.spec)
-    for b in _loadable(plugin.name, plugin.bindings.all(), say=True):
+    for b in bindings:
         if not b.enabled:
             continue
         if b.handler not in loaded.compiled.handlers:
@@ -240,6 +243,43 @@ def _matchers(engine: EngineLike, plugin: Any, loaded: LoadedPlugin) -> list[Mat
         matcher.profile.pin_to_pool(pool_only)
         out.append(matcher)
     return out
+
+
+def _registry_share(enabled: list[Any]) -> tuple[dict[str, list[Any]], dict[str, str]]:
+    """(the bindings this worker loads, by plugin; why the other enabled plugins are not loaded).
+
+    Per plugin its ``_loadable`` bindings; across plugins, by id (the oldest first: a plugin
+    added later cannot push out one that serves), at most MAX_PLUGINS plugins and MAX_REGEX_BINDINGS
+    regex bindings (plugins.models refuses more at save; rows written otherwise, or kept from
+    before a lower limit, are skipped here with one error log each). The per-plugin limits alone
+    let 500 plugins of 10 regexes each cost every message 5,000 searches on the event loop, and
+    every plugin is compiled and holds its instances in every worker."""
+    most_plugins, most_regex = registry_limits()
+    out: dict[str, list[Any]] = {}
+    over: dict[str, str] = {}
+    regexes = 0
+    for plugin in sorted(enabled, key=lambda p: p.pk):
+        if len(out) >= most_plugins:
+            over[plugin.name] = "too_many_plugins"
+            continue
+        kept, dropped = [], 0
+        for b in _loadable(plugin.name, plugin.bindings.all(), say=True):
+            if b.kind == "regex":
+                if regexes >= most_regex:
+                    dropped += 1
+                    continue
+                regexes += 1
+            kept.append(b)
+        if dropped:
+            log.error("plugin %s: %d regex bindings skipped: the enabled plugins may have at most %d regex bindings "
+                      "together (EXECAPP['MAX_REGEX_BINDINGS']; the plugins created first keep theirs); remove regex "
+                      "bindings in the admin, or raise the setting", plugin.name, dropped, most_regex)
+        out[plugin.name] = kept
+    if over:
+        log.error("%d enabled plugins not loaded (%s): at most %d enabled plugins load (EXECAPP['MAX_PLUGINS']; the "
+                  "first created load); disable or delete some in the admin, or raise the setting", len(over),
+                  ", ".join(sorted(over)[:10]) + (", ..." if len(over) > 10 else ""), most_plugins)
+    return out, over
 
 
 def _loadable(plugin: str, bindings: Iterable[Any], say: bool = False) -> list[Any]:

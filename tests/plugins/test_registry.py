@@ -269,6 +269,52 @@ def test_a_plugin_may_have_so_many_bindings_and_regex_bindings() -> None:
     assert plugin.bindings.count() == 4
 
 
+@override_settings(EXECAPP={"MAX_PLUGINS": 2, "MAX_REGEX_BINDINGS": 3})
+def test_enabled_plugins_and_their_regex_bindings_are_counted_across_the_registry() -> None:
+    # The per-plugin limits alone let 500 plugins of 10 regexes each make every message 5,000
+    # searches on the event loop, and every enabled plugin is compiled in every worker.
+    source = "function h(ev) return 'x' end"
+    a = Plugin.objects.create(name="a", runtime="lua", source=source)
+    Binding.objects.create(plugin=a, kind="regex", pattern="a+", handler="h")
+    Binding.objects.create(plugin=a, kind="regex", pattern="b+", handler="h", enabled=False)
+    b = Plugin.objects.create(name="b", runtime="lua", source=source)
+    Binding.objects.create(plugin=b, kind="regex", pattern="c+", handler="h")
+    with pytest.raises(PluginInvalid, match=r"plugin 'b' would bring the enabled plugins' regex bindings to 4; at "
+                                            r"most 3 may exist together \(EXECAPP\['MAX_REGEX_BINDINGS'\]\)"):
+        Binding.objects.create(plugin=b, kind="regex", pattern="d+", handler="h")
+    Binding.objects.create(plugin=b, kind="command", pattern="d", handler="h")  # commands are not counted here
+    with pytest.raises(PluginInvalid, match=r"plugin 'c' would be enabled plugin number 3; at most 2 may be enabled "
+                                            r"\(EXECAPP\['MAX_PLUGINS'\]\)"):
+        Plugin.objects.create(name="c", runtime="lua", source=source)
+    c = Plugin.objects.create(name="c", runtime="lua", source=source, enabled=False)
+    Binding.objects.create(plugin=c, kind="regex", pattern="e+", handler="h")  # a disabled plugin's: not counted
+    c.enabled = True
+    with pytest.raises(PluginInvalid, match="would be enabled plugin number 3"):
+        c.save()
+    b.enabled = False
+    b.save()
+    a.description = "edited"
+    a.save()  # an edit of an enabled plugin is not one more
+    c.save()  # in b's place: 2 plugins, 3 regex bindings
+    assert list(Plugin.objects.filter(enabled=True).values_list("name", flat=True)) == ["a", "c"]
+    with pytest.raises(PluginInvalid, match="regex bindings to 4"):
+        Binding.objects.create(plugin=c, kind="regex", pattern="f+", handler="h")
+
+
+@override_settings(EXECAPP={"MAX_PLUGINS": 2})
+def test_admin_enables_no_more_plugins_than_a_worker_loads(admin_client) -> None:
+    source = "function h(ev) return 'x' end"
+    Plugin.objects.create(name="a", runtime="lua", source=source)
+    off = [Plugin.objects.create(name=n, runtime="lua", source=source, enabled=False) for n in ("b", "c")]
+    response = admin_client.post("/admin/plugins/plugin/", {"action": "enable_plugins",
+                                                            "_selected_action": [p.pk for p in off]}, follow=True)
+    assert "Nothing enabled: 3 plugins with 0 regex bindings would be enabled; at most 2" in \
+        html.unescape(response.content.decode())
+    assert Plugin.objects.filter(enabled=True).count() == 1
+    admin_client.post("/admin/plugins/plugin/", {"action": "enable_plugins", "_selected_action": [off[0].pk]})
+    assert Plugin.objects.filter(enabled=True).count() == 2
+
+
 @override_settings(EXECAPP={"MAX_REGEX_BINDINGS_PER_PLUGIN": 1})
 def test_admin_refuses_more_regex_bindings_than_a_plugin_may_have(admin_client) -> None:
     response = admin_client.post("/admin/plugins/plugin/add/", _form(

@@ -252,3 +252,31 @@ def test_a_worker_loads_no_more_bindings_of_a_plugin_than_it_may_have(engine: En
     assert sync.sync_engine(engine, force=True)
     assert sync.unmatched_hint("message", "x1y") is not None and sync.unmatched_hint("message", "x2y") is None
     assert len([key for key in sync._hints if key[0] == "regex"]) == 2
+
+
+def test_a_worker_loads_no_more_plugins_and_regex_bindings_together_than_it_may(settings, caplog) -> None:
+    # Rows written past the models' check (bulk_create, SQL, the list's enable action, a limit
+    # lowered since): the plugins created first load, the others are never compiled here, and the
+    # regex bindings of all loaded plugins together stay within MAX_REGEX_BINDINGS.
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "MAX_PLUGINS": 3, "MAX_REGEX_BINDINGS": 4}
+    plugins = Plugin.objects.bulk_create([
+        Plugin(name=f"p{i}", runtime="lua", source=f"function h(ev) return 'p{i}' end") for i in range(5)])
+    Binding.objects.bulk_create([Binding(plugin=p, kind="regex", pattern=f"r{j}x{p.name}", handler="h")
+                                 for p in plugins for j in range(2)])
+    Binding.objects.bulk_create([Binding(plugin=p, kind="command", pattern=p.name, handler="h") for p in plugins])
+    engine = Engine(pool_enabled=False)
+    try:
+        assert sync.sync_engine(engine, force=True)
+        loaded = sorted(m.name + "@" + m.kind.value for m in engine.matchers)
+        assert {m.plugin for m in engine.matchers} == {"p0", "p1", "p2"}
+        assert sum(m.kind.value == "regex" for m in engine.matchers) == 4
+        assert [n for n in loaded if n.startswith("p2")] == ["p2.h@command"], "p2's regexes are past the total"
+        assert {p.name for p in sync.manager.all()} == {"p0", "p1", "p2"}, "p3 and p4 were not compiled"
+        assert "2 enabled plugins not loaded (p3, p4): at most 3 enabled plugins load (EXECAPP['MAX_PLUGINS']" \
+            in caplog.text
+        assert "plugin p2: 2 regex bindings skipped: the enabled plugins may have at most 4 regex bindings" \
+            in caplog.text
+        assert "did not load (too_many_plugins)" in (sync.unmatched_hint("message", "/p4") or "")
+        assert texts(engine, "/p1") == ["p1"] and texts(engine, "/p4") == []
+    finally:
+        sync.manager.clear()
