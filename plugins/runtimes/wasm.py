@@ -47,7 +47,7 @@ from wasmtime import _ffi as ffi
 from wasmtime import _func as _wasm_func
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
-from .base import MAX_REPLY_BYTES, FreshInstanceIsolation, to_json, to_reply
+from .base import MAX_REPLY_BYTES, FreshInstanceIsolation, load_budget_note, load_seconds, to_json, to_reply
 from .host import Host
 from .weighed_lru import WeighedLRU
 
@@ -762,7 +762,11 @@ class WasmCompiled(FreshInstanceIsolation):
         self.handlers = frozenset(names)
         probe = WasmInstance(self)
         try:
-            probe.start(spec.timeout)  # the module instantiates: memory, alloc and start are fine
+            probe.start(load_seconds(spec))  # the module instantiates: memory, alloc and start are fine
+        except GuestTimeout as exc:
+            note = load_budget_note(spec)
+            raise CompileError(f"the start function ran past {load_seconds(spec) * 1000:g} ms{note}" if note
+                               else str(exc), code="timeout") from None
         except GuestError as exc:
             code = "timeout" if isinstance(exc, GuestTimeout) else \
                 "memory_limit" if isinstance(exc, GuestMemory) else "plugin_invalid"
