@@ -12,8 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from django.db import models
+
 from .errors import PluginInvalid
-from .models import QUOTA_FIELDS
+from .models import QUOTA_FIELDS, Binding, Plugin, integer_problem, integer_range
 
 #: key -> (what it must be, whether a value is that). Limits are whole numbers from 1, quotas from 0.
 _TEXT = ("a string", lambda v: isinstance(v, str))
@@ -22,6 +24,7 @@ _TEXTS = ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(
 _WHOLE = ("a whole number of at least 1", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1)
 _QUOTA = ("a whole number of at least 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)
 _ANY_INT = ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool))
+_NUMBERS = (_WHOLE[0], _QUOTA[0], _ANY_INT[0])
 _PLUGIN_KEYS: dict[str, tuple[str, Any]] = {
     "name": _TEXT, "runtime": _TEXT, "file": _TEXT, "description": _TEXT, "strategy": _TEXT, "enabled": _FLAG,
     "permissions": _TEXTS, "http_allowlist": _TEXTS, "timeout_ms": _WHOLE, "memory_mb": _WHOLE,
@@ -37,8 +40,10 @@ def _bad(message: str) -> PluginInvalid:
     return PluginInvalid(f"manifest.json: {message} (docs/plugins.md: the manifest's format)", code="bad_manifest")
 
 
-def _check(where: str, obj: dict[str, Any], keys: dict[str, tuple[str, Any]], required: tuple[str, ...]) -> None:
-    """Every key known and of its type, the required ones present; else PluginInvalid naming the first."""
+def _check(where: str, obj: dict[str, Any], keys: dict[str, tuple[str, Any]], required: tuple[str, ...],
+           model: type[models.Model]) -> None:
+    """Every key known, of its type and (a whole number) within what ``model``'s column stores, the
+    required ones present; else PluginInvalid naming the first."""
     for key in obj:
         if key not in keys:
             raise _bad(f"{where}: unknown key {key!r}; use {', '.join(keys)}")
@@ -49,6 +54,10 @@ def _check(where: str, obj: dict[str, Any], keys: dict[str, tuple[str, Any]], re
         what, ok = keys[key]
         if not ok(value):
             raise _bad(f"{where}: {key} must be {what}, got {json.dumps(value)[:60]}")
+        if keys[key][0] in _NUMBERS and integer_problem(model._meta.get_field(key), value) is not None:
+            low, high = integer_range(model._meta.get_field(key))
+            raise _bad(f"{where}: {key} must be {what} and at most {high}, got {json.dumps(value)[:60]}"
+                       if value >= low else f"{where}: {key} must be at least {low}, got {json.dumps(value)[:60]}")
 
 
 def read_manifest(directory: Path) -> list[tuple[dict[str, Any], str]]:
@@ -67,9 +76,9 @@ def read_manifest(directory: Path) -> list[tuple[dict[str, Any], str]]:
             raise _bad(f"{where} must be an object, got {json.dumps(entry)[:60]}")
         if isinstance(entry.get("name"), str):
             where += f" ({entry['name']!r})"
-        _check(where, entry, _PLUGIN_KEYS, _REQUIRED)
+        _check(where, entry, _PLUGIN_KEYS, _REQUIRED, Plugin)
         for number, binding in enumerate(entry.get("bindings", [])):
-            _check(f"{where} bindings[{number}]", binding, _BINDING_KEYS, ("pattern", "handler"))
+            _check(f"{where} bindings[{number}]", binding, _BINDING_KEYS, ("pattern", "handler"), Binding)
         path = directory / entry["file"]
         try:
             source = path.read_text(encoding="utf-8")

@@ -7,6 +7,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
+from django.db.backends.base.operations import BaseDatabaseOperations
 
 from execapp import conf
 from execapp.engine.linear_regex import LinearRegex, RegexRefused
@@ -16,6 +17,25 @@ from .errors import CompileError, PluginInvalid
 from .loaded import validate
 from .runtimes import registry
 from .runtimes.host import allowlist_entry_problem
+
+
+def integer_range(field: models.Field) -> tuple[int, int]:
+    """The whole numbers an integer model field holds on every database Django supports (a
+    PositiveIntegerField is 32-bit on PostgreSQL, 64-bit on SQLite: the narrower range)."""
+    return BaseDatabaseOperations.integer_field_ranges[field.get_internal_type()]
+
+
+def integer_problem(field: models.Field, value: Any) -> str | None:
+    """Why the whole number ``value`` cannot be stored in integer ``field`` (None: it can). A value
+    past the column's range was an OverflowError (SQLite) or a DataError (PostgreSQL) at save:
+    a traceback from loadplugins, or a manifest loading on SQLite and failing on PostgreSQL."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    low, high = integer_range(field)
+    if low <= value <= high:
+        return None
+    return f"{field.name} {value} is outside {low}..{high}, what the database stores"
+
 
 NAME_VALIDATOR = RegexValidator(r"^[a-z0-9][a-z0-9_-]{0,62}$",
                                 "Use 1-63 lowercase letters, digits, '_' or '-', starting with a letter or digit.")
@@ -151,6 +171,11 @@ class Plugin(models.Model):
         if not isinstance(self.permissions, list) or bad:
             raise PluginInvalid(f"plugin {self.name!r}: unknown permission(s) {bad or self.permissions!r}; "
                                 f"use a list of {', '.join(specs.PERMISSIONS)}")
+        for field in self._meta.concrete_fields:
+            if isinstance(field, models.IntegerField) and not field.primary_key:
+                problem = integer_problem(field, getattr(self, field.attname))
+                if problem is not None:
+                    raise PluginInvalid(f"plugin {self.name!r}: {problem}; lower it")
         if self.memory_mb > specs.MAX_MEMORY_MB:
             raise PluginInvalid(f"plugin {self.name!r}: memory_mb {self.memory_mb} is above {specs.MAX_MEMORY_MB}, "
                                 "the most one instance may have; lower it")
@@ -317,6 +342,10 @@ class Binding(models.Model):
             check_regex_total(self.plugin.name, self.plugin.pk, regexes)
 
     def save(self, *args: Any, **kwargs: Any) -> None:
+        problem = integer_problem(Binding._meta.get_field("priority"), self.priority)
+        if problem is not None:
+            raise PluginInvalid(f"plugin {self.plugin.name!r} handler {self.handler!r}: {problem}; use a smaller "
+                                "priority")
         self.check_count()
         if self.enabled:
             self.validate_handler()

@@ -269,6 +269,22 @@ def test_a_plugin_may_have_so_many_bindings_and_regex_bindings() -> None:
     assert plugin.bindings.count() == 4
 
 
+def test_numbers_past_what_the_database_stores_are_refused_by_name() -> None:
+    # Was an OverflowError traceback (SQLite) or a DataError (PostgreSQL, whose 32-bit columns
+    # are narrower: a value saved on SQLite failed there) at save.
+    source = "function h(ev) return 'x' end"
+    with pytest.raises(PluginInvalid, match=r"plugin 'big': quota_kv_bytes 10{30} is outside "
+                                            r"0\.\.9223372036854775807, what the database stores; lower it"):
+        Plugin.objects.create(name="big", runtime="lua", source=source, quota_kv_bytes=10**30)
+    with pytest.raises(PluginInvalid, match=r"quota_http_requests 4294967296 is outside 0\.\.2147483647"):
+        Plugin.objects.create(name="big", runtime="lua", source=source, quota_http_requests=2**32)
+    plugin = Plugin.objects.create(name="big", runtime="lua", source=source)
+    with pytest.raises(PluginInvalid, match=r"plugin 'big' handler 'h': priority -2147483649 is outside "
+                                            r"-2147483648\.\.2147483647"):
+        Binding.objects.create(plugin=plugin, pattern="x", handler="h", priority=-2**31 - 1)
+    assert not plugin.bindings.exists()
+
+
 @override_settings(EXECAPP={"MAX_PLUGINS": 2, "MAX_REGEX_BINDINGS": 3})
 def test_enabled_plugins_and_their_regex_bindings_are_counted_across_the_registry() -> None:
     # The per-plugin limits alone let 500 plugins of 10 regexes each make every message 5,000
