@@ -280,3 +280,28 @@ def test_a_worker_loads_no_more_plugins_and_regex_bindings_together_than_it_may(
         assert texts(engine, "/p1") == ["p1"] and texts(engine, "/p4") == []
     finally:
         sync.manager.clear()
+
+
+def test_the_hints_read_a_bounded_number_of_disabled_bindings_without_their_plugins_code(monkeypatch) -> None:
+    # Disabled plugins are not counted by MAX_PLUGINS: 2,000 of them with 100 bindings each made
+    # every registry change cost each worker 40-60 s and ~390 MiB building 200,000 hints, and
+    # each binding's row carried its plugin's whole source.
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    monkeypatch.setattr(sync, "MAX_HINT_BINDINGS", 30, raising=False)
+    plugins = Plugin.objects.bulk_create([Plugin(name=f"off{i}", runtime="lua", enabled=False,
+                                                 source="-- " + "x" * 10_000 + "\nfunction h(e) return 1 end")
+                                          for i in range(5)])
+    Binding.objects.bulk_create([Binding(plugin=p, kind="command", pattern=f"c{j}{p.name}", handler="h")
+                                 for p in plugins for j in range(20)])
+    engine = Engine(pool_enabled=False)
+    with CaptureQueriesContext(connection) as queries:
+        assert sync.sync_engine(engine, force=True)
+    assert len(sync._hints) == 30, "the first 30 disabled bindings (by plugin, then id)"
+    assert "plugin 'off0' is disabled" in (sync.unmatched_hint("message", "/c19off0") or "")
+    assert "plugin 'off1' is disabled" in (sync.unmatched_hint("message", "/c9off1") or "")
+    assert sync.unmatched_hint("message", "/c0off4") is None
+    hint_query = next(q["sql"] for q in queries.captured_queries if "LIMIT" in q["sql"] and "binding" in q["sql"])
+    assert '"source"' not in hint_query and '"module"' not in hint_query
+    sync.manager.clear()
