@@ -15,7 +15,7 @@ from typing import Any
 from django.db import models
 
 from .errors import PluginInvalid
-from .models import QUOTA_FIELDS, Binding, Plugin, integer_problem, integer_range
+from .models import QUOTA_FIELDS, Binding, Plugin, column_problem, integer_range
 
 #: key -> (what it must be, whether a value is that). Limits are whole numbers from 1, quotas from 0.
 _TEXT = ("a string", lambda v: isinstance(v, str))
@@ -24,7 +24,6 @@ _TEXTS = ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(
 _WHOLE = ("a whole number of at least 1", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1)
 _QUOTA = ("a whole number of at least 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)
 _ANY_INT = ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool))
-_NUMBERS = (_WHOLE[0], _QUOTA[0], _ANY_INT[0])
 _PLUGIN_KEYS: dict[str, tuple[str, Any]] = {
     "name": _TEXT, "runtime": _TEXT, "file": _TEXT, "description": _TEXT, "strategy": _TEXT, "enabled": _FLAG,
     "permissions": _TEXTS, "http_allowlist": _TEXTS, "timeout_ms": _WHOLE, "memory_mb": _WHOLE,
@@ -34,6 +33,11 @@ _PLUGIN_KEYS: dict[str, tuple[str, Any]] = {
 _REQUIRED = ("name", "runtime", "file")
 _BINDING_KEYS: dict[str, tuple[str, Any]] = {"kind": _TEXT, "pattern": _TEXT, "handler": _TEXT, "priority": _ANY_INT,
                                              "block": _FLAG}
+
+
+#: The keys that are columns of each model (checked against what the column stores).
+_COLUMNS: dict[type[models.Model], set[str]] = {
+    model: {f.name for f in model._meta.concrete_fields} for model in (Plugin, Binding)}
 
 
 def _bad(message: str) -> PluginInvalid:
@@ -54,10 +58,14 @@ def _check(where: str, obj: dict[str, Any], keys: dict[str, tuple[str, Any]], re
         what, ok = keys[key]
         if not ok(value):
             raise _bad(f"{where}: {key} must be {what}, got {json.dumps(value)[:60]}")
-        if keys[key][0] in _NUMBERS and integer_problem(model._meta.get_field(key), value) is not None:
-            low, high = integer_range(model._meta.get_field(key))
-            raise _bad(f"{where}: {key} must be {what} and at most {high}, got {json.dumps(value)[:60]}"
-                       if value >= low else f"{where}: {key} must be at least {low}, got {json.dumps(value)[:60]}")
+        field = model._meta.get_field(key) if key in _COLUMNS[model] else None
+        if field is None or column_problem(field, value) is None:
+            continue
+        if isinstance(value, str):
+            raise _bad(f"{where}: {key} must be at most {field.max_length} characters, got {len(value)}")
+        low, high = integer_range(field)
+        raise _bad(f"{where}: {key} must be {what} and at most {high}, got {json.dumps(value)[:60]}"
+                   if value >= low else f"{where}: {key} must be at least {low}, got {json.dumps(value)[:60]}")
 
 
 def read_manifest(directory: Path) -> list[tuple[dict[str, Any], str]]:
@@ -75,7 +83,7 @@ def read_manifest(directory: Path) -> list[tuple[dict[str, Any], str]]:
         if not isinstance(entry, dict):
             raise _bad(f"{where} must be an object, got {json.dumps(entry)[:60]}")
         if isinstance(entry.get("name"), str):
-            where += f" ({entry['name']!r})"
+            where += f" ({entry['name'][:63]!r})"
         _check(where, entry, _PLUGIN_KEYS, _REQUIRED, Plugin)
         for number, binding in enumerate(entry.get("bindings", [])):
             _check(f"{where} bindings[{number}]", binding, _BINDING_KEYS, ("pattern", "handler"), Binding)

@@ -25,16 +25,20 @@ def integer_range(field: models.Field) -> tuple[int, int]:
     return BaseDatabaseOperations.integer_field_ranges[field.get_internal_type()]
 
 
-def integer_problem(field: models.Field, value: Any) -> str | None:
-    """Why the whole number ``value`` cannot be stored in integer ``field`` (None: it can). A value
-    past the column's range was an OverflowError (SQLite) or a DataError (PostgreSQL) at save:
-    a traceback from loadplugins, or a manifest loading on SQLite and failing on PostgreSQL."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        return None
-    low, high = integer_range(field)
-    if low <= value <= high:
-        return None
-    return f"{field.name} {value} is outside {low}..{high}, what the database stores"
+def column_problem(field: models.Field, value: Any) -> str | None:
+    """Why ``value`` cannot be stored in ``field``'s column on every supported database (None: it
+    can): a whole number past its range, or text past a CharField's max_length. Past them was an
+    OverflowError (SQLite) or a DataError (PostgreSQL) at save, or, as SQLite does not check a
+    length, text stored whole: a manifest's 500 KB event pattern made a 500 KB matcher name (in
+    every metric label, history trace and profile row of it)."""
+    if isinstance(field, models.IntegerField) and isinstance(value, int) and not isinstance(value, bool):
+        low, high = integer_range(field)
+        if not low <= value <= high:
+            return f"{field.name} {value} is outside {low}..{high}, what the database stores"
+    elif isinstance(field, models.CharField) and field.max_length and isinstance(value, str):
+        if len(value) > field.max_length:
+            return f"{field.name} is {len(value)} characters, over its {field.max_length}"
+    return None
 
 
 NAME_VALIDATOR = RegexValidator(r"^[a-z0-9][a-z0-9_-]{0,62}$",
@@ -172,10 +176,10 @@ class Plugin(models.Model):
             raise PluginInvalid(f"plugin {self.name!r}: unknown permission(s) {bad or self.permissions!r}; "
                                 f"use a list of {', '.join(specs.PERMISSIONS)}")
         for field in self._meta.concrete_fields:
-            if isinstance(field, models.IntegerField) and not field.primary_key:
-                problem = integer_problem(field, getattr(self, field.attname))
+            if not field.primary_key:
+                problem = column_problem(field, getattr(self, field.attname))
                 if problem is not None:
-                    raise PluginInvalid(f"plugin {self.name!r}: {problem}; lower it")
+                    raise PluginInvalid(f"plugin {self.name[:63]!r}: {problem}; make it smaller")
         if self.memory_mb > specs.MAX_MEMORY_MB:
             raise PluginInvalid(f"plugin {self.name!r}: memory_mb {self.memory_mb} is above {specs.MAX_MEMORY_MB}, "
                                 "the most one instance may have; lower it")
@@ -342,10 +346,11 @@ class Binding(models.Model):
             check_regex_total(self.plugin.name, self.plugin.pk, regexes)
 
     def save(self, *args: Any, **kwargs: Any) -> None:
-        problem = integer_problem(Binding._meta.get_field("priority"), self.priority)
-        if problem is not None:
-            raise PluginInvalid(f"plugin {self.plugin.name!r} handler {self.handler!r}: {problem}; use a smaller "
-                                "priority")
+        for name in ("kind", "pattern", "handler", "priority"):
+            problem = column_problem(Binding._meta.get_field(name), getattr(self, name))
+            if problem is not None:
+                raise PluginInvalid(f"plugin {self.plugin.name!r} handler {self.handler[:100]!r}: {problem}; make it "
+                                    "smaller")
         self.check_count()
         if self.enabled:
             self.validate_handler()

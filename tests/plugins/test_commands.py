@@ -106,6 +106,10 @@ def test_runplugin_names_a_stored_plugin_that_no_longer_loads() -> None:
      "bindings[0]: priority must be a whole number and at most 2147483647, got 2147483648"),
     ({"bindings": [{"pattern": "x", "handler": "h", "priority": -2**63}]},
      "bindings[0]: priority must be at least -2147483648, got -9223372036854775808"),
+    # SQLite does not check a length: a 500 KB event pattern made a 500 KB matcher name.
+    ({"bindings": [{"kind": "event", "pattern": "y" * 201, "handler": "h"}]},
+     "bindings[0]: pattern must be at most 200 characters, got 201"),
+    ({"description": "d" * 100_000}, "plugins[0] ('m'): description must be at most 200 characters, got 100000"),
     ({"name": None}, "plugins[0]: name must be a string, got null"),
 ])
 def test_loadplugins_names_a_bad_manifest_value_and_loads_nothing(tmp_path: Path, change: dict, message: str) -> None:

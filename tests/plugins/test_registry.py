@@ -269,12 +269,12 @@ def test_a_plugin_may_have_so_many_bindings_and_regex_bindings() -> None:
     assert plugin.bindings.count() == 4
 
 
-def test_numbers_past_what_the_database_stores_are_refused_by_name() -> None:
+def test_values_past_what_the_database_stores_are_refused_by_name() -> None:
     # Was an OverflowError traceback (SQLite) or a DataError (PostgreSQL, whose 32-bit columns
     # are narrower: a value saved on SQLite failed there) at save.
     source = "function h(ev) return 'x' end"
     with pytest.raises(PluginInvalid, match=r"plugin 'big': quota_kv_bytes 10{30} is outside "
-                                            r"0\.\.9223372036854775807, what the database stores; lower it"):
+                                            r"0\.\.9223372036854775807, what the database stores; make it smaller"):
         Plugin.objects.create(name="big", runtime="lua", source=source, quota_kv_bytes=10**30)
     with pytest.raises(PluginInvalid, match=r"quota_http_requests 4294967296 is outside 0\.\.2147483647"):
         Plugin.objects.create(name="big", runtime="lua", source=source, quota_http_requests=2**32)
@@ -282,7 +282,12 @@ def test_numbers_past_what_the_database_stores_are_refused_by_name() -> None:
     with pytest.raises(PluginInvalid, match=r"plugin 'big' handler 'h': priority -2147483649 is outside "
                                             r"-2147483648\.\.2147483647"):
         Binding.objects.create(plugin=plugin, pattern="x", handler="h", priority=-2**31 - 1)
+    with pytest.raises(PluginInvalid, match=r"plugin 'big' handler 'h': pattern is 500000 characters, over its 200"):
+        Binding.objects.create(plugin=plugin, kind="event", pattern="y" * 500_000, handler="h")
     assert not plugin.bindings.exists()
+    plugin.description = "d" * 201
+    with pytest.raises(PluginInvalid, match=r"plugin 'big': description is 201 characters, over its 200"):
+        plugin.save()
 
 
 @override_settings(EXECAPP={"MAX_PLUGINS": 2, "MAX_REGEX_BINDINGS": 3})
