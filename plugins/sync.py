@@ -185,8 +185,8 @@ def _set_hints(enabled: list[Any], bindings: dict[str, list[Any]], not_loaded: d
     disabled = (Binding.objects.filter(plugin__enabled=False).select_related("plugin")
                 .only("pk", "kind", "pattern", "plugin_id", "plugin__name").order_by("plugin_id", "pk")
                 [:MAX_HINT_BINDINGS])
-    for _, bindings in itertools.groupby(disabled, key=lambda b: b.plugin_id):
-        for b in _loadable("", bindings):
+    for _, group in itertools.groupby(disabled, key=lambda b: b.plugin_id):
+        for b in _loadable("", group):
             hints.setdefault((b.kind, b.pattern), f"plugin {b.plugin.name!r} is disabled (enable it in the admin's "
                              "Plugins page)")
     _use_hints(hints)
