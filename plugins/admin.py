@@ -14,7 +14,7 @@ from execapp.history_admin import events_url
 
 from .forms import BindingFormSet, PluginForm
 from .kv import kv_store
-from .models import QUOTA_FIELDS, Binding, KVEntry, Plugin, RegistryState, registry_limits
+from .models import QUOTA_FIELDS, Binding, KVEntry, Plugin, RegistryState, code_bytes, code_total_limit, registry_limits
 from .runtimes import registry
 from .sync import refresh_tracked_engines
 
@@ -115,11 +115,12 @@ class PluginAdmin(admin.ModelAdmin):
             plugins = Plugin.objects.filter(enabled=True).count() + queryset.filter(enabled=False).count()
             regexes = Binding.objects.filter(kind="regex").filter(
                 Q(plugin__enabled=True) | Q(plugin__in=queryset)).count()
-            if plugins > most_plugins or regexes > most_regex:
-                self.message_user(request, f"Nothing enabled: {plugins} plugins with {regexes} regex bindings "
-                                  f"would be enabled; at most {most_plugins} and {most_regex} may be "
-                                  "(EXECAPP['MAX_PLUGINS'], ['MAX_REGEX_BINDINGS']). Select fewer, or disable others "
-                                  "first.", messages.ERROR)
+            code = code_bytes(Plugin.objects.filter(Q(enabled=True) | Q(pk__in=queryset)))
+            if plugins > most_plugins or regexes > most_regex or code > code_total_limit():
+                self.message_user(request, f"Nothing enabled: {plugins} plugins with {regexes} regex bindings and "
+                                  f"{code} bytes of code would be enabled; at most {most_plugins}, {most_regex} and "
+                                  f"{code_total_limit()} may be (EXECAPP['MAX_PLUGINS'], ['MAX_REGEX_BINDINGS'], "
+                                  "['MAX_TOTAL_CODE_BYTES']). Select fewer, or disable others first.", messages.ERROR)
                 return
         with transaction.atomic():
             # updated_at too (update() skips auto_now): a page opened before this is refused, not

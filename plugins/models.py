@@ -8,6 +8,8 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 from django.db.backends.base.operations import BaseDatabaseOperations
+from django.db.models import Sum
+from django.db.models.functions import Coalesce, Length
 
 from execapp import conf
 from execapp.engine.linear_regex import LinearRegex, RegexRefused
@@ -227,7 +229,14 @@ class Plugin(models.Model):
             if check_bindings and self.pk:
                 check_regex_total(self.name, self.pk, self.bindings.filter(kind="regex").count())
         self.validate_code(handlers=None if check_bindings else [])
+        if self.enabled:
+            check_code_total(self.name, self.pk, self.code_size())
         super().save(*args, **kwargs)
+
+    def code_size(self) -> int:
+        """What the plugin's code counts against MAX_TOTAL_CODE_BYTES: characters of its source
+        (a binary runtime's text form included: every worker reads it too) plus bytes of its module."""
+        return len(self.source) + len(self.module or b"")
 
 
 def _add_quota_fields() -> None:
@@ -275,6 +284,29 @@ def check_plugin_count(plugin: str, pk: int | None) -> None:
         raise PluginInvalid(f"plugin {plugin!r} would be enabled plugin number {others + 1}; at most {most} may be "
                             "enabled (EXECAPP['MAX_PLUGINS']): disable or delete one you no longer need, or join "
                             "plugins into one")
+
+
+def code_total_limit() -> int:
+    """Bytes of code all enabled plugins may have together: EXECAPP['MAX_TOTAL_CODE_BYTES']."""
+    return int(conf.get("MAX_TOTAL_CODE_BYTES"))
+
+
+def code_bytes(plugins: Any) -> int:
+    """The code of the plugins of a queryset as Plugin.code_size counts it, summed by the database."""
+    sums = plugins.aggregate(text=Coalesce(Sum(Length("source")), 0), binary=Coalesce(Sum(Length("module")), 0))
+    return int(sums["text"]) + int(sums["binary"])
+
+
+def check_code_total(plugin: str, pk: int | None, size: int) -> None:
+    """Refuse code that brings the enabled plugins' code past MAX_TOTAL_CODE_BYTES (PluginInvalid):
+    every worker holds every enabled plugin's code and what it compiles to, and reads all of it
+    at each registry change."""
+    most = code_total_limit()
+    total = code_bytes(Plugin.objects.filter(enabled=True).exclude(pk=pk)) + size
+    if total > most:
+        raise PluginInvalid(f"plugin {plugin!r} would bring the enabled plugins' code to {total} bytes; at most {most} "
+                            "may be enabled together (EXECAPP['MAX_TOTAL_CODE_BYTES']): every worker holds it all and "
+                            "what it compiles to; make the code smaller, or disable plugins you no longer need")
 
 
 def check_regex_total(plugin: str, pk: int | None, regexes: int) -> None:

@@ -37,7 +37,7 @@ from execapp.seams import EngineLike, WorkerLike
 
 from .errors import PluginInvalid
 from .loaded import LoadedPlugin, validate
-from .models import Binding, Plugin, RegistryState, binding_limits, registry_limits
+from .models import Binding, Plugin, RegistryState, binding_limits, code_total_limit, registry_limits
 
 log = logging.getLogger("plugins.sync")
 
@@ -264,6 +264,7 @@ def _registry_share(enabled: list[Any]) -> tuple[dict[str, list[Any]], dict[str,
     let 500 plugins of 10 regexes each cost every message 5,000 searches on the event loop, and
     every plugin is compiled and holds its instances in every worker."""
     most_plugins, most_regex = registry_limits()
+    most_code, code = code_total_limit(), 0
     out: dict[str, list[Any]] = {}
     over: dict[str, str] = {}
     regexes = 0
@@ -271,6 +272,10 @@ def _registry_share(enabled: list[Any]) -> tuple[dict[str, list[Any]], dict[str,
         if len(out) >= most_plugins:
             over[plugin.name] = "too_many_plugins"
             continue
+        if code + plugin.code_size() > most_code:
+            over[plugin.name] = "too_much_code"
+            continue
+        code += plugin.code_size()
         kept, dropped = [], 0
         for b in _loadable(plugin.name, plugin.bindings.all(), say=True):
             if b.kind == "regex":
@@ -285,9 +290,10 @@ def _registry_share(enabled: list[Any]) -> tuple[dict[str, list[Any]], dict[str,
                       "bindings in the admin, or raise the setting", plugin.name, dropped, most_regex)
         out[plugin.name] = kept
     if over:
-        log.error("%d enabled plugins not loaded (%s): at most %d enabled plugins load (EXECAPP['MAX_PLUGINS']; the "
-                  "first created load); disable or delete some in the admin, or raise the setting", len(over),
-                  ", ".join(sorted(over)[:10]) + (", ..." if len(over) > 10 else ""), most_plugins)
+        log.error("%d enabled plugins not loaded (%s): at most %d enabled plugins load, with at most %d bytes of code "
+                  "together (EXECAPP['MAX_PLUGINS'], ['MAX_TOTAL_CODE_BYTES']; the first created load); disable or "
+                  "delete some in the admin, or raise the settings", len(over),
+                  ", ".join(sorted(over)[:10]) + (", ..." if len(over) > 10 else ""), most_plugins, most_code)
     return out, over
 
 

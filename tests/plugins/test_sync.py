@@ -272,11 +272,17 @@ def test_a_worker_loads_no_more_plugins_and_regex_bindings_together_than_it_may(
         assert sum(m.kind.value == "regex" for m in engine.matchers) == 4
         assert [n for n in loaded if n.startswith("p2")] == ["p2.h@command"], "p2's regexes are past the total"
         assert {p.name for p in sync.manager.all()} == {"p0", "p1", "p2"}, "p3 and p4 were not compiled"
-        assert "2 enabled plugins not loaded (p3, p4): at most 3 enabled plugins load (EXECAPP['MAX_PLUGINS']" \
+        assert "2 enabled plugins not loaded (p3, p4): at most 3 enabled plugins load, with at most" \
             in caplog.text
         assert "plugin p2: 2 regex bindings skipped: the enabled plugins may have at most 4 regex bindings" \
             in caplog.text
         assert "did not load (too_many_plugins)" in (sync.unmatched_hint("message", "/p4") or "")
+        settings.EXECAPP = {**settings.EXECAPP, "MAX_TOTAL_CODE_BYTES": 2 * Plugin.objects.get(name="p0").code_size()}
+        assert sync.sync_engine(engine, force=True)
+        assert {m.plugin for m in engine.matchers} == {"p0", "p1"}
+        assert "did not load (too_much_code)" in (sync.unmatched_hint("message", "/p2") or "")
+        settings.EXECAPP = {**settings.EXECAPP, "MAX_TOTAL_CODE_BYTES": 32 << 20}
+        assert sync.sync_engine(engine, force=True)
         assert texts(engine, "/p1") == ["p1"] and texts(engine, "/p4") == []
     finally:
         sync.manager.clear()
