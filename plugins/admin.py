@@ -14,7 +14,17 @@ from execapp.history_admin import events_url
 
 from .forms import BindingFormSet, PluginForm
 from .kv import kv_store
-from .models import QUOTA_FIELDS, Binding, KVEntry, Plugin, RegistryState, code_bytes, code_total_limit, registry_limits
+from .models import (
+    EVERY_MESSAGE,
+    QUOTA_FIELDS,
+    Binding,
+    KVEntry,
+    Plugin,
+    RegistryState,
+    code_bytes,
+    code_total_limit,
+    registry_limits,
+)
 from .runtimes import registry
 from .sync import refresh_tracked_engines
 
@@ -113,7 +123,7 @@ class PluginAdmin(admin.ModelAdmin):
         if enabled:
             most_plugins, most_regex = registry_limits()
             plugins = Plugin.objects.filter(enabled=True).count() + queryset.filter(enabled=False).count()
-            regexes = Binding.objects.filter(kind="regex").filter(
+            regexes = Binding.objects.filter(EVERY_MESSAGE).filter(
                 Q(plugin__enabled=True) | Q(plugin__in=queryset)).count()
             code = code_bytes(Plugin.objects.filter(Q(enabled=True) | Q(pk__in=queryset)))
             if plugins > most_plugins or regexes > most_regex or code > code_total_limit():

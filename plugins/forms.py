@@ -10,7 +10,7 @@ from django.forms.models import BaseInlineFormSet
 
 from .errors import PluginInvalid
 from .loaded import validate
-from .models import QUOTA_FIELDS, Plugin, check_binding_counts, check_regex_total
+from .models import QUOTA_FIELDS, Plugin, check_binding_counts, check_regex_total, duplicate_binding, sees_every_message
 from .runtimes import registry
 from .spec import PERMISSIONS
 
@@ -127,8 +127,14 @@ class BindingFormSet(BaseInlineFormSet):
         kept = [f.cleaned_data for f in self.forms if f.cleaned_data and not f.cleaned_data.get("DELETE")]
         handlers = [data["handler"] for data in kept if data.get("enabled")]
         try:
-            regexes = sum(data.get("kind") == "regex" for data in kept)
+            regexes = sum(sees_every_message(data.get("kind"), data.get("pattern")) for data in kept)
             check_binding_counts(plugin.name, len(kept), regexes)
+            seen: set[tuple[Any, ...]] = set()
+            for data in kept:
+                key = (data.get("kind"), data.get("pattern"), data.get("handler"))
+                if key in seen:
+                    raise PluginInvalid(duplicate_binding(plugin.name, *map(str, key)))
+                seen.add(key)
             if plugin.enabled:
                 check_regex_total(plugin.name, plugin.pk, regexes)
             plugin.prepare_code()

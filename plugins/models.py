@@ -227,7 +227,7 @@ class Plugin(models.Model):
         if self.enabled and not (self.pk and Plugin.objects.filter(pk=self.pk, enabled=True).exists()):
             check_plugin_count(self.name, self.pk)
             if check_bindings and self.pk:
-                check_regex_total(self.name, self.pk, self.bindings.filter(kind="regex").count())
+                check_regex_total(self.name, self.pk, self.bindings.filter(EVERY_MESSAGE).count())
         self.validate_code(handlers=None if check_bindings else [])
         if self.enabled:
             check_code_total(self.name, self.pk, self.code_size())
@@ -256,6 +256,12 @@ def binding_limits() -> tuple[int, int]:
     return int(conf.get("MAX_BINDINGS_PER_PLUGIN")), int(conf.get("MAX_REGEX_BINDINGS_PER_PLUGIN"))
 
 
+def duplicate_binding(plugin: str, kind: str, pattern: str, handler: str) -> str:
+    """The refusal of a binding the plugin already has (the same kind, pattern and handler)."""
+    return (f"plugin {plugin!r} binds {kind} {pattern[:200]!r} to {handler!r} twice: each copy would run the handler "
+            "again for the same event (one plugin with 100 copies sent every client 100 replies a message); keep one")
+
+
 def check_binding_counts(plugin: str, total: int, regexes: int) -> None:
     """Refuse a plugin with more bindings (or regex bindings) than a worker loads; PluginInvalid."""
     most, most_regex = binding_limits()
@@ -265,8 +271,21 @@ def check_binding_counts(plugin: str, total: int, regexes: int) -> None:
                             "handler that reads the event")
     if regexes > most_regex:
         raise PluginInvalid(f"plugin {plugin!r} would have {regexes} regex bindings; a plugin may have at most "
-                            f"{most_regex} (EXECAPP['MAX_REGEX_BINDINGS_PER_PLUGIN']): every message is searched with "
-                            "each of them on the event loop; join patterns with '|' or use command bindings")
+                            f"{most_regex} (EXECAPP['MAX_REGEX_BINDINGS_PER_PLUGIN']), event bindings of type "
+                            "message counted with them: every message is searched with each regex on the event loop, "
+                            "and runs each message binding's handler; join patterns with '|' or use command bindings")
+
+
+#: The bindings every message meets (a search, or a handler run, per message): regex ones and
+#: event bindings of type "message", counted together by the *REGEX_BINDINGS* limits. Event
+#: bindings of type message were not counted: one plugin with 100 of them made every message of
+#: every client run 100 handlers and send 100 replies.
+EVERY_MESSAGE = models.Q(kind="regex") | models.Q(kind="event", pattern="message")
+
+
+def sees_every_message(kind: str | None, pattern: str | None) -> bool:
+    """Whether a binding of ``kind`` and ``pattern`` meets every message (EVERY_MESSAGE)."""
+    return kind == "regex" or (kind == "event" and pattern == "message")
 
 
 def registry_limits() -> tuple[int, int]:
@@ -313,11 +332,12 @@ def check_regex_total(plugin: str, pk: int | None, regexes: int) -> None:
     """Refuse regex bindings past MAX_REGEX_BINDINGS across the enabled plugins, counting ``regexes``
     for plugin ``pk`` (PluginInvalid): each is a search of every message on the event loop."""
     most = registry_limits()[1]
-    others = Binding.objects.filter(plugin__enabled=True, kind="regex").exclude(plugin_id=pk).count()
+    others = Binding.objects.filter(EVERY_MESSAGE, plugin__enabled=True).exclude(plugin_id=pk).count()
     if others + regexes > most:
         raise PluginInvalid(f"plugin {plugin!r} would bring the enabled plugins' regex bindings to {others + regexes}; "
-                            f"at most {most} may exist together (EXECAPP['MAX_REGEX_BINDINGS']): every message is "
-                            "searched with each of them on the event loop; use command bindings, or join patterns "
+                            f"at most {most} may exist together (EXECAPP['MAX_REGEX_BINDINGS']), event bindings of "
+                            "type message counted with them: every message is searched with each regex on the event "
+                            "loop, and runs each message binding's handler; use command bindings, or join patterns "
                             "with '|'")
 
 
@@ -372,10 +392,13 @@ class Binding(models.Model):
     def check_count(self) -> None:
         """The plugin's bindings with this one stay within binding_limits(); raises PluginInvalid."""
         others = self.plugin.bindings.exclude(pk=self.pk) if self.pk else self.plugin.bindings.all()
-        regexes = others.filter(kind="regex").count() + (self.kind == "regex")
+        every = sees_every_message(self.kind, self.pattern)
+        regexes = others.filter(EVERY_MESSAGE).count() + every
         check_binding_counts(self.plugin.name, others.count() + 1, regexes)
-        if self.kind == "regex" and self.plugin.enabled:
+        if every and self.plugin.enabled:
             check_regex_total(self.plugin.name, self.plugin.pk, regexes)
+        if others.filter(kind=self.kind, pattern=self.pattern, handler=self.handler).exists():
+            raise PluginInvalid(duplicate_binding(self.plugin.name, self.kind, self.pattern, self.handler))
 
     def save(self, *args: Any, **kwargs: Any) -> None:
         for name in ("kind", "pattern", "handler", "priority"):

@@ -37,7 +37,15 @@ from execapp.seams import EngineLike, WorkerLike
 
 from .errors import PluginInvalid
 from .loaded import LoadedPlugin, validate
-from .models import Binding, Plugin, RegistryState, binding_limits, code_total_limit, registry_limits
+from .models import (
+    Binding,
+    Plugin,
+    RegistryState,
+    binding_limits,
+    code_total_limit,
+    registry_limits,
+    sees_every_message,
+)
 
 log = logging.getLogger("plugins.sync")
 
@@ -183,7 +191,7 @@ def _set_hints(enabled: list[Any], bindings: dict[str, list[Any]], not_loaded: d
     # source once per binding). 2,000 disabled plugins of 100 bindings made every registry change
     # cost each worker 40-60 s and ~390 MiB here, and kept 200,000 hints.
     disabled = (Binding.objects.filter(plugin__enabled=False).select_related("plugin")
-                .only("pk", "kind", "pattern", "plugin_id", "plugin__name").order_by("plugin_id", "pk")
+                .only("pk", "kind", "pattern", "handler", "plugin_id", "plugin__name").order_by("plugin_id", "pk")
                 [:MAX_HINT_BINDINGS])
     for _, group in itertools.groupby(disabled, key=lambda b: b.plugin_id):
         for b in _loadable("", group):
@@ -278,7 +286,7 @@ def _registry_share(enabled: list[Any]) -> tuple[dict[str, list[Any]], dict[str,
         code += plugin.code_size()
         kept, dropped = [], 0
         for b in _loadable(plugin.name, plugin.bindings.all(), say=True):
-            if b.kind == "regex":
+            if sees_every_message(b.kind, b.pattern):
                 if regexes >= most_regex:
                     dropped += 1
                     continue
@@ -306,11 +314,13 @@ def _loadable(plugin: str, bindings: Iterable[Any], say: bool = False) -> list[A
     most, most_regex = binding_limits()
     out: list[Any] = []
     regexes = skipped = 0
+    seen: set[tuple[str, str, str]] = set()
     for b in sorted(bindings, key=lambda b: b.pk):
-        regex = b.kind == "regex"
-        if len(out) >= most or (regex and regexes >= most_regex):
-            skipped += 1
+        regex = sees_every_message(b.kind, b.pattern)
+        if len(out) >= most or (regex and regexes >= most_regex) or (b.kind, b.pattern, b.handler) in seen:
+            skipped += 1  # (a copy of a binding kept: the same handler would run twice for one event)
             continue
+        seen.add((b.kind, b.pattern, b.handler))
         regexes += regex
         out.append(b)
     if skipped and say:

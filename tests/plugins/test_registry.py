@@ -322,6 +322,41 @@ def test_enabled_plugins_and_their_regex_bindings_are_counted_across_the_registr
         Binding.objects.create(plugin=c, kind="regex", pattern="f+", handler="h")
 
 
+@override_settings(EXECAPP={"MAX_REGEX_BINDINGS_PER_PLUGIN": 2, "MAX_REGEX_BINDINGS": 3})
+def test_bindings_that_see_every_message_are_counted_and_copies_refused() -> None:
+    # One plugin with 100 event bindings of type message (or 100 copies of one binding) made every
+    # message of every client run 100 handlers and send 100 replies: neither was counted.
+    source = "function h(ev) return 'x' end"
+    a = Plugin.objects.create(name="a", runtime="lua", source=source)
+    Binding.objects.create(plugin=a, kind="event", pattern="message", handler="h")
+    with pytest.raises(PluginInvalid, match=r"plugin 'a' binds event 'message' to 'h' twice: each copy would run the "
+                                            r"handler again for the same event"):
+        Binding.objects.create(plugin=a, kind="event", pattern="message", handler="h", priority=5)
+    with pytest.raises(PluginInvalid, match="binds command 'x' to 'h' twice"):
+        Binding.objects.create(plugin=a, kind="command", pattern="x", handler="h")
+        Binding.objects.create(plugin=a, kind="command", pattern="x", handler="h", enabled=False)
+    Binding.objects.create(plugin=a, kind="regex", pattern="r+", handler="h")
+    with pytest.raises(PluginInvalid, match=r"plugin 'a' would have 3 regex bindings; a plugin may have at most 2 "
+                                            r"\(EXECAPP\['MAX_REGEX_BINDINGS_PER_PLUGIN'\]\), event bindings of type "
+                                            r"message counted with them"):
+        Binding.objects.create(plugin=a, kind="event", pattern="message", handler="h2")
+    Binding.objects.create(plugin=a, kind="event", pattern="join", handler="h")  # other types: per event, not counted
+    b = Plugin.objects.create(name="b", runtime="lua", source=source)
+    Binding.objects.create(plugin=b, kind="event", pattern="message", handler="h")
+    with pytest.raises(PluginInvalid, match=r"plugin 'b' would bring the enabled plugins' regex bindings to 4"):
+        Binding.objects.create(plugin=b, kind="regex", pattern="s+", handler="h")
+
+
+def test_admin_refuses_a_copy_of_a_binding(admin_client) -> None:
+    response = admin_client.post("/admin/plugins/plugin/add/", _form(
+        source="function up(ev) return 'x' end", **{
+            "bindings-TOTAL_FORMS": "2", "bindings-1-kind": "command", "bindings-1-pattern": "up",
+            "bindings-1-handler": "up", "bindings-1-priority": "3"}))
+    assert response.status_code == 200
+    assert "plugin 'up' binds command 'up' to 'up' twice" in html.unescape(response.content.decode())
+    assert not Plugin.objects.filter(name="up").exists()
+
+
 @override_settings(EXECAPP={"MAX_TOTAL_CODE_BYTES": 1000})
 def test_the_enabled_plugins_code_is_counted_together() -> None:
     # Every worker holds every enabled plugin's code and what it compiles to (Lua: ~3 MB of

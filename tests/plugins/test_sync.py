@@ -311,3 +311,22 @@ def test_the_hints_read_a_bounded_number_of_disabled_bindings_without_their_plug
     hint_query = next(q["sql"] for q in queries.captured_queries if "LIMIT" in q["sql"] and "binding" in q["sql"])
     assert '"source"' not in hint_query and '"module"' not in hint_query
     sync.manager.clear()
+
+
+def test_a_worker_loads_one_copy_of_a_binding_and_counts_message_bindings_as_regexes(settings) -> None:
+    # Rows written past the models' checks: 100 copies of an event binding of type message made
+    # one message run the handler 100 times and send 100 replies.
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "MAX_REGEX_BINDINGS_PER_PLUGIN": 3}
+    plugin = Plugin.objects.create(name="amp", runtime="lua", source="function h(e) return 'x' end "
+                                                                      "function g(e) return 'y' end")
+    Binding.objects.bulk_create([Binding(plugin=plugin, kind="event", pattern="message", handler="h")
+                                 for _ in range(100)])
+    Binding.objects.bulk_create([Binding(plugin=plugin, kind="event", pattern="message", handler="g"),
+                                 Binding(plugin=plugin, kind="regex", pattern="o", handler="g"),
+                                 Binding(plugin=plugin, kind="regex", pattern="l", handler="g")])
+    engine = Engine(pool_enabled=False)
+    try:
+        assert sync.sync_engine(engine, force=True)
+        assert sorted(texts(engine, "hello")) == ["x", "y", "y"], "one copy of each, three that see every message"
+    finally:
+        sync.manager.clear()
