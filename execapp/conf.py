@@ -46,6 +46,9 @@ DEFAULTS: dict[str, Any] = {
     # worker holds each plugin's code and what it compiles to (Lua: ~3 MB for each MB), and reads
     # it all at each registry change (20 plugins of 3.9 MB: 0.6 s and 82 MiB for every change).
     "MAX_TOTAL_CODE_BYTES": 32 << 20,
+    # Bindings of all enabled plugins one command name or event type may have together: each runs
+    # its handler for every such event (one plugin binding /x to 100 handlers: 100 replies per /x).
+    "MAX_BINDINGS_PER_PATTERN": 10,
     # Asyncio overflow policy when the pool is full (engine.OVERFLOW_POLICIES): "wait" (per-client
     # backpressure for up to OVERFLOW_WAIT_SECONDS, then refuse with code "overloaded"), "reject"
     # (refuse at once) or "inline".

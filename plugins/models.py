@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from django.core.exceptions import ValidationError
@@ -288,6 +289,33 @@ def sees_every_message(kind: str | None, pattern: str | None) -> bool:
     return kind == "regex" or (kind == "event" and pattern == "message")
 
 
+def fan_out_key(kind: str, pattern: str) -> tuple[str, str]:
+    """What one event matches a command or event binding by: its kind and its command name (the
+    engine strips a command's leading '/') or event type."""
+    return kind, pattern.lstrip("/") if kind == "command" else pattern
+
+
+def fan_out_limit() -> int:
+    """Bindings of all enabled plugins one command or event type may have: MAX_BINDINGS_PER_PATTERN."""
+    return int(conf.get("MAX_BINDINGS_PER_PATTERN"))
+
+
+def check_fan_out(plugin: str, pk: int | None, kind: str, pattern: str, mine: int) -> None:
+    """Refuse a command or event type bound more than MAX_BINDINGS_PER_PATTERN times by the enabled
+    plugins, counting ``mine`` bindings of plugin ``pk`` (PluginInvalid): each runs its handler for
+    every such event, so one plugin binding /x to 100 handlers made each /x 100 runs and replies."""
+    word = fan_out_key(kind, pattern)[1]
+    same = models.Q(pattern=word) | models.Q(pattern__regex=r"^/+" + re.escape(word) + "$") if kind == "command" \
+        else models.Q(pattern=word)
+    others = Binding.objects.filter(same, plugin__enabled=True, kind=kind).exclude(plugin_id=pk).count()
+    most = fan_out_limit()
+    if others + mine > most:
+        raise PluginInvalid(f"plugin {plugin!r} would bring the bindings of {kind} {word[:200]!r} to {others + mine}; "
+                            f"at most {most} of all enabled plugins may share one "
+                            "(EXECAPP['MAX_BINDINGS_PER_PATTERN']): each runs its handler for every such event; route "
+                            "them to one handler")
+
+
 def registry_limits() -> tuple[int, int]:
     """(enabled plugins a worker loads, regex bindings of all enabled plugins together): EXECAPP's
     MAX_PLUGINS and MAX_REGEX_BINDINGS (docs/operations.md)."""
@@ -399,6 +427,10 @@ class Binding(models.Model):
             check_regex_total(self.plugin.name, self.plugin.pk, regexes)
         if others.filter(kind=self.kind, pattern=self.pattern, handler=self.handler).exists():
             raise PluginInvalid(duplicate_binding(self.plugin.name, self.kind, self.pattern, self.handler))
+        if not every and self.plugin.enabled:
+            key = fan_out_key(self.kind, self.pattern)
+            mine = 1 + sum(fan_out_key(b.kind, b.pattern) == key for b in others.only("kind", "pattern"))
+            check_fan_out(self.plugin.name, self.plugin.pk, self.kind, self.pattern, mine)
 
     def save(self, *args: Any, **kwargs: Any) -> None:
         for name in ("kind", "pattern", "handler", "priority"):

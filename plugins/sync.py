@@ -21,6 +21,7 @@ retried after ``REFUSAL_RETRY_SECONDS`` in case the machine was only busy.
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import logging
 import threading
@@ -43,6 +44,8 @@ from .models import (
     RegistryState,
     binding_limits,
     code_total_limit,
+    fan_out_key,
+    fan_out_limit,
     registry_limits,
     sees_every_message,
 )
@@ -273,6 +276,7 @@ def _registry_share(enabled: list[Any]) -> tuple[dict[str, list[Any]], dict[str,
     every plugin is compiled and holds its instances in every worker."""
     most_plugins, most_regex = registry_limits()
     most_code, code = code_total_limit(), 0
+    most_fan_out, fan_out = fan_out_limit(), collections.Counter[tuple[str, str]]()
     out: dict[str, list[Any]] = {}
     over: dict[str, str] = {}
     regexes = 0
@@ -284,18 +288,28 @@ def _registry_share(enabled: list[Any]) -> tuple[dict[str, list[Any]], dict[str,
             over[plugin.name] = "too_much_code"
             continue
         code += plugin.code_size()
-        kept, dropped = [], 0
+        kept, dropped, crowded = [], 0, 0
         for b in _loadable(plugin.name, plugin.bindings.all(), say=True):
             if sees_every_message(b.kind, b.pattern):
                 if regexes >= most_regex:
                     dropped += 1
                     continue
                 regexes += 1
+            else:
+                key = fan_out_key(b.kind, b.pattern)
+                if fan_out[key] >= most_fan_out:
+                    crowded += 1
+                    continue
+                fan_out[key] += 1
             kept.append(b)
         if dropped:
             log.error("plugin %s: %d regex bindings skipped: the enabled plugins may have at most %d regex bindings "
                       "together (EXECAPP['MAX_REGEX_BINDINGS']; the plugins created first keep theirs); remove regex "
                       "bindings in the admin, or raise the setting", plugin.name, dropped, most_regex)
+        if crowded:
+            log.error("plugin %s: %d bindings skipped: at most %d bindings of all enabled plugins may share one "
+                      "command or event type (EXECAPP['MAX_BINDINGS_PER_PATTERN']; the plugins created first keep "
+                      "theirs); remove them in the admin, or raise the setting", plugin.name, crowded, most_fan_out)
         out[plugin.name] = kept
     if over:
         log.error("%d enabled plugins not loaded (%s): at most %d enabled plugins load, with at most %d bytes of code "

@@ -347,6 +347,33 @@ def test_bindings_that_see_every_message_are_counted_and_copies_refused() -> Non
         Binding.objects.create(plugin=b, kind="regex", pattern="s+", handler="h")
 
 
+@override_settings(EXECAPP={"MAX_BINDINGS_PER_PATTERN": 2})
+def test_a_command_or_event_type_is_bound_a_bounded_number_of_times_across_plugins(admin_client) -> None:
+    # Each binding runs its handler for every such event: one plugin binding /x to 100 handlers
+    # made each /x 100 runs and 100 replies (100 plugins: 10,000).
+    source = "function h(ev) return 'x' end function g(ev) return 'y' end"
+    a = Plugin.objects.create(name="a", runtime="lua", source=source)
+    Binding.objects.create(plugin=a, kind="command", pattern="x", handler="h")
+    Binding.objects.create(plugin=a, kind="command", pattern="/x", handler="g")  # the same command
+    b = Plugin.objects.create(name="b", runtime="lua", source=source)
+    with pytest.raises(PluginInvalid, match=r"plugin 'b' would bring the bindings of command 'x' to 3; at most 2 of "
+                                            r"all enabled plugins may share one "
+                                            r"\(EXECAPP\['MAX_BINDINGS_PER_PATTERN'\]\)"):
+        Binding.objects.create(plugin=b, kind="command", pattern="x", handler="h")
+    Binding.objects.create(plugin=b, kind="event", pattern="tick", handler="h")
+    Binding.objects.create(plugin=b, kind="event", pattern="tick", handler="g")
+    with pytest.raises(PluginInvalid, match="bindings of event 'tick' to 3"):
+        Binding.objects.create(plugin=a, kind="event", pattern="tick", handler="h")
+    Binding.objects.create(plugin=b, kind="command", pattern="y", handler="h")  # another command
+    response = admin_client.post("/admin/plugins/plugin/add/", _form(
+        source="function up(ev) return 'x' end function up2(ev) return 'y' end function up3(ev) return 'z' end", **{
+            "bindings-TOTAL_FORMS": "3", "bindings-1-kind": "command", "bindings-1-pattern": "up",
+            "bindings-1-handler": "up2", "bindings-1-priority": "0", "bindings-2-kind": "command",
+            "bindings-2-pattern": "/up", "bindings-2-handler": "up3", "bindings-2-priority": "0"}))
+    assert "would bring the bindings of command 'up' to 3" in html.unescape(response.content.decode())
+    assert not Plugin.objects.filter(name="up").exists()
+
+
 def test_admin_refuses_a_copy_of_a_binding(admin_client) -> None:
     response = admin_client.post("/admin/plugins/plugin/add/", _form(
         source="function up(ev) return 'x' end", **{

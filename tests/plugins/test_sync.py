@@ -330,3 +330,19 @@ def test_a_worker_loads_one_copy_of_a_binding_and_counts_message_bindings_as_reg
         assert sorted(texts(engine, "hello")) == ["x", "y", "y"], "one copy of each, three that see every message"
     finally:
         sync.manager.clear()
+
+
+def test_a_worker_runs_a_bounded_number_of_handlers_for_one_command(settings, caplog) -> None:
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "MAX_BINDINGS_PER_PATTERN": 2}
+    plugin = Plugin.objects.create(name="fan", runtime="lua", source="".join(
+        f"function h{i}(e) return 'h{i}' end " for i in range(5)))
+    Binding.objects.bulk_create([Binding(plugin=plugin, kind="command", pattern="x", handler=f"h{i}")
+                                 for i in range(5)])
+    engine = Engine(pool_enabled=False)
+    try:
+        assert sync.sync_engine(engine, force=True)
+        assert sorted(texts(engine, "/x")) == ["h0", "h1"], "the first two by id"
+        assert "plugin fan: 3 bindings skipped: at most 2 bindings of all enabled plugins may share one command or " \
+            "event type (EXECAPP['MAX_BINDINGS_PER_PATTERN']" in caplog.text
+    finally:
+        sync.manager.clear()
