@@ -1,6 +1,7 @@
 """The plugin registry: plugins, their bindings, their key-value data and the registry version."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 from typing import Any
@@ -229,6 +230,10 @@ class Plugin(models.Model):
             check_plugin_count(self.name, self.pk)
             if check_bindings and self.pk:
                 check_regex_total(self.name, self.pk, self.bindings.filter(EVERY_MESSAGE).count())
+                mine = collections.Counter(fan_out_key(b.kind, b.pattern)
+                                           for b in self.bindings.exclude(EVERY_MESSAGE).only("kind", "pattern"))
+                for (kind, pattern), count in mine.items():
+                    check_fan_out(self.name, self.pk, kind, pattern, count)
         self.validate_code(handlers=None if check_bindings else [])
         if self.enabled:
             check_code_total(self.name, self.pk, self.code_size())

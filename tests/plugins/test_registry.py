@@ -365,6 +365,11 @@ def test_a_command_or_event_type_is_bound_a_bounded_number_of_times_across_plugi
     with pytest.raises(PluginInvalid, match="bindings of event 'tick' to 3"):
         Binding.objects.create(plugin=a, kind="event", pattern="tick", handler="h")
     Binding.objects.create(plugin=b, kind="command", pattern="y", handler="h")  # another command
+    c = Plugin.objects.create(name="c", runtime="lua", source=source, enabled=False)
+    Binding.objects.create(plugin=c, kind="command", pattern="x", handler="h")  # c is disabled: not counted
+    c.enabled = True
+    with pytest.raises(PluginInvalid, match="plugin 'c' would bring the bindings of command 'x' to 3"):
+        c.save()
     response = admin_client.post("/admin/plugins/plugin/add/", _form(
         source="function up(ev) return 'x' end function up2(ev) return 'y' end function up3(ev) return 'z' end", **{
             "bindings-TOTAL_FORMS": "3", "bindings-1-kind": "command", "bindings-1-pattern": "up",
