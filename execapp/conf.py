@@ -36,6 +36,19 @@ DEFAULTS: dict[str, Any] = {
     # loop for each 64 KB message (and up to ~50 ms each for a pattern whose DFA explodes).
     "MAX_BINDINGS_PER_PLUGIN": 100,
     "MAX_REGEX_BINDINGS_PER_PLUGIN": 10,
+    # Enabled plugins a worker loads, and regex bindings of all enabled plugins together (saves past
+    # them are refused; a worker loads the first created). The per-plugin limits alone let 500
+    # plugins add 5,000 regex searches to every message, and every enabled plugin is compiled and
+    # holds its instances (up to pool_size x memory_mb) in every worker.
+    "MAX_PLUGINS": 100,
+    "MAX_REGEX_BINDINGS": 100,
+    # Bytes of code (source characters plus module bytes) of all enabled plugins together: every
+    # worker holds each plugin's code and what it compiles to (Lua: ~3 MB for each MB), and reads
+    # it all at each registry change (20 plugins of 3.9 MB: 0.6 s and 82 MiB for every change).
+    "MAX_TOTAL_CODE_BYTES": 32 << 20,
+    # Bindings of all enabled plugins one command name or event type may have together: each runs
+    # its handler for every such event (one plugin binding /x to 100 handlers: 100 replies per /x).
+    "MAX_BINDINGS_PER_PATTERN": 10,
     # Asyncio overflow policy when the pool is full (engine.OVERFLOW_POLICIES): "wait" (per-client
     # backpressure for up to OVERFLOW_WAIT_SECONDS, then refuse with code "overloaded"), "reject"
     # (refuse at once) or "inline".

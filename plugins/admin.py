@@ -5,6 +5,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 from django.utils.html import format_html
 
@@ -13,7 +14,17 @@ from execapp.history_admin import events_url
 
 from .forms import BindingFormSet, PluginForm
 from .kv import kv_store
-from .models import QUOTA_FIELDS, Binding, KVEntry, Plugin, RegistryState
+from .models import (
+    EVERY_MESSAGE,
+    QUOTA_FIELDS,
+    Binding,
+    KVEntry,
+    Plugin,
+    RegistryState,
+    code_bytes,
+    code_total_limit,
+    registry_limits,
+)
 from .runtimes import registry
 from .sync import refresh_tracked_engines
 
@@ -109,6 +120,18 @@ class PluginAdmin(admin.ModelAdmin):
         obj.save(check_bindings=False)
 
     def _set_enabled(self, request: Any, queryset: Any, enabled: bool) -> None:
+        if enabled:
+            most_plugins, most_regex = registry_limits()
+            plugins = Plugin.objects.filter(enabled=True).count() + queryset.filter(enabled=False).count()
+            regexes = Binding.objects.filter(EVERY_MESSAGE).filter(
+                Q(plugin__enabled=True) | Q(plugin__in=queryset)).count()
+            code = code_bytes(Plugin.objects.filter(Q(enabled=True) | Q(pk__in=queryset)))
+            if plugins > most_plugins or regexes > most_regex or code > code_total_limit():
+                self.message_user(request, f"Nothing enabled: {plugins} plugins with {regexes} regex bindings and "
+                                  f"{code} bytes of code would be enabled; at most {most_plugins}, {most_regex} and "
+                                  f"{code_total_limit()} may be (EXECAPP['MAX_PLUGINS'], ['MAX_REGEX_BINDINGS'], "
+                                  "['MAX_TOTAL_CODE_BYTES']). Select fewer, or disable others first.", messages.ERROR)
+                return
         with transaction.atomic():
             # updated_at too (update() skips auto_now): a page opened before this is refused, not
             # allowed to switch the plugin back unseen.

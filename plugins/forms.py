@@ -1,6 +1,7 @@
 """Admin forms: plugin code upload/edit and binding validation inside the sandbox."""
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 from django import forms
@@ -10,7 +11,16 @@ from django.forms.models import BaseInlineFormSet
 
 from .errors import PluginInvalid
 from .loaded import validate
-from .models import QUOTA_FIELDS, Plugin, check_binding_counts
+from .models import (
+    QUOTA_FIELDS,
+    Plugin,
+    check_binding_counts,
+    check_fan_out,
+    check_regex_total,
+    duplicate_binding,
+    fan_out_key,
+    sees_every_message,
+)
 from .runtimes import registry
 from .spec import PERMISSIONS
 
@@ -127,7 +137,22 @@ class BindingFormSet(BaseInlineFormSet):
         kept = [f.cleaned_data for f in self.forms if f.cleaned_data and not f.cleaned_data.get("DELETE")]
         handlers = [data["handler"] for data in kept if data.get("enabled")]
         try:
-            check_binding_counts(plugin.name, len(kept), sum(data.get("kind") == "regex" for data in kept))
+            regexes = sum(sees_every_message(data.get("kind"), data.get("pattern")) for data in kept)
+            check_binding_counts(plugin.name, len(kept), regexes)
+            seen: set[tuple[Any, ...]] = set()
+            fan_out: collections.Counter[tuple[str, str]] = collections.Counter()
+            for data in kept:
+                key = (data.get("kind"), data.get("pattern"), data.get("handler"))
+                if key in seen:
+                    raise PluginInvalid(duplicate_binding(plugin.name, *map(str, key)))
+                seen.add(key)
+                if not sees_every_message(data.get("kind"), data.get("pattern")):
+                    fan_out[fan_out_key(str(data.get("kind")), str(data.get("pattern")))] += 1
+            if plugin.enabled:
+                for (kind, pattern), mine in fan_out.items():
+                    check_fan_out(plugin.name, plugin.pk, kind, pattern, mine)
+            if plugin.enabled:
+                check_regex_total(plugin.name, plugin.pk, regexes)
             plugin.prepare_code()
             plugin.check_fields()
             # Names the plugin, the bound handlers and the runtime's own message, whether the

@@ -13,15 +13,20 @@ from execapp.engine import Context, ExecClass, HandlerTimeout
 from .errors import CompileError, PluginInvalid
 from .runtimes.base import MAX_REPLY_BYTES, Compiled, ReplyTooDeep, reply_bytes
 from .runtimes.registry import compile_plugin
+from .runtimes.weighed_lru import WeighedLRU
 from .spec import PluginSpec
 from .strategies import PluginCall, Slots, Strategy, make_strategy
 
 log = logging.getLogger("plugins")
 _now = time.monotonic
 
-_compiled: "collections.OrderedDict[tuple, Compiled]" = collections.OrderedDict()
-_compiled_lock = threading.Lock()
 COMPILED_CACHE_SIZE = 128
+#: Bytes of code (source or binary, plus Lua's bytecode) the compiled versions above may hold
+#: together: a version is up to 4 MiB of code (registry.MAX_CODE_BYTES) and ~3x that in bytecode,
+#: and every save of a plugin is a new version (plugins.runtimes.weighed_lru).
+COMPILED_CACHE_BYTES = 64 << 20
+_compiled: "WeighedLRU[tuple, Compiled]" = WeighedLRU()
+_compiled_lock = threading.Lock()
 #: How long a refusal of one exact spec is remembered: one admin save validates the code in the
 #: form, in the bindings' formset and at save, and a top level that ran past a 60 s timeout ran
 #: past it once for each (the page answered after 2x the budget). Long enough for the repeats
@@ -63,7 +68,6 @@ def compiled_for(spec: PluginSpec) -> Compiled:
     with _compiled_lock:
         compiled = _compiled.get(key)
         if compiled is not None:
-            _compiled.move_to_end(key)
             return compiled
         refused = _refused.get(key)
         if refused is not None and _now() - refused[0] < REFUSAL_MEMORY_SECONDS:
@@ -80,10 +84,14 @@ def compiled_for(spec: PluginSpec) -> Compiled:
                 _refused.popitem(last=False)
         raise
     with _compiled_lock:
-        _compiled[key] = compiled
-        while len(_compiled) > COMPILED_CACHE_SIZE:
-            _compiled.popitem(last=False)
+        _compiled.put(key, compiled, compiled_bytes(spec, compiled), COMPILED_CACHE_SIZE, COMPILED_CACHE_BYTES)
     return compiled
+
+
+def compiled_bytes(spec: PluginSpec, compiled: Compiled) -> int:
+    """What one compiled version holds, as the cache counts it: its code and any bytecode made of it."""
+    bytecode = getattr(compiled, "bytecode", b"")
+    return len(spec.code) + (len(bytecode) if isinstance(bytecode, (bytes, bytearray)) else 0)
 
 
 def validate(spec: PluginSpec, handlers: Iterable[str] = ()) -> Compiled:

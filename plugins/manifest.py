@@ -12,8 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from django.db import models
+
 from .errors import PluginInvalid
-from .models import QUOTA_FIELDS
+from .models import QUOTA_FIELDS, Binding, Plugin, column_problem, integer_range
 
 #: key -> (what it must be, whether a value is that). Limits are whole numbers from 1, quotas from 0.
 _TEXT = ("a string", lambda v: isinstance(v, str))
@@ -33,12 +35,19 @@ _BINDING_KEYS: dict[str, tuple[str, Any]] = {"kind": _TEXT, "pattern": _TEXT, "h
                                              "block": _FLAG}
 
 
+#: The keys that are columns of each model (checked against what the column stores).
+_COLUMNS: dict[type[models.Model], set[str]] = {
+    model: {f.name for f in model._meta.concrete_fields} for model in (Plugin, Binding)}
+
+
 def _bad(message: str) -> PluginInvalid:
     return PluginInvalid(f"manifest.json: {message} (docs/plugins.md: the manifest's format)", code="bad_manifest")
 
 
-def _check(where: str, obj: dict[str, Any], keys: dict[str, tuple[str, Any]], required: tuple[str, ...]) -> None:
-    """Every key known and of its type, the required ones present; else PluginInvalid naming the first."""
+def _check(where: str, obj: dict[str, Any], keys: dict[str, tuple[str, Any]], required: tuple[str, ...],
+           model: type[models.Model]) -> None:
+    """Every key known, of its type and (a whole number) within what ``model``'s column stores, the
+    required ones present; else PluginInvalid naming the first."""
     for key in obj:
         if key not in keys:
             raise _bad(f"{where}: unknown key {key!r}; use {', '.join(keys)}")
@@ -49,6 +58,14 @@ def _check(where: str, obj: dict[str, Any], keys: dict[str, tuple[str, Any]], re
         what, ok = keys[key]
         if not ok(value):
             raise _bad(f"{where}: {key} must be {what}, got {json.dumps(value)[:60]}")
+        field = model._meta.get_field(key) if key in _COLUMNS[model] else None
+        if field is None or column_problem(field, value) is None:
+            continue
+        if isinstance(value, str):
+            raise _bad(f"{where}: {key} must be at most {field.max_length} characters, got {len(value)}")
+        low, high = integer_range(field)
+        raise _bad(f"{where}: {key} must be {what} and at most {high}, got {json.dumps(value)[:60]}"
+                   if value >= low else f"{where}: {key} must be at least {low}, got {json.dumps(value)[:60]}")
 
 
 def read_manifest(directory: Path) -> list[tuple[dict[str, Any], str]]:
@@ -66,10 +83,10 @@ def read_manifest(directory: Path) -> list[tuple[dict[str, Any], str]]:
         if not isinstance(entry, dict):
             raise _bad(f"{where} must be an object, got {json.dumps(entry)[:60]}")
         if isinstance(entry.get("name"), str):
-            where += f" ({entry['name']!r})"
-        _check(where, entry, _PLUGIN_KEYS, _REQUIRED)
+            where += f" ({entry['name'][:63]!r})"
+        _check(where, entry, _PLUGIN_KEYS, _REQUIRED, Plugin)
         for number, binding in enumerate(entry.get("bindings", [])):
-            _check(f"{where} bindings[{number}]", binding, _BINDING_KEYS, ("pattern", "handler"))
+            _check(f"{where} bindings[{number}]", binding, _BINDING_KEYS, ("pattern", "handler"), Binding)
         path = directory / entry["file"]
         try:
             source = path.read_text(encoding="utf-8")

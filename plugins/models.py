@@ -1,12 +1,17 @@
 """The plugin registry: plugins, their bindings, their key-value data and the registry version."""
 from __future__ import annotations
 
+import collections
 import dataclasses
+import re
 from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
+from django.db.backends.base.operations import BaseDatabaseOperations
+from django.db.models import Sum
+from django.db.models.functions import Coalesce, Length
 
 from execapp import conf
 from execapp.engine.linear_regex import LinearRegex, RegexRefused
@@ -16,6 +21,29 @@ from .errors import CompileError, PluginInvalid
 from .loaded import validate
 from .runtimes import registry
 from .runtimes.host import allowlist_entry_problem
+
+
+def integer_range(field: models.Field) -> tuple[int, int]:
+    """The whole numbers an integer model field holds on every database Django supports (a
+    PositiveIntegerField is 32-bit on PostgreSQL, 64-bit on SQLite: the narrower range)."""
+    return BaseDatabaseOperations.integer_field_ranges[field.get_internal_type()]
+
+
+def column_problem(field: models.Field, value: Any) -> str | None:
+    """Why ``value`` cannot be stored in ``field``'s column on every supported database (None: it
+    can): a whole number past its range, or text past a CharField's max_length. Past them was an
+    OverflowError (SQLite) or a DataError (PostgreSQL) at save, or, as SQLite does not check a
+    length, text stored whole: a manifest's 500 KB event pattern made a 500 KB matcher name (in
+    every metric label, history trace and profile row of it)."""
+    if isinstance(field, models.IntegerField) and isinstance(value, int) and not isinstance(value, bool):
+        low, high = integer_range(field)
+        if not low <= value <= high:
+            return f"{field.name} {value} is outside {low}..{high}, what the database stores"
+    elif isinstance(field, models.CharField) and field.max_length and isinstance(value, str):
+        if len(value) > field.max_length:
+            return f"{field.name} is {len(value)} characters, over its {field.max_length}"
+    return None
+
 
 NAME_VALIDATOR = RegexValidator(r"^[a-z0-9][a-z0-9_-]{0,62}$",
                                 "Use 1-63 lowercase letters, digits, '_' or '-', starting with a letter or digit.")
@@ -151,6 +179,11 @@ class Plugin(models.Model):
         if not isinstance(self.permissions, list) or bad:
             raise PluginInvalid(f"plugin {self.name!r}: unknown permission(s) {bad or self.permissions!r}; "
                                 f"use a list of {', '.join(specs.PERMISSIONS)}")
+        for field in self._meta.concrete_fields:
+            if not field.primary_key:
+                problem = column_problem(field, getattr(self, field.attname))
+                if problem is not None:
+                    raise PluginInvalid(f"plugin {self.name[:63]!r}: {problem}; make it smaller")
         if self.memory_mb > specs.MAX_MEMORY_MB:
             raise PluginInvalid(f"plugin {self.name!r}: memory_mb {self.memory_mb} is above {specs.MAX_MEMORY_MB}, "
                                 "the most one instance may have; lower it")
@@ -191,9 +224,25 @@ class Plugin(models.Model):
 
     def save(self, *args: Any, check_bindings: bool = True, **kwargs: Any) -> None:
         """Validate in the sandbox, then save. ``check_bindings=False`` checks the code only
-        (for a caller that validated the new bindings itself, like the admin's formset)."""
+        (for a caller that validated the new bindings itself, like the admin's formset).
+        A plugin becoming enabled must fit MAX_PLUGINS and, with its stored bindings, MAX_REGEX_BINDINGS."""
+        if self.enabled and not (self.pk and Plugin.objects.filter(pk=self.pk, enabled=True).exists()):
+            check_plugin_count(self.name, self.pk)
+            if check_bindings and self.pk:
+                check_regex_total(self.name, self.pk, self.bindings.filter(EVERY_MESSAGE).count())
+                mine = collections.Counter(fan_out_key(b.kind, b.pattern)
+                                           for b in self.bindings.exclude(EVERY_MESSAGE).only("kind", "pattern"))
+                for (kind, pattern), count in mine.items():
+                    check_fan_out(self.name, self.pk, kind, pattern, count)
         self.validate_code(handlers=None if check_bindings else [])
+        if self.enabled:
+            check_code_total(self.name, self.pk, self.code_size())
         super().save(*args, **kwargs)
+
+    def code_size(self) -> int:
+        """What the plugin's code counts against MAX_TOTAL_CODE_BYTES: characters of its source
+        (a binary runtime's text form included: every worker reads it too) plus bytes of its module."""
+        return len(self.source) + len(self.module or b"")
 
 
 def _add_quota_fields() -> None:
@@ -213,6 +262,12 @@ def binding_limits() -> tuple[int, int]:
     return int(conf.get("MAX_BINDINGS_PER_PLUGIN")), int(conf.get("MAX_REGEX_BINDINGS_PER_PLUGIN"))
 
 
+def duplicate_binding(plugin: str, kind: str, pattern: str, handler: str) -> str:
+    """The refusal of a binding the plugin already has (the same kind, pattern and handler)."""
+    return (f"plugin {plugin!r} binds {kind} {pattern[:200]!r} to {handler!r} twice: each copy would run the handler "
+            "again for the same event (one plugin with 100 copies sent every client 100 replies a message); keep one")
+
+
 def check_binding_counts(plugin: str, total: int, regexes: int) -> None:
     """Refuse a plugin with more bindings (or regex bindings) than a worker loads; PluginInvalid."""
     most, most_regex = binding_limits()
@@ -222,8 +277,101 @@ def check_binding_counts(plugin: str, total: int, regexes: int) -> None:
                             "handler that reads the event")
     if regexes > most_regex:
         raise PluginInvalid(f"plugin {plugin!r} would have {regexes} regex bindings; a plugin may have at most "
-                            f"{most_regex} (EXECAPP['MAX_REGEX_BINDINGS_PER_PLUGIN']): every message is searched with "
-                            "each of them on the event loop; join patterns with '|' or use command bindings")
+                            f"{most_regex} (EXECAPP['MAX_REGEX_BINDINGS_PER_PLUGIN']), event bindings of type "
+                            "message counted with them: every message is searched with each regex on the event loop, "
+                            "and runs each message binding's handler; join patterns with '|' or use command bindings")
+
+
+#: The bindings every message meets (a search, or a handler run, per message): regex ones and
+#: event bindings of type "message", counted together by the *REGEX_BINDINGS* limits. Event
+#: bindings of type message were not counted: one plugin with 100 of them made every message of
+#: every client run 100 handlers and send 100 replies.
+EVERY_MESSAGE = models.Q(kind="regex") | models.Q(kind="event", pattern="message")
+
+
+def sees_every_message(kind: str | None, pattern: str | None) -> bool:
+    """Whether a binding of ``kind`` and ``pattern`` meets every message (EVERY_MESSAGE)."""
+    return kind == "regex" or (kind == "event" and pattern == "message")
+
+
+def fan_out_key(kind: str, pattern: str) -> tuple[str, str]:
+    """What one event matches a command or event binding by: its kind and its command name (the
+    engine strips a command's leading '/') or event type."""
+    return kind, pattern.lstrip("/") if kind == "command" else pattern
+
+
+def fan_out_limit() -> int:
+    """Bindings of all enabled plugins one command or event type may have: MAX_BINDINGS_PER_PATTERN."""
+    return int(conf.get("MAX_BINDINGS_PER_PATTERN"))
+
+
+def check_fan_out(plugin: str, pk: int | None, kind: str, pattern: str, mine: int) -> None:
+    """Refuse a command or event type bound more than MAX_BINDINGS_PER_PATTERN times by the enabled
+    plugins, counting ``mine`` bindings of plugin ``pk`` (PluginInvalid): each runs its handler for
+    every such event, so one plugin binding /x to 100 handlers made each /x 100 runs and replies."""
+    word = fan_out_key(kind, pattern)[1]
+    same = models.Q(pattern=word) | models.Q(pattern__regex=r"^/+" + re.escape(word) + "$") if kind == "command" \
+        else models.Q(pattern=word)
+    others = Binding.objects.filter(same, plugin__enabled=True, kind=kind).exclude(plugin_id=pk).count()
+    most = fan_out_limit()
+    if others + mine > most:
+        raise PluginInvalid(f"plugin {plugin!r} would bring the bindings of {kind} {word[:200]!r} to {others + mine}; "
+                            f"at most {most} of all enabled plugins may share one "
+                            "(EXECAPP['MAX_BINDINGS_PER_PATTERN']): each runs its handler for every such event; route "
+                            "them to one handler")
+
+
+def registry_limits() -> tuple[int, int]:
+    """(enabled plugins a worker loads, regex bindings of all enabled plugins together): EXECAPP's
+    MAX_PLUGINS and MAX_REGEX_BINDINGS (docs/operations.md)."""
+    return int(conf.get("MAX_PLUGINS")), int(conf.get("MAX_REGEX_BINDINGS"))
+
+
+def check_plugin_count(plugin: str, pk: int | None) -> None:
+    """Refuse one more enabled plugin than a worker loads (PluginInvalid): every enabled plugin is
+    compiled and holds its instances in every worker, and adds its bindings to every message's routes."""
+    most = registry_limits()[0]
+    others = Plugin.objects.filter(enabled=True).exclude(pk=pk).count()
+    if others >= most:
+        raise PluginInvalid(f"plugin {plugin!r} would be enabled plugin number {others + 1}; at most {most} may be "
+                            "enabled (EXECAPP['MAX_PLUGINS']): disable or delete one you no longer need, or join "
+                            "plugins into one")
+
+
+def code_total_limit() -> int:
+    """Bytes of code all enabled plugins may have together: EXECAPP['MAX_TOTAL_CODE_BYTES']."""
+    return int(conf.get("MAX_TOTAL_CODE_BYTES"))
+
+
+def code_bytes(plugins: Any) -> int:
+    """The code of the plugins of a queryset as Plugin.code_size counts it, summed by the database."""
+    sums = plugins.aggregate(text=Coalesce(Sum(Length("source")), 0), binary=Coalesce(Sum(Length("module")), 0))
+    return int(sums["text"]) + int(sums["binary"])
+
+
+def check_code_total(plugin: str, pk: int | None, size: int) -> None:
+    """Refuse code that brings the enabled plugins' code past MAX_TOTAL_CODE_BYTES (PluginInvalid):
+    every worker holds every enabled plugin's code and what it compiles to, and reads all of it
+    at each registry change."""
+    most = code_total_limit()
+    total = code_bytes(Plugin.objects.filter(enabled=True).exclude(pk=pk)) + size
+    if total > most:
+        raise PluginInvalid(f"plugin {plugin!r} would bring the enabled plugins' code to {total} bytes; at most {most} "
+                            "may be enabled together (EXECAPP['MAX_TOTAL_CODE_BYTES']): every worker holds it all and "
+                            "what it compiles to; make the code smaller, or disable plugins you no longer need")
+
+
+def check_regex_total(plugin: str, pk: int | None, regexes: int) -> None:
+    """Refuse regex bindings past MAX_REGEX_BINDINGS across the enabled plugins, counting ``regexes``
+    for plugin ``pk`` (PluginInvalid): each is a search of every message on the event loop."""
+    most = registry_limits()[1]
+    others = Binding.objects.filter(EVERY_MESSAGE, plugin__enabled=True).exclude(plugin_id=pk).count()
+    if others + regexes > most:
+        raise PluginInvalid(f"plugin {plugin!r} would bring the enabled plugins' regex bindings to {others + regexes}; "
+                            f"at most {most} may exist together (EXECAPP['MAX_REGEX_BINDINGS']), event bindings of "
+                            "type message counted with them: every message is searched with each regex on the event "
+                            "loop, and runs each message binding's handler; use command bindings, or join patterns "
+                            "with '|'")
 
 
 class Binding(models.Model):
@@ -277,10 +425,24 @@ class Binding(models.Model):
     def check_count(self) -> None:
         """The plugin's bindings with this one stay within binding_limits(); raises PluginInvalid."""
         others = self.plugin.bindings.exclude(pk=self.pk) if self.pk else self.plugin.bindings.all()
-        check_binding_counts(self.plugin.name, others.count() + 1,
-                             others.filter(kind="regex").count() + (self.kind == "regex"))
+        every = sees_every_message(self.kind, self.pattern)
+        regexes = others.filter(EVERY_MESSAGE).count() + every
+        check_binding_counts(self.plugin.name, others.count() + 1, regexes)
+        if every and self.plugin.enabled:
+            check_regex_total(self.plugin.name, self.plugin.pk, regexes)
+        if others.filter(kind=self.kind, pattern=self.pattern, handler=self.handler).exists():
+            raise PluginInvalid(duplicate_binding(self.plugin.name, self.kind, self.pattern, self.handler))
+        if not every and self.plugin.enabled:
+            key = fan_out_key(self.kind, self.pattern)
+            mine = 1 + sum(fan_out_key(b.kind, b.pattern) == key for b in others.only("kind", "pattern"))
+            check_fan_out(self.plugin.name, self.plugin.pk, self.kind, self.pattern, mine)
 
     def save(self, *args: Any, **kwargs: Any) -> None:
+        for name in ("kind", "pattern", "handler", "priority"):
+            problem = column_problem(Binding._meta.get_field(name), getattr(self, name))
+            if problem is not None:
+                raise PluginInvalid(f"plugin {self.plugin.name!r} handler {self.handler[:100]!r}: {problem}; make it "
+                                    "smaller")
         self.check_count()
         if self.enabled:
             self.validate_handler()

@@ -21,6 +21,7 @@ retried after ``REFUSAL_RETRY_SECONDS`` in case the machine was only busy.
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import logging
 import threading
@@ -37,7 +38,17 @@ from execapp.seams import EngineLike, WorkerLike
 
 from .errors import PluginInvalid
 from .loaded import LoadedPlugin, validate
-from .models import Binding, Plugin, RegistryState, binding_limits
+from .models import (
+    Binding,
+    Plugin,
+    RegistryState,
+    binding_limits,
+    code_total_limit,
+    fan_out_key,
+    fan_out_limit,
+    registry_limits,
+    sees_every_message,
+)
 
 log = logging.getLogger("plugins.sync")
 
@@ -130,9 +141,11 @@ def sync_engine(engine: EngineLike, force: bool = False) -> bool:
         if not force and _synced.get(engine) == version:
             return False
         plugins = list(Plugin.objects.filter(enabled=True).prefetch_related("bindings"))
+        bindings, not_loaded = _registry_share(plugins)
         matchers: list[Matcher] = []
-        not_loaded: dict[str, str] = {}
         for plugin in plugins:
+            if plugin.name not in bindings:  # past MAX_PLUGINS: never compiled here
+                continue
             try:
                 loaded = manager.load(plugin)
             except PluginInvalid as exc:  # saved before a runtime upgrade, or edited in SQL
@@ -142,9 +155,9 @@ def sync_engine(engine: EngineLike, force: bool = False) -> bool:
                     exc.logged = True  # type: ignore[attr-defined]
                     log.error("plugin %s not loaded (%s): %s; every other plugin serves", plugin.name, exc.code, exc)
                 continue
-            matchers.extend(_matchers(engine, plugin, loaded))
+            matchers.extend(_matchers(engine, plugin, loaded, bindings[plugin.name]))
         engine.set_matchers(matchers)
-        _set_hints(plugins, not_loaded)
+        _set_hints(plugins, bindings, not_loaded)
         manager.retain({p.name for p in plugins})
         _synced[engine] = version
     log.info("engine synced to registry version %s: %d plugins, %d matchers", version, len(plugins), len(matchers))
@@ -157,24 +170,34 @@ _hints: dict[tuple[str, str], str] = {}
 #: The regex hints, compiled when the hints are made (on the sync's thread), not on the loop.
 _regex_hints: list[tuple[LinearRegex, str, str]] = []
 #: Regex patterns the unmatched hint tries at most: each is a search of every message that
-#: matched nothing, on the event loop (the bindings per plugin are bounded, not the plugins).
+#: matched nothing, on the event loop (the regex bindings of disabled plugins are bounded per plugin only).
 MAX_HINT_REGEXES = 32
+#: Bindings of disabled plugins the hints are made of at most, at each registry change (the first
+#: plugins by id): past them an unmatched event gets no hint, nothing else changes.
+MAX_HINT_BINDINGS = 2_000
 
 
-def _set_hints(enabled: list[Any], not_loaded: dict[str, str]) -> None:
+def _set_hints(enabled: list[Any], bindings: dict[str, list[Any]], not_loaded: dict[str, str]) -> None:
     """Rebuild ``_hints`` from this sync's registry read (one more query, on a registry change only)."""
     hints: dict[tuple[str, str], str] = {}
     for plugin in enabled:
-        for b in _loadable(plugin.name, plugin.bindings.all()):
+        loads = bindings[plugin.name] if plugin.name in bindings else _loadable(plugin.name, plugin.bindings.all())
+        for b in loads:
             if plugin.name in not_loaded:
                 hints.setdefault((b.kind, b.pattern), f"plugin {plugin.name!r} is enabled but did not load "
                                  f"({not_loaded[plugin.name]}); the server log says why")
             elif not b.enabled:
                 hints.setdefault((b.kind, b.pattern), f"its binding in plugin {plugin.name!r} is disabled (enable it "
                                  "in the admin's Plugins page)")
-    disabled = Binding.objects.filter(plugin__enabled=False).select_related("plugin").order_by("plugin_id", "pk")
-    for _, bindings in itertools.groupby(disabled, key=lambda b: b.plugin_id):
-        for b in _loadable("", bindings):
+    # Disabled plugins are not counted (MAX_PLUGINS counts enabled ones): their bindings are read
+    # up to MAX_HINT_BINDINGS, and without the plugins' code (select_related read a plugin's whole
+    # source once per binding). 2,000 disabled plugins of 100 bindings made every registry change
+    # cost each worker 40-60 s and ~390 MiB here, and kept 200,000 hints.
+    disabled = (Binding.objects.filter(plugin__enabled=False).select_related("plugin")
+                .only("pk", "kind", "pattern", "handler", "plugin_id", "plugin__name").order_by("plugin_id", "pk")
+                [:MAX_HINT_BINDINGS])
+    for _, group in itertools.groupby(disabled, key=lambda b: b.plugin_id):
+        for b in _loadable("", group):
             hints.setdefault((b.kind, b.pattern), f"plugin {b.plugin.name!r} is disabled (enable it in the admin's "
                              "Plugins page)")
     _use_hints(hints)
@@ -217,11 +240,11 @@ def unmatched_hint(event_type: str, text: str) -> str | None:
     return None
 
 
-def _matchers(engine: EngineLike, plugin: Any, loaded: LoadedPlugin) -> list[Matcher]:
+def _matchers(engine: EngineLike, plugin: Any, loaded: LoadedPlugin, bindings: list[Any]) -> list[Matcher]:
     out: list[Matcher] = []
     seen: set[str] = set()
     pool_only = _pool_only(loaded.spec)
-    for b in _loadable(plugin.name, plugin.bindings.all(), say=True):
+    for b in bindings:
         if not b.enabled:
             continue
         if b.handler not in loaded.compiled.handlers:
@@ -242,6 +265,60 @@ def _matchers(engine: EngineLike, plugin: Any, loaded: LoadedPlugin) -> list[Mat
     return out
 
 
+def _registry_share(enabled: list[Any]) -> tuple[dict[str, list[Any]], dict[str, str]]:
+    """(the bindings this worker loads, by plugin; why the other enabled plugins are not loaded).
+
+    Per plugin its ``_loadable`` bindings; across plugins, by id (the oldest first: a plugin
+    added later cannot push out one that serves), at most MAX_PLUGINS plugins and MAX_REGEX_BINDINGS
+    regex bindings (plugins.models refuses more at save; rows written otherwise, or kept from
+    before a lower limit, are skipped here with one error log each). The per-plugin limits alone
+    let 500 plugins of 10 regexes each cost every message 5,000 searches on the event loop, and
+    every plugin is compiled and holds its instances in every worker."""
+    most_plugins, most_regex = registry_limits()
+    most_code, code = code_total_limit(), 0
+    most_fan_out, fan_out = fan_out_limit(), collections.Counter[tuple[str, str]]()
+    out: dict[str, list[Any]] = {}
+    over: dict[str, str] = {}
+    regexes = 0
+    for plugin in sorted(enabled, key=lambda p: p.pk):
+        if len(out) >= most_plugins:
+            over[plugin.name] = "too_many_plugins"
+            continue
+        if code + plugin.code_size() > most_code:
+            over[plugin.name] = "too_much_code"
+            continue
+        code += plugin.code_size()
+        kept, dropped, crowded = [], 0, 0
+        for b in _loadable(plugin.name, plugin.bindings.all(), say=True):
+            if sees_every_message(b.kind, b.pattern):
+                if regexes >= most_regex:
+                    dropped += 1
+                    continue
+                regexes += 1
+            else:
+                key = fan_out_key(b.kind, b.pattern)
+                if fan_out[key] >= most_fan_out:
+                    crowded += 1
+                    continue
+                fan_out[key] += 1
+            kept.append(b)
+        if dropped:
+            log.error("plugin %s: %d regex bindings skipped: the enabled plugins may have at most %d regex bindings "
+                      "together (EXECAPP['MAX_REGEX_BINDINGS']; the plugins created first keep theirs); remove regex "
+                      "bindings in the admin, or raise the setting", plugin.name, dropped, most_regex)
+        if crowded:
+            log.error("plugin %s: %d bindings skipped: at most %d bindings of all enabled plugins may share one "
+                      "command or event type (EXECAPP['MAX_BINDINGS_PER_PATTERN']; the plugins created first keep "
+                      "theirs); remove them in the admin, or raise the setting", plugin.name, crowded, most_fan_out)
+        out[plugin.name] = kept
+    if over:
+        log.error("%d enabled plugins not loaded (%s): at most %d enabled plugins load, with at most %d bytes of code "
+                  "together (EXECAPP['MAX_PLUGINS'], ['MAX_TOTAL_CODE_BYTES']; the first created load); disable or "
+                  "delete some in the admin, or raise the settings", len(over),
+                  ", ".join(sorted(over)[:10]) + (", ..." if len(over) > 10 else ""), most_plugins, most_code)
+    return out, over
+
+
 def _loadable(plugin: str, bindings: Iterable[Any], say: bool = False) -> list[Any]:
     """The bindings of one plugin a worker loads, by id: at most MAX_BINDINGS_PER_PLUGIN, of them at
     most MAX_REGEX_BINDINGS_PER_PLUGIN regex ones (plugins.models refuses more at save; rows written
@@ -251,11 +328,13 @@ def _loadable(plugin: str, bindings: Iterable[Any], say: bool = False) -> list[A
     most, most_regex = binding_limits()
     out: list[Any] = []
     regexes = skipped = 0
+    seen: set[tuple[str, str, str]] = set()
     for b in sorted(bindings, key=lambda b: b.pk):
-        regex = b.kind == "regex"
-        if len(out) >= most or (regex and regexes >= most_regex):
-            skipped += 1
+        regex = sees_every_message(b.kind, b.pattern)
+        if len(out) >= most or (regex and regexes >= most_regex) or (b.kind, b.pattern, b.handler) in seen:
+            skipped += 1  # (a copy of a binding kept: the same handler would run twice for one event)
             continue
+        seen.add((b.kind, b.pattern, b.handler))
         regexes += regex
         out.append(b)
     if skipped and say:

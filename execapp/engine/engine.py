@@ -63,6 +63,12 @@ RunObserver = Callable[[Matcher, ExecClass, float, str, Event], None]
 OVERFLOW_POLICIES = ("wait", "reject", "inline")
 #: The engine's counters (``Engine.counts``; the dashboard and /metrics read them by these names).
 COUNTERS = ("events", "inline", "pooled", "fallbacks", "overloaded", "errors")
+#: Profiles of matchers no longer registered that an engine keeps, the most recently retired:
+#: a plugin disabled and enabled again (or a binding changed back) finds what was learned. Kept
+#: without a bound, every matcher name ever registered stayed (~3 KB each, more with samples), and
+#: a plugin with 100 bindings of one handler re-saved with new patterns added 100 a save, in every
+#: worker, each walked by the metrics, persistence and watchdog passes.
+RETIRED_PROFILES = 1024
 
 _POOL = ExecClass.POOL
 _SYNC = ExecClass.SYNC
@@ -150,6 +156,8 @@ class Engine:
         self._profile_factory = profile_factory
         self.profiles: dict[str, ExecProfile] = {}
         self._profiles_lock = threading.Lock()
+        # Names in ``profiles`` no registered matcher has, oldest retired first (set_matchers).
+        self._retired: dict[str, None] = {}
         # Copy-on-write: dispatch reads one Routes (the matchers and their per-event-shape
         # candidates) that registration replaces, never mutates.
         self._routes = Routes()
@@ -208,6 +216,17 @@ class Engine:
         """Replace every matcher at once (a plugin refresh); events in flight keep the old set."""
         with self._register_lock:
             self._routes = Routes(tuple(sorted(matchers, key=Matcher.sort_key)))
+            self._retire_profiles({m.name for m in self._routes.matchers})
+
+    def _retire_profiles(self, live: set[str]) -> None:
+        """Keep the profiles of ``live`` matchers and of the RETIRED_PROFILES most recently retired."""
+        with self._profiles_lock:
+            retired = {name: None for name in self._retired if name not in live}
+            retired.update((name, None) for name in self.profiles if name not in live and name not in retired)
+            for name in list(retired)[:max(0, len(retired) - RETIRED_PROFILES)]:
+                del retired[name]
+                self.profiles.pop(name, None)
+            self._retired = retired
 
     @property
     def matchers(self) -> tuple[Matcher, ...]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import heapq
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -116,21 +117,31 @@ class Routes:
 
     def __init__(self, matchers: tuple[Matcher, ...] = ()) -> None:
         self.matchers = matchers
-        any_message = [m for m in matchers
-                       if m.kind is _REGEX or (m.kind is _EVENT and m.pattern == "message")]
+        # One pass over the matchers, then one merge per command name: each table was a scan of
+        # every matcher per registered name, with a list search per matcher (commands x matchers x
+        # regexes: 20 plugins within their binding limits, 2,000 matchers, took 12 s under the
+        # engine's registration lock; now linear in the tables' size). Positions keep dispatch order.
+        any_message: list[tuple[int, Matcher]] = []
+        by_command: dict[str, list[tuple[int, Matcher]]] = {}
+        by_type: dict[str, list[Matcher]] = {}
+        for position, m in enumerate(matchers):
+            if m.kind is _COMMAND:
+                by_command.setdefault(m.pattern, []).append((position, m))
+            elif m.kind is _REGEX or m.pattern == "message":
+                any_message.append((position, m))
+            else:
+                by_type.setdefault(m.pattern, []).append(m)
         #: Candidates of a message that is not a registered command.
-        self.message: tuple[Matcher, ...] = tuple(any_message)
-        #: Candidates of a ``/name`` message, by registered command name.
+        self.message: tuple[Matcher, ...] = tuple(m for _, m in any_message)
+        #: Candidates of a ``/name`` message, by registered command name: its command matchers and
+        #: the message's candidates, merged in dispatch order.
         self.commands: dict[str, tuple[Matcher, ...]] = {
-            name: tuple(m for m in matchers if (m.kind is _COMMAND and m.pattern == name) or m in any_message)
-            for name in {m.pattern for m in matchers if m.kind is _COMMAND}}
+            name: tuple(m for _, m in heapq.merge(own, any_message)) for name, own in by_command.items()}
         #: The same keyed by the message's first word, ``/name``: a command sent without arguments
         #: is looked up by the event's text itself (no slice; a str caches its hash).
         self.heads: dict[str, tuple[Matcher, ...]] = {f"/{name}": plan for name, plan in self.commands.items()}
         #: Candidates of an event of another type, by registered type.
-        self.types: dict[str, tuple[Matcher, ...]] = {
-            etype: tuple(m for m in matchers if m.kind is _EVENT and m.pattern == etype)
-            for etype in {m.pattern for m in matchers if m.kind is _EVENT and m.pattern != "message"}}
+        self.types: dict[str, tuple[Matcher, ...]] = {etype: tuple(own) for etype, own in by_type.items()}
 
     def plan(self, etype: str, text: str) -> tuple[tuple[Matcher, ...], str]:
         """(the candidates for an event, in dispatch order; a command's argument string or "")."""

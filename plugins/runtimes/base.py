@@ -26,6 +26,28 @@ MAX_ERROR_CHARS = 8192
 MAX_REPLY_DEPTH = 33
 
 
+#: Seconds a plugin's top level may run when its code is validated: at save, and in every worker
+#: whenever it loads a new version, on the registry-sync thread, one plugin after another. The
+#: plugin's own timeout_ms (up to EXECAPP['MAX_HANDLER_TIMEOUT_SECONDS'], 60 s) bounded it alone: a
+#: top level of 25 s under a 30 s timeout was accepted and cost every worker 25 s at each start and
+#: version, with every other plugin's change waiting behind it. A top level is definitions; work
+#: belongs in handlers, which get the whole timeout.
+LOAD_SECONDS = 2.0
+
+
+def load_seconds(spec: PluginSpec) -> float:
+    """The budget of ``spec``'s top level when it is validated: its timeout, at most LOAD_SECONDS."""
+    return min(spec.timeout, LOAD_SECONDS)
+
+
+def load_budget_note(spec: PluginSpec) -> str:
+    """What a validation timeout adds when LOAD_SECONDS, not the plugin's timeout, stopped the top level."""
+    if spec.timeout <= LOAD_SECONDS:
+        return ""
+    return (f" (a top level may run at most {LOAD_SECONDS:g} s when the plugin is loaded, whatever its timeout_ms: "
+            "plugins.runtimes.base.LOAD_SECONDS; every worker runs it at each start and new version)")
+
+
 class ReplyTooDeep(ValueError):
     """A data reply nests deeper than MAX_REPLY_DEPTH (``reply_bytes``)."""
 

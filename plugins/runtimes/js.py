@@ -46,7 +46,16 @@ import quickjs
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from . import js_deadline, js_free
-from .base import MAX_ERROR_CHARS, MAX_REPLY_BYTES, FreshInstanceIsolation, scan_json, to_json, to_reply
+from .base import (
+    MAX_ERROR_CHARS,
+    MAX_REPLY_BYTES,
+    FreshInstanceIsolation,
+    load_budget_note,
+    load_seconds,
+    scan_json,
+    to_json,
+    to_reply,
+)
 from .host import MAX_LOG_CHARS, MAX_URL_CHARS, Host
 from .kvstore import MAX_KEY_CHARS, MAX_VALUE_CHARS
 
@@ -775,9 +784,11 @@ class JsCompiled(FreshInstanceIsolation):
                                f"(MAX_BACKREF_WORK): use fewer, or build such a regexp with new RegExp in a handler")
         self.spec = spec
         try:
-            probe = JsInstance(self, list_functions=True)
+            probe = JsInstance(self, list_functions=True, deadline=time.monotonic() + load_seconds(spec))
         except GuestTimeout as exc:
-            raise CompileError(f"the plugin {exc}; move long work out of the top level into a handler",
+            note = load_budget_note(spec)
+            why = f"ran past {load_seconds(spec) * 1000:g} ms in its top level{note}" if note else str(exc)
+            raise CompileError(f"the plugin {why}; move long work out of the top level into a handler",
                                code="timeout") from None
         except GuestMemory as exc:
             raise CompileError(f"the plugin's top level: {exc}", code="memory_limit") from None

@@ -53,7 +53,7 @@ import lupa.lua55 as lupa
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
 from ..spec import PluginSpec
-from .base import MAX_REPLY_BYTES, MAX_REPLY_DEPTH, to_reply
+from .base import MAX_REPLY_BYTES, MAX_REPLY_DEPTH, load_budget_note, load_seconds, to_reply
 from .host import MAX_LOG_CHARS, Host, HostCallError
 from .kvstore import MAX_VALUE_CHARS
 from .lua_compile import compile_bytecode, refuse_attributes
@@ -452,8 +452,12 @@ class LuaCompiled:
         try:
             # The top level runs under the plugin's own budget and guards: a runaway one is
             # refused at save (and skipped at worker start, plugins/sync.py) as `timeout`.
-            env = vm.load_env(time.monotonic() + spec.timeout)
+            env = vm.load_env(time.monotonic() + load_seconds(spec))
         except GuestTimeout as exc:
+            note = load_budget_note(spec)
+            if note:
+                raise CompileError(f"the top level ran past {load_seconds(spec) * 1000:g} ms ({exc}){note}; keep the "
+                                   "top level to definitions and do the work in handlers", code="timeout") from None
             raise CompileError(f"the top level ran past the plugin's timeout of {spec.timeout * 1000:g} ms ({exc}); "
                                "keep the top level to definitions and do the work in handlers, or raise "
                                "timeout_ms", code="timeout") from None

@@ -31,7 +31,6 @@ runs in a child process limited to ``COMPILE_TIMEOUT_SECONDS`` and ``COMPILE_MEM
 from __future__ import annotations
 
 import atexit
-import collections
 import ctypes
 import functools
 import json
@@ -48,8 +47,9 @@ from wasmtime import _ffi as ffi
 from wasmtime import _func as _wasm_func
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
-from .base import MAX_REPLY_BYTES, FreshInstanceIsolation, to_json, to_reply
+from .base import MAX_REPLY_BYTES, FreshInstanceIsolation, load_budget_note, load_seconds, to_json, to_reply
 from .host import Host
+from .weighed_lru import WeighedLRU
 
 EPOCH_TICK = 0.005
 MEMORY_RESERVATION = 64 << 20
@@ -349,9 +349,12 @@ HOST_IMPORTS = frozenset({"log", "kv_get", "kv_set", "kv_incr", "sleep", "http_g
 
 # -- compiled modules -----------------------------------------------------------------------------
 
-_modules: "collections.OrderedDict[str, wasmtime.Module]" = collections.OrderedDict()
-_modules_lock = threading.Lock()
 MODULE_CACHE_SIZE = 64
+#: Bytes of module binaries the compiled modules above may come from together (each up to
+#: MAX_MODULE_BYTES, its machine code more): every save of a plugin is a new version.
+MODULE_CACHE_BYTES = 64 << 20
+_modules: "WeighedLRU[str, wasmtime.Module]" = WeighedLRU()
+_modules_lock = threading.Lock()
 
 
 def _leb_u32(data: bytes, pos: int) -> tuple[int, int]:
@@ -398,19 +401,17 @@ def check_module_size(wasm: bytes) -> None:
 
 
 def compile_module(version: str, wasm: bytes) -> wasmtime.Module:
-    """The compiled module of one version, compiled once per process (an LRU of 64): its size
-    checked first (check_module_size), then compiled in a bounded child (_compile_bounded)."""
+    """The compiled module of one version, compiled once per process (an LRU of MODULE_CACHE_SIZE
+    entries and MODULE_CACHE_BYTES): its size checked first (check_module_size), then compiled in
+    a bounded child (_compile_bounded)."""
     with _modules_lock:
         module = _modules.get(version)
         if module is not None:
-            _modules.move_to_end(version)
             return module
     check_module_size(wasm)
     module = _compile_bounded(wasm)
     with _modules_lock:
-        _modules[version] = module
-        while len(_modules) > MODULE_CACHE_SIZE:
-            _modules.popitem(last=False)
+        _modules.put(version, module, len(wasm), MODULE_CACHE_SIZE, MODULE_CACHE_BYTES)
     return module
 
 
@@ -761,7 +762,11 @@ class WasmCompiled(FreshInstanceIsolation):
         self.handlers = frozenset(names)
         probe = WasmInstance(self)
         try:
-            probe.start(spec.timeout)  # the module instantiates: memory, alloc and start are fine
+            probe.start(load_seconds(spec))  # the module instantiates: memory, alloc and start are fine
+        except GuestTimeout as exc:
+            note = load_budget_note(spec)
+            raise CompileError(f"the start function ran past {load_seconds(spec) * 1000:g} ms{note}" if note
+                               else str(exc), code="timeout") from None
         except GuestError as exc:
             code = "timeout" if isinstance(exc, GuestTimeout) else \
                 "memory_limit" if isinstance(exc, GuestMemory) else "plugin_invalid"

@@ -486,3 +486,27 @@ def test_two_handlers_of_one_command_learn_separately(engines):
     assert slow.profile is not fast.profile and fast.profile.state is ProfileState.LEARNING
     named = engine.on_command("cmd", lambda ctx: None, matcher_name="mine", plugin="p")
     assert (named.name, named.plugin, named.profile) == ("mine", "p", engine.profile_for("mine"))
+
+
+def test_profiles_of_matchers_no_longer_registered_are_kept_up_to_a_bound(monkeypatch) -> None:
+    # Every matcher name ever registered kept its profile (~3 KB each): a plugin with 100 bindings
+    # of one handler re-saved with new patterns added 100 profiles a save, in every worker.
+    from execapp.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "RETIRED_PROFILES", 50, raising=False)
+    engine = Engine(pool_enabled=False)
+
+    def register(names: list[str]) -> None:
+        engine.set_matchers([engine.make_matcher("command", n, lambda ctx: None, name=n) for n in names])
+
+    register(["kept"] + [f"a{i}" for i in range(30)])
+    learned = engine.profile_for("a0")
+    for save in range(20):  # each save binds 30 new names
+        register(["kept"] + [f"s{save}-{i}" for i in range(30)])
+    assert len(engine.profiles) == 31 + 50, "the live matchers' profiles and the 50 most recently retired"
+    assert "s18-0" in engine.profiles and "a0" not in engine.profiles
+    kept = engine.profile_for("kept")
+    register(["kept", "s19-0"])  # re-registered: the same profiles, with what they learned
+    assert engine.profile_for("kept") is kept and "s18-29" in engine.profiles
+    register(["s18-0"])
+    assert engine.profile_for("a0") is not learned  # retired past the bound: a new profile

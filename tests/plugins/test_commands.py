@@ -98,6 +98,18 @@ def test_runplugin_names_a_stored_plugin_that_no_longer_loads() -> None:
     ({"bindings": [{"pattern": "x", "handler": "h", "priority": "high"}]},
      "plugins[0] ('m') bindings[0]: priority must be a whole number, got \"high\""),
     ({"bindings": [{"pattern": "x"}]}, "bindings[0]: 'handler' is missing"),
+    # Past the column's range: an OverflowError traceback on SQLite, a DataError on PostgreSQL.
+    ({"quota_kv_bytes": 10**30}, "quota_kv_bytes must be a whole number of at least 0 and at most "
+                                 "9223372036854775807, got 1000000000000000000000000000000"),
+    ({"quota_kv_keys": 2**40}, "quota_kv_keys must be a whole number of at least 0 and at most 2147483647"),
+    ({"bindings": [{"pattern": "x", "handler": "h", "priority": 2**31}]},
+     "bindings[0]: priority must be a whole number and at most 2147483647, got 2147483648"),
+    ({"bindings": [{"pattern": "x", "handler": "h", "priority": -2**63}]},
+     "bindings[0]: priority must be at least -2147483648, got -9223372036854775808"),
+    # SQLite does not check a length: a 500 KB event pattern made a 500 KB matcher name.
+    ({"bindings": [{"kind": "event", "pattern": "y" * 201, "handler": "h"}]},
+     "bindings[0]: pattern must be at most 200 characters, got 201"),
+    ({"description": "d" * 100_000}, "plugins[0] ('m'): description must be at most 200 characters, got 100000"),
     ({"name": None}, "plugins[0]: name must be a string, got null"),
 ])
 def test_loadplugins_names_a_bad_manifest_value_and_loads_nothing(tmp_path: Path, change: dict, message: str) -> None:

@@ -269,6 +269,162 @@ def test_a_plugin_may_have_so_many_bindings_and_regex_bindings() -> None:
     assert plugin.bindings.count() == 4
 
 
+def test_values_past_what_the_database_stores_are_refused_by_name() -> None:
+    # Was an OverflowError traceback (SQLite) or a DataError (PostgreSQL, whose 32-bit columns
+    # are narrower: a value saved on SQLite failed there) at save.
+    source = "function h(ev) return 'x' end"
+    with pytest.raises(PluginInvalid, match=r"plugin 'big': quota_kv_bytes 10{30} is outside "
+                                            r"0\.\.9223372036854775807, what the database stores; make it smaller"):
+        Plugin.objects.create(name="big", runtime="lua", source=source, quota_kv_bytes=10**30)
+    with pytest.raises(PluginInvalid, match=r"quota_http_requests 4294967296 is outside 0\.\.2147483647"):
+        Plugin.objects.create(name="big", runtime="lua", source=source, quota_http_requests=2**32)
+    plugin = Plugin.objects.create(name="big", runtime="lua", source=source)
+    with pytest.raises(PluginInvalid, match=r"plugin 'big' handler 'h': priority -2147483649 is outside "
+                                            r"-2147483648\.\.2147483647"):
+        Binding.objects.create(plugin=plugin, pattern="x", handler="h", priority=-2**31 - 1)
+    with pytest.raises(PluginInvalid, match=r"plugin 'big' handler 'h': pattern is 500000 characters, over its 200"):
+        Binding.objects.create(plugin=plugin, kind="event", pattern="y" * 500_000, handler="h")
+    assert not plugin.bindings.exists()
+    plugin.description = "d" * 201
+    with pytest.raises(PluginInvalid, match=r"plugin 'big': description is 201 characters, over its 200"):
+        plugin.save()
+
+
+@override_settings(EXECAPP={"MAX_PLUGINS": 2, "MAX_REGEX_BINDINGS": 3})
+def test_enabled_plugins_and_their_regex_bindings_are_counted_across_the_registry() -> None:
+    # The per-plugin limits alone let 500 plugins of 10 regexes each make every message 5,000
+    # searches on the event loop, and every enabled plugin is compiled in every worker.
+    source = "function h(ev) return 'x' end"
+    a = Plugin.objects.create(name="a", runtime="lua", source=source)
+    Binding.objects.create(plugin=a, kind="regex", pattern="a+", handler="h")
+    Binding.objects.create(plugin=a, kind="regex", pattern="b+", handler="h", enabled=False)
+    b = Plugin.objects.create(name="b", runtime="lua", source=source)
+    Binding.objects.create(plugin=b, kind="regex", pattern="c+", handler="h")
+    with pytest.raises(PluginInvalid, match=r"plugin 'b' would bring the enabled plugins' regex bindings to 4; at "
+                                            r"most 3 may exist together \(EXECAPP\['MAX_REGEX_BINDINGS'\]\)"):
+        Binding.objects.create(plugin=b, kind="regex", pattern="d+", handler="h")
+    Binding.objects.create(plugin=b, kind="command", pattern="d", handler="h")  # commands are not counted here
+    with pytest.raises(PluginInvalid, match=r"plugin 'c' would be enabled plugin number 3; at most 2 may be enabled "
+                                            r"\(EXECAPP\['MAX_PLUGINS'\]\)"):
+        Plugin.objects.create(name="c", runtime="lua", source=source)
+    c = Plugin.objects.create(name="c", runtime="lua", source=source, enabled=False)
+    Binding.objects.create(plugin=c, kind="regex", pattern="e+", handler="h")  # a disabled plugin's: not counted
+    c.enabled = True
+    with pytest.raises(PluginInvalid, match="would be enabled plugin number 3"):
+        c.save()
+    b.enabled = False
+    b.save()
+    a.description = "edited"
+    a.save()  # an edit of an enabled plugin is not one more
+    c.save()  # in b's place: 2 plugins, 3 regex bindings
+    assert list(Plugin.objects.filter(enabled=True).values_list("name", flat=True)) == ["a", "c"]
+    with pytest.raises(PluginInvalid, match="regex bindings to 4"):
+        Binding.objects.create(plugin=c, kind="regex", pattern="f+", handler="h")
+
+
+@override_settings(EXECAPP={"MAX_REGEX_BINDINGS_PER_PLUGIN": 2, "MAX_REGEX_BINDINGS": 3})
+def test_bindings_that_see_every_message_are_counted_and_copies_refused() -> None:
+    # One plugin with 100 event bindings of type message (or 100 copies of one binding) made every
+    # message of every client run 100 handlers and send 100 replies: neither was counted.
+    source = "function h(ev) return 'x' end"
+    a = Plugin.objects.create(name="a", runtime="lua", source=source)
+    Binding.objects.create(plugin=a, kind="event", pattern="message", handler="h")
+    with pytest.raises(PluginInvalid, match=r"plugin 'a' binds event 'message' to 'h' twice: each copy would run the "
+                                            r"handler again for the same event"):
+        Binding.objects.create(plugin=a, kind="event", pattern="message", handler="h", priority=5)
+    with pytest.raises(PluginInvalid, match="binds command 'x' to 'h' twice"):
+        Binding.objects.create(plugin=a, kind="command", pattern="x", handler="h")
+        Binding.objects.create(plugin=a, kind="command", pattern="x", handler="h", enabled=False)
+    Binding.objects.create(plugin=a, kind="regex", pattern="r+", handler="h")
+    with pytest.raises(PluginInvalid, match=r"plugin 'a' would have 3 regex bindings; a plugin may have at most 2 "
+                                            r"\(EXECAPP\['MAX_REGEX_BINDINGS_PER_PLUGIN'\]\), event bindings of type "
+                                            r"message counted with them"):
+        Binding.objects.create(plugin=a, kind="event", pattern="message", handler="h2")
+    Binding.objects.create(plugin=a, kind="event", pattern="join", handler="h")  # other types: per event, not counted
+    b = Plugin.objects.create(name="b", runtime="lua", source=source)
+    Binding.objects.create(plugin=b, kind="event", pattern="message", handler="h")
+    with pytest.raises(PluginInvalid, match=r"plugin 'b' would bring the enabled plugins' regex bindings to 4"):
+        Binding.objects.create(plugin=b, kind="regex", pattern="s+", handler="h")
+
+
+@override_settings(EXECAPP={"MAX_BINDINGS_PER_PATTERN": 2})
+def test_a_command_or_event_type_is_bound_a_bounded_number_of_times_across_plugins(admin_client) -> None:
+    # Each binding runs its handler for every such event: one plugin binding /x to 100 handlers
+    # made each /x 100 runs and 100 replies (100 plugins: 10,000).
+    source = "function h(ev) return 'x' end function g(ev) return 'y' end"
+    a = Plugin.objects.create(name="a", runtime="lua", source=source)
+    Binding.objects.create(plugin=a, kind="command", pattern="x", handler="h")
+    Binding.objects.create(plugin=a, kind="command", pattern="/x", handler="g")  # the same command
+    b = Plugin.objects.create(name="b", runtime="lua", source=source)
+    with pytest.raises(PluginInvalid, match=r"plugin 'b' would bring the bindings of command 'x' to 3; at most 2 of "
+                                            r"all enabled plugins may share one "
+                                            r"\(EXECAPP\['MAX_BINDINGS_PER_PATTERN'\]\)"):
+        Binding.objects.create(plugin=b, kind="command", pattern="x", handler="h")
+    Binding.objects.create(plugin=b, kind="event", pattern="tick", handler="h")
+    Binding.objects.create(plugin=b, kind="event", pattern="tick", handler="g")
+    with pytest.raises(PluginInvalid, match="bindings of event 'tick' to 3"):
+        Binding.objects.create(plugin=a, kind="event", pattern="tick", handler="h")
+    Binding.objects.create(plugin=b, kind="command", pattern="y", handler="h")  # another command
+    c = Plugin.objects.create(name="c", runtime="lua", source=source, enabled=False)
+    Binding.objects.create(plugin=c, kind="command", pattern="x", handler="h")  # c is disabled: not counted
+    c.enabled = True
+    with pytest.raises(PluginInvalid, match="plugin 'c' would bring the bindings of command 'x' to 3"):
+        c.save()
+    response = admin_client.post("/admin/plugins/plugin/add/", _form(
+        source="function up(ev) return 'x' end function up2(ev) return 'y' end function up3(ev) return 'z' end", **{
+            "bindings-TOTAL_FORMS": "3", "bindings-1-kind": "command", "bindings-1-pattern": "up",
+            "bindings-1-handler": "up2", "bindings-1-priority": "0", "bindings-2-kind": "command",
+            "bindings-2-pattern": "/up", "bindings-2-handler": "up3", "bindings-2-priority": "0"}))
+    assert "would bring the bindings of command 'up' to 3" in html.unescape(response.content.decode())
+    assert not Plugin.objects.filter(name="up").exists()
+
+
+def test_admin_refuses_a_copy_of_a_binding(admin_client) -> None:
+    response = admin_client.post("/admin/plugins/plugin/add/", _form(
+        source="function up(ev) return 'x' end", **{
+            "bindings-TOTAL_FORMS": "2", "bindings-1-kind": "command", "bindings-1-pattern": "up",
+            "bindings-1-handler": "up", "bindings-1-priority": "3"}))
+    assert response.status_code == 200
+    assert "plugin 'up' binds command 'up' to 'up' twice" in html.unescape(response.content.decode())
+    assert not Plugin.objects.filter(name="up").exists()
+
+
+@override_settings(EXECAPP={"MAX_TOTAL_CODE_BYTES": 1000})
+def test_the_enabled_plugins_code_is_counted_together() -> None:
+    # Every worker holds every enabled plugin's code and what it compiles to (Lua: ~3 MB of
+    # bytecode for each MB), and reads it all at each registry change: 20 plugins of 3.9 MB cost
+    # 0.6 s and 82 MiB a change, 100 (MAX_PLUGINS) of 4 MiB would hold ~1 GB in each worker.
+    def source(size: int) -> str:
+        return "function h(ev) return 'x' end\n--" + "x" * (size - 32)
+
+    a = Plugin.objects.create(name="a", runtime="lua", source=source(600))
+    with pytest.raises(PluginInvalid, match=r"plugin 'b' would bring the enabled plugins' code to 1100 bytes; at most "
+                                            r"1000 may be enabled together \(EXECAPP\['MAX_TOTAL_CODE_BYTES'\]\)"):
+        Plugin.objects.create(name="b", runtime="lua", source=source(500))
+    b = Plugin.objects.create(name="b", runtime="lua", source=source(400))
+    b.source = source(401)
+    with pytest.raises(PluginInvalid, match="code to 1001 bytes"):
+        b.save()  # an edit counts its new size
+    Plugin.objects.create(name="c", runtime="lua", source=source(900), enabled=False)  # disabled: not counted
+    a.enabled = False
+    a.save()
+    b.save()
+
+
+@override_settings(EXECAPP={"MAX_PLUGINS": 2})
+def test_admin_enables_no_more_plugins_than_a_worker_loads(admin_client) -> None:
+    source = "function h(ev) return 'x' end"
+    Plugin.objects.create(name="a", runtime="lua", source=source)
+    off = [Plugin.objects.create(name=n, runtime="lua", source=source, enabled=False) for n in ("b", "c")]
+    response = admin_client.post("/admin/plugins/plugin/", {"action": "enable_plugins",
+                                                            "_selected_action": [p.pk for p in off]}, follow=True)
+    assert "Nothing enabled: 3 plugins with 0 regex bindings and 87 bytes of code would be enabled; at most 2" in \
+        html.unescape(response.content.decode())
+    assert Plugin.objects.filter(enabled=True).count() == 1
+    admin_client.post("/admin/plugins/plugin/", {"action": "enable_plugins", "_selected_action": [off[0].pk]})
+    assert Plugin.objects.filter(enabled=True).count() == 2
+
+
 @override_settings(EXECAPP={"MAX_REGEX_BINDINGS_PER_PLUGIN": 1})
 def test_admin_refuses_more_regex_bindings_than_a_plugin_may_have(admin_client) -> None:
     response = admin_client.post("/admin/plugins/plugin/add/", _form(

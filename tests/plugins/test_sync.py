@@ -252,3 +252,97 @@ def test_a_worker_loads_no_more_bindings_of_a_plugin_than_it_may_have(engine: En
     assert sync.sync_engine(engine, force=True)
     assert sync.unmatched_hint("message", "x1y") is not None and sync.unmatched_hint("message", "x2y") is None
     assert len([key for key in sync._hints if key[0] == "regex"]) == 2
+
+
+def test_a_worker_loads_no_more_plugins_and_regex_bindings_together_than_it_may(settings, caplog) -> None:
+    # Rows written past the models' check (bulk_create, SQL, the list's enable action, a limit
+    # lowered since): the plugins created first load, the others are never compiled here, and the
+    # regex bindings of all loaded plugins together stay within MAX_REGEX_BINDINGS.
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "MAX_PLUGINS": 3, "MAX_REGEX_BINDINGS": 4}
+    plugins = Plugin.objects.bulk_create([
+        Plugin(name=f"p{i}", runtime="lua", source=f"function h(ev) return 'p{i}' end") for i in range(5)])
+    Binding.objects.bulk_create([Binding(plugin=p, kind="regex", pattern=f"r{j}x{p.name}", handler="h")
+                                 for p in plugins for j in range(2)])
+    Binding.objects.bulk_create([Binding(plugin=p, kind="command", pattern=p.name, handler="h") for p in plugins])
+    engine = Engine(pool_enabled=False)
+    try:
+        assert sync.sync_engine(engine, force=True)
+        loaded = sorted(m.name + "@" + m.kind.value for m in engine.matchers)
+        assert {m.plugin for m in engine.matchers} == {"p0", "p1", "p2"}
+        assert sum(m.kind.value == "regex" for m in engine.matchers) == 4
+        assert [n for n in loaded if n.startswith("p2")] == ["p2.h@command"], "p2's regexes are past the total"
+        assert {p.name for p in sync.manager.all()} == {"p0", "p1", "p2"}, "p3 and p4 were not compiled"
+        assert "2 enabled plugins not loaded (p3, p4): at most 3 enabled plugins load, with at most" \
+            in caplog.text
+        assert "plugin p2: 2 regex bindings skipped: the enabled plugins may have at most 4 regex bindings" \
+            in caplog.text
+        assert "did not load (too_many_plugins)" in (sync.unmatched_hint("message", "/p4") or "")
+        settings.EXECAPP = {**settings.EXECAPP, "MAX_TOTAL_CODE_BYTES": 2 * Plugin.objects.get(name="p0").code_size()}
+        assert sync.sync_engine(engine, force=True)
+        assert {m.plugin for m in engine.matchers} == {"p0", "p1"}
+        assert "did not load (too_much_code)" in (sync.unmatched_hint("message", "/p2") or "")
+        settings.EXECAPP = {**settings.EXECAPP, "MAX_TOTAL_CODE_BYTES": 32 << 20}
+        assert sync.sync_engine(engine, force=True)
+        assert texts(engine, "/p1") == ["p1"] and texts(engine, "/p4") == []
+    finally:
+        sync.manager.clear()
+
+
+def test_the_hints_read_a_bounded_number_of_disabled_bindings_without_their_plugins_code(monkeypatch) -> None:
+    # Disabled plugins are not counted by MAX_PLUGINS: 2,000 of them with 100 bindings each made
+    # every registry change cost each worker 40-60 s and ~390 MiB building 200,000 hints, and
+    # each binding's row carried its plugin's whole source.
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    monkeypatch.setattr(sync, "MAX_HINT_BINDINGS", 30, raising=False)
+    plugins = Plugin.objects.bulk_create([Plugin(name=f"off{i}", runtime="lua", enabled=False,
+                                                 source="-- " + "x" * 10_000 + "\nfunction h(e) return 1 end")
+                                          for i in range(5)])
+    Binding.objects.bulk_create([Binding(plugin=p, kind="command", pattern=f"c{j}{p.name}", handler="h")
+                                 for p in plugins for j in range(20)])
+    engine = Engine(pool_enabled=False)
+    with CaptureQueriesContext(connection) as queries:
+        assert sync.sync_engine(engine, force=True)
+    assert len(sync._hints) == 30, "the first 30 disabled bindings (by plugin, then id)"
+    assert "plugin 'off0' is disabled" in (sync.unmatched_hint("message", "/c19off0") or "")
+    assert "plugin 'off1' is disabled" in (sync.unmatched_hint("message", "/c9off1") or "")
+    assert sync.unmatched_hint("message", "/c0off4") is None
+    hint_query = next(q["sql"] for q in queries.captured_queries if "LIMIT" in q["sql"] and "binding" in q["sql"])
+    assert '"source"' not in hint_query and '"module"' not in hint_query
+    sync.manager.clear()
+
+
+def test_a_worker_loads_one_copy_of_a_binding_and_counts_message_bindings_as_regexes(settings) -> None:
+    # Rows written past the models' checks: 100 copies of an event binding of type message made
+    # one message run the handler 100 times and send 100 replies.
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "MAX_REGEX_BINDINGS_PER_PLUGIN": 3}
+    plugin = Plugin.objects.create(name="amp", runtime="lua", source="function h(e) return 'x' end "
+                                                                      "function g(e) return 'y' end")
+    Binding.objects.bulk_create([Binding(plugin=plugin, kind="event", pattern="message", handler="h")
+                                 for _ in range(100)])
+    Binding.objects.bulk_create([Binding(plugin=plugin, kind="event", pattern="message", handler="g"),
+                                 Binding(plugin=plugin, kind="regex", pattern="o", handler="g"),
+                                 Binding(plugin=plugin, kind="regex", pattern="l", handler="g")])
+    engine = Engine(pool_enabled=False)
+    try:
+        assert sync.sync_engine(engine, force=True)
+        assert sorted(texts(engine, "hello")) == ["x", "y", "y"], "one copy of each, three that see every message"
+    finally:
+        sync.manager.clear()
+
+
+def test_a_worker_runs_a_bounded_number_of_handlers_for_one_command(settings, caplog) -> None:
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "MAX_BINDINGS_PER_PATTERN": 2}
+    plugin = Plugin.objects.create(name="fan", runtime="lua", source="".join(
+        f"function h{i}(e) return 'h{i}' end " for i in range(5)))
+    Binding.objects.bulk_create([Binding(plugin=plugin, kind="command", pattern="x", handler=f"h{i}")
+                                 for i in range(5)])
+    engine = Engine(pool_enabled=False)
+    try:
+        assert sync.sync_engine(engine, force=True)
+        assert sorted(texts(engine, "/x")) == ["h0", "h1"], "the first two by id"
+        assert "plugin fan: 3 bindings skipped: at most 2 bindings of all enabled plugins may share one command or " \
+            "event type (EXECAPP['MAX_BINDINGS_PER_PATTERN']" in caplog.text
+    finally:
+        sync.manager.clear()
