@@ -34,10 +34,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from django.db import close_old_connections, connection, transaction
+from django.db import close_old_connections, connection
 from django.utils import timezone
 
 from . import conf
+from .db_deadline import transaction_deadline
 from .dbtext import clean_text
 from .engine.profile import COUNTERS as PROFILE_COUNTERS
 from .models import ExecProfileRecord
@@ -51,6 +52,12 @@ _FIELDS = ["plugin", "state", "window", "p50_seconds", "p99_seconds", *COUNTERS,
            "last_error", "updated_at", "proven_size", "quarantined"]
 _SAME_TIME = 0.001  # seconds: timestamps round-trip through the database at microsecond precision
 BATCH = 100
+#: Longest one batch's transaction may take on PostgreSQL (a locked execapp_execprofilerecord, a
+#: database that does not answer): past it the flush fails (and is tried again at the next tick).
+#: Without it a drain's flush (manage.py drain, SIGTERM) waited for as long as the lock was held:
+#: a SIGTERM under a 60 s lock ran past its 25 s grace until the supervisor SIGKILLed both workers
+#: at 40 s, and `drain` named the worker "did not answer".
+FLUSH_DEADLINE_SECONDS = 5.0
 T = TypeVar("T")
 
 
@@ -163,6 +170,12 @@ def merge_into(row: ExecProfileRecord, snap: dict[str, Any], deltas: dict[str, i
 class ProfileStore:
     """Background service: loads persisted profiles into an engine and flushes the changed ones."""
 
+    #: Ticked on a thread of its own (execapp/worker.py): a flush waits for the database, which the
+    #: housekeeper's other services (metrics, snapshots, the history's Redis flush) do not need.
+    #: On the shared thread a 20 s lock on execapp_execprofilerecord left the worker's dashboard
+    #: snapshot 17 s old (stale, out of the totals) and its gauges frozen.
+    own_thread = True
+
     def __init__(self, engine: EngineLike, *, window: int | None = None, interval: float | None = None) -> None:
         self.engine = engine
         self.window = window or conf.get("PROFILE_WINDOW")
@@ -229,7 +242,7 @@ class ProfileStore:
     def _write(self, batch: list[tuple[str, int, dict[str, Any], dict[str, int], list[float], bool]],
                plugins: dict[str, str | None]) -> None:
         names = [p[0] for p in batch]
-        with transaction.atomic():
+        with transaction_deadline(FLUSH_DEADLINE_SECONDS):
             # Insert first: on SQLite this takes the write lock before anything is read.
             ExecProfileRecord.objects.bulk_create([ExecProfileRecord(matcher=n) for n in names],
                                                   ignore_conflicts=True)
