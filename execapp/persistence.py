@@ -34,10 +34,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from django.db import close_old_connections, connection
+from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
 from . import conf
+from .circuit import Circuit
 from .db_deadline import transaction_deadline
 from .dbtext import clean_text
 from .engine.profile import COUNTERS as PROFILE_COUNTERS
@@ -58,6 +59,11 @@ BATCH = 100
 #: a SIGTERM under a 60 s lock ran past its 25 s grace until the supervisor SIGKILLed both workers
 #: at 40 s, and `drain` named the worker "did not answer".
 FLUSH_DEADLINE_SECONDS = 5.0
+#: After a flush failed on a database error, the flushes in the next this many seconds fail at once
+#: (execapp/circuit.py): a SIGTERM under a stalled PostgreSQL waited for the tick's attempt, the
+#: drain's and the final close's in turn (5-10 s each: the deadline, a new connection's
+#: connect_timeout) and exited after 27 s, past its 25 s grace.
+FLUSH_CIRCUIT_SECONDS = 10.0
 T = TypeVar("T")
 
 
@@ -183,6 +189,7 @@ class ProfileStore:
         self._flushed: dict[str, _Flushed] = {}
         # The housekeeper ticks while stop() may call close() from another thread.
         self._lock = threading.Lock()
+        self._circuit = Circuit("the profile store's database", (DatabaseError,), FLUSH_CIRCUIT_SECONDS)
         self.flushes = 0
         self.rows_written = 0
 
@@ -227,17 +234,21 @@ class ProfileStore:
             pending = self._pending()
             if not pending:
                 return 0
-            plugins = {m.name: m.plugin for m in self.engine.matchers}
-            written = 0
-            for start in range(0, len(pending), BATCH):
-                batch = sorted(pending[start:start + BATCH], key=lambda p: p[0])
-                self._write(batch, plugins)
-                for name, version, snap, *_ in batch:
-                    self._flushed[name] = _Flushed(version, {c: snap[c] for c in COUNTERS}, snap["quarantined"])
-                written += len(batch)
-            self.flushes += 1
-            self.rows_written += written
-            return written
+            return self._circuit.call(lambda: self._flush(pending))
+
+    def _flush(self, pending: list[tuple[str, int, dict[str, Any], dict[str, int], list[float], bool]]) -> int:
+        """Write ``pending`` (under ``_lock``)."""
+        plugins = {m.name: m.plugin for m in self.engine.matchers}
+        written = 0
+        for start in range(0, len(pending), BATCH):
+            batch = sorted(pending[start:start + BATCH], key=lambda p: p[0])
+            self._write(batch, plugins)
+            for name, version, snap, *_ in batch:
+                self._flushed[name] = _Flushed(version, {c: snap[c] for c in COUNTERS}, snap["quarantined"])
+            written += len(batch)
+        self.flushes += 1
+        self.rows_written += written
+        return written
 
     def _write(self, batch: list[tuple[str, int, dict[str, Any], dict[str, int], list[float], bool]],
                plugins: dict[str, str | None]) -> None:

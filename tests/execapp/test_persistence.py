@@ -329,3 +329,30 @@ def test_a_flush_into_a_locked_table_fails_at_its_deadline(postgres_url: str) ->
         outcome, seconds, flushes = proc.stdout.split()
         # statement_timeout at 0.5 s (the server answers): a database error, the profile still pending.
         assert outcome == "OperationalError" and float(seconds) < 3 and flushes == "0", proc.stdout
+
+
+def test_after_a_failed_flush_the_next_ones_fail_at_once_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGTERM under a stalled PostgreSQL waited for the tick's flush, the drain's and the final
+    close's in turn (5-10 s each) and exited past its grace: a database known down is not waited for."""
+    from django.db import OperationalError
+
+    from execapp.circuit import CircuitOpen
+
+    engine = Engine(pool_enabled=False)
+    engine.profile_for("command:down").record(0.001)
+    store = ProfileStore(engine)
+    calls: list[int] = []
+
+    def down(*args: Any) -> None:
+        calls.append(1)
+        raise OperationalError("the database did not answer")
+
+    monkeypatch.setattr(store, "_write", down)
+    with pytest.raises(OperationalError):
+        store.flush()
+    with pytest.raises(CircuitOpen, match="the profile store's database failed a moment ago"):
+        store.flush()  # the drain's, the close's: no second wait
+    assert len(calls) == 1 and store.flushes == 0
+    store._circuit._open_until = 1.0  # the window passed: the next flush tries the database again
+    monkeypatch.setattr(store, "_write", lambda *args: None)
+    assert store.flush() == 1 and store.flushes == 1
