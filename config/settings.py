@@ -135,6 +135,11 @@ DATABASES = {
         conn_health_checks=True,
     )
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # libpq waits for a new connection without limit by default: a PostgreSQL host that accepts but
+    # never answers (a stall, a pgbouncer at its limit) held each thread opening one for as long as it
+    # lasted. `?connect_timeout=N` in DATABASE_URL overrides. Statements: execapp/db_cutoff.py.
+    DATABASES["default"].setdefault("OPTIONS", {}).setdefault("connect_timeout", 5)
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # The embedded default: several threads (pool workers, flusher) and commands (loadplugins
     # while the server runs) write to one file. IMMEDIATE: a transaction takes the write lock when

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 from urllib.parse import urlparse
 
 from redis.exceptions import RedisError
@@ -27,6 +28,8 @@ from .control_registry import Registry, default_registry, process_gone
 ANSWER_MARGIN_SECONDS = 3.0
 #: How often a command waiting for answers looks whether a silent worker's process died meanwhile.
 GONE_CHECK_SECONDS = 0.5
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -52,23 +55,32 @@ async def request(op: str, *, layer: Any, registry: Registry | None = None, work
                   timeout: float | None = None, wait: float | None = None) -> ControlResult:
     """Send ``op`` to every worker (or to ``worker``) and collect the answers.
 
-    ``timeout`` is the drain's own timeout (passed to the workers); ``wait`` bounds how long to
-    collect answers (default: the drain timeout plus a margin, 3 s for the other ops). With a
+    ``timeout`` is the drain's own timeout (passed to the workers); ``wait`` bounds the whole
+    request, its registry reads and its send included (default: the drain timeout plus a margin, 3 s
+    for the other ops; a Redis step not done by then raises TimeoutError). With a
     registry the collection ends as soon as every live worker answered; without one it lasts
     until ``wait`` runs out (every answer is kept).
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
+    if wait is None:
+        wait = (timeout or 0.0) + ANSWER_MARGIN_SECONDS if op == "drain" else ANSWER_MARGIN_SECONDS
+    # One deadline for the whole command, its Redis calls before the collection included: on a Redis
+    # answering in ~1 s (a slow link, an overloaded server) `execstatus` took 16 s and `drain
+    # --timeout 2` 15.5 s, a call at a time, each within its socket timeout.
+    started = time.monotonic()
+    deadline = started + wait
     expected: set[str] | None = None
     gone: dict[str, int] = {}
     live: dict[str, dict[str, Any]] = {}
     silent: dict[str, float] = {}
     if registry is not None:
-        live = await asyncio.to_thread(registry.live)
+        live = await _within(deadline, wait, _on_daemon_thread(registry.live))
         # A worker that stopped beating a moment ago (its event loop stalled, its Redis connection
         # lost while this command's works) may still be serving: before, it was simply not asked,
         # and a drain reported every worker drained (exit 0) while it took events.
-        stale = await asyncio.to_thread(registry.silent, float(conf.get("WORKER_DROP_SECONDS")))
+        drop = float(conf.get("WORKER_DROP_SECONDS"))
+        stale = await _within(deadline, wait, _on_daemon_thread(lambda: registry.silent(drop)))
         for wid, (age, info) in stale.items():
             if wid not in live and not process_gone(info):
                 live[wid], silent[wid] = info, round(age, 1)
@@ -86,18 +98,15 @@ async def request(op: str, *, layer: Any, registry: Registry | None = None, work
         expected = {worker} if worker is not None else set(live) - set(gone)
     elif worker is not None:
         expected = {worker}
-    if wait is None:
-        wait = (timeout or 0.0) + ANSWER_MARGIN_SECONDS if op == "drain" else ANSWER_MARGIN_SECONDS
     if expected is not None and not expected:  # nobody is registered: give stragglers the margin only
-        wait = min(wait, ANSWER_MARGIN_SECONDS)
+        deadline = min(deadline, started + ANSWER_MARGIN_SECONDS)
     result = ControlResult(op, expected=sorted(expected) if expected is not None else None, gone=gone,
                            silent={wid: age for wid, age in silent.items() if expected is None or wid in expected})
-    started = time.monotonic()
-    deadline = started + wait
-    reply_to = await layer.new_channel()
+    reply_to = await _within(deadline, wait, layer.new_channel())
     rid = uuid.uuid4().hex
-    await layer.group_send(CONTROL_GROUP, {"type": REQUEST, "op": op, "request": rid,
-                                           "reply_to": reply_to, "worker": worker, "timeout": timeout})
+    await _within(deadline, wait, layer.group_send(CONTROL_GROUP, {"type": REQUEST, "op": op, "request": rid,
+                                                                   "reply_to": reply_to, "worker": worker,
+                                                                   "timeout": timeout}))
     receiving: asyncio.Future[dict[str, Any]] | None = None
     try:
         while not (expected and expected <= set(result.answers)):
@@ -127,6 +136,39 @@ async def request(op: str, *, layer: Any, registry: Registry | None = None, work
     result.missing = sorted((expected or set()) - set(result.answers))
     result.waited_seconds = round(time.monotonic() - started, 3)
     return result
+
+
+async def _within(deadline: float, wait: float, step: Awaitable[T]) -> T:
+    """``step`` if it ends by ``deadline``; else TimeoutError (the command's ``control_unavailable``)."""
+    try:
+        return await asyncio.wait_for(step, max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"Redis did not answer within the command's {wait:.3g} s") from None
+
+
+def _on_daemon_thread(fn: Callable[[], T]) -> "asyncio.Future[T]":
+    """``fn()`` (a blocking registry read) on a daemon thread of its own: a command that stops
+    waiting for it at its deadline neither waits for it at exit (asyncio.run joins its default
+    executor's threads, here held up to the registry client's socket timeout) nor keeps it."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(value)
+
+    def run() -> None:
+        try:
+            value, error = fn(), None
+        except BaseException as exc:  # handed to the waiting coroutine
+            value, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the command's loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="execapp-control-registry", daemon=True).start()
+    return future
 
 
 def request_sync(op: str, *, worker: str | None = None, timeout: float | None = None,

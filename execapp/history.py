@@ -338,6 +338,9 @@ class Recorder:
         # waits for the database (a locked execapp_eventtrace held every resend's done for as long).
         self._unwritten: list[Record] = []
         self._db_lock = threading.Lock()
+        # The thread that writes them (and prunes) for tick(): the housekeeper never waits for the database.
+        self._db_thread: threading.Thread | None = None
+        self._db_due = threading.Event()
         #: Failed or refused handlers by (matcher, plugin, code), and refused events by code (before
         #: any matcher): totals since this recorder started. Read by the dashboard and /metrics.
         self.handler_failures: collections.Counter[tuple[str, str, str]] = collections.Counter()
@@ -362,16 +365,37 @@ class Recorder:
         _recorder = self
 
     def tick(self) -> None:
-        """Housekeeper tick: flush what the hooks buffered; prune old database traces hourly."""
-        self.flush()
-        if self.failure_days > 0 and time.monotonic() - self._last_prune >= PRUNE_SECONDS:
-            self._last_prune = time.monotonic()
-            try:
-                close_old_connections()
-                prune(self.failure_days)
-                prune_owners()  # each owner's newest HISTORY_FAILURES_PER_OWNER, the rest deleted
-            except Exception as exc:
-                _rare.warning(("prune", type(exc).__name__), "pruning old event traces failed: %r", exc)
+        """Housekeeper tick: flush what the hooks buffered to the store; the database work (the failed
+        events' traces, the hourly prune) is handed to this recorder's own database thread.
+
+        On the housekeeper, a database that did not answer held the metrics and the dashboard
+        snapshots too: with PostgreSQL stalled and events failing, the worker's snapshot went 11.6 s
+        old (stale, out of the dashboard's totals) at each write's deadline and reconnect."""
+        self.flush(database=False)
+        with self._lock:
+            if self._db_thread is None or not self._db_thread.is_alive():
+                self._db_thread = threading.Thread(target=self._database_loop, name="execapp-history-db",
+                                                   daemon=True)
+                self._db_thread.start()
+        self._db_due.set()
+
+    def _database_loop(self) -> None:
+        while True:
+            self._db_due.wait()
+            self._db_due.clear()
+            with self._lock:
+                failed, self._unwritten = self._unwritten, []
+            if failed:
+                with self._db_lock:
+                    self._write_failures(failed)
+            if self.failure_days > 0 and time.monotonic() - self._last_prune >= PRUNE_SECONDS:
+                self._last_prune = time.monotonic()
+                try:
+                    close_old_connections()
+                    prune(self.failure_days)
+                    prune_owners()  # each owner's newest HISTORY_FAILURES_PER_OWNER, the rest deleted
+                except Exception as exc:
+                    _rare.warning(("prune", type(exc).__name__), "pruning old event traces failed: %r", exc)
 
     def flush(self, expire_all: bool = False, database: bool = True) -> int:
         """Turn every buffered item into traces and store the finished ones; how many were stored.

@@ -34,10 +34,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from django.db import close_old_connections, connection, transaction
+from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
 from . import conf
+from .circuit import Circuit
+from .db_deadline import transaction_deadline
 from .dbtext import clean_text
 from .engine.profile import COUNTERS as PROFILE_COUNTERS
 from .models import ExecProfileRecord
@@ -51,6 +53,17 @@ _FIELDS = ["plugin", "state", "window", "p50_seconds", "p99_seconds", *COUNTERS,
            "last_error", "updated_at", "proven_size", "quarantined"]
 _SAME_TIME = 0.001  # seconds: timestamps round-trip through the database at microsecond precision
 BATCH = 100
+#: Longest one batch's transaction may take on PostgreSQL (a locked execapp_execprofilerecord, a
+#: database that does not answer): past it the flush fails (and is tried again at the next tick).
+#: Without it a drain's flush (manage.py drain, SIGTERM) waited for as long as the lock was held:
+#: a SIGTERM under a 60 s lock ran past its 25 s grace until the supervisor SIGKILLed both workers
+#: at 40 s, and `drain` named the worker "did not answer".
+FLUSH_DEADLINE_SECONDS = 5.0
+#: After a flush failed on a database error, the flushes in the next this many seconds fail at once
+#: (execapp/circuit.py): a SIGTERM under a stalled PostgreSQL waited for the tick's attempt, the
+#: drain's and the final close's in turn (5-10 s each: the deadline, a new connection's
+#: connect_timeout) and exited after 27 s, past its 25 s grace.
+FLUSH_CIRCUIT_SECONDS = 10.0
 T = TypeVar("T")
 
 
@@ -163,6 +176,12 @@ def merge_into(row: ExecProfileRecord, snap: dict[str, Any], deltas: dict[str, i
 class ProfileStore:
     """Background service: loads persisted profiles into an engine and flushes the changed ones."""
 
+    #: Ticked on a thread of its own (execapp/worker.py): a flush waits for the database, which the
+    #: housekeeper's other services (metrics, snapshots, the history's Redis flush) do not need.
+    #: On the shared thread a 20 s lock on execapp_execprofilerecord left the worker's dashboard
+    #: snapshot 17 s old (stale, out of the totals) and its gauges frozen.
+    own_thread = True
+
     def __init__(self, engine: EngineLike, *, window: int | None = None, interval: float | None = None) -> None:
         self.engine = engine
         self.window = window or conf.get("PROFILE_WINDOW")
@@ -170,6 +189,7 @@ class ProfileStore:
         self._flushed: dict[str, _Flushed] = {}
         # The housekeeper ticks while stop() may call close() from another thread.
         self._lock = threading.Lock()
+        self._circuit = Circuit("the profile store's database", (DatabaseError,), FLUSH_CIRCUIT_SECONDS)
         self.flushes = 0
         self.rows_written = 0
 
@@ -214,22 +234,26 @@ class ProfileStore:
             pending = self._pending()
             if not pending:
                 return 0
-            plugins = {m.name: m.plugin for m in self.engine.matchers}
-            written = 0
-            for start in range(0, len(pending), BATCH):
-                batch = sorted(pending[start:start + BATCH], key=lambda p: p[0])
-                self._write(batch, plugins)
-                for name, version, snap, *_ in batch:
-                    self._flushed[name] = _Flushed(version, {c: snap[c] for c in COUNTERS}, snap["quarantined"])
-                written += len(batch)
-            self.flushes += 1
-            self.rows_written += written
-            return written
+            return self._circuit.call(lambda: self._flush(pending))
+
+    def _flush(self, pending: list[tuple[str, int, dict[str, Any], dict[str, int], list[float], bool]]) -> int:
+        """Write ``pending`` (under ``_lock``)."""
+        plugins = {m.name: m.plugin for m in self.engine.matchers}
+        written = 0
+        for start in range(0, len(pending), BATCH):
+            batch = sorted(pending[start:start + BATCH], key=lambda p: p[0])
+            self._write(batch, plugins)
+            for name, version, snap, *_ in batch:
+                self._flushed[name] = _Flushed(version, {c: snap[c] for c in COUNTERS}, snap["quarantined"])
+            written += len(batch)
+        self.flushes += 1
+        self.rows_written += written
+        return written
 
     def _write(self, batch: list[tuple[str, int, dict[str, Any], dict[str, int], list[float], bool]],
                plugins: dict[str, str | None]) -> None:
         names = [p[0] for p in batch]
-        with transaction.atomic():
+        with transaction_deadline(FLUSH_DEADLINE_SECONDS):
             # Insert first: on SQLite this takes the write lock before anything is read.
             ExecProfileRecord.objects.bulk_create([ExecProfileRecord(matcher=n) for n in names],
                                                   ignore_conflicts=True)

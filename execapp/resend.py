@@ -29,9 +29,10 @@ import json
 import logging
 import threading
 import time
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 from . import conf, history
+from .circuit import Circuit
 from .engine.errors import ExecAppError
 from .history_store import pair_key, store
 
@@ -49,6 +50,9 @@ LOCAL_MAX_KEYS_PER_OWNER = 10_000
 #: the Redis every worker (and the channel layer) shares without bound.
 REDIS_MAX_KEYS_PER_OWNER = 100_000
 NEW, RUNNING, DONE = "new", "running", "done"
+#: How long the Redis ledger fails its calls at once after one found Redis unreachable (then one
+#: call tries again): execapp/circuit.py.
+CIRCUIT_OPEN_SECONDS = 1.0
 
 
 class ResendError(ExecAppError):
@@ -86,6 +90,8 @@ class Ledger(Protocol):
     """Where each resend event stands (see the module docstring)."""
 
     name: str
+    #: Fails the calls at once while the ledger's Redis is known down (None: nothing to fail).
+    circuit: Circuit | None
 
     def claim(self, owner: str, event_id: str, worker: str, lease: float) -> Claim: ...
 
@@ -142,6 +148,11 @@ class RedisLedger:
         # Short timeouts and no retries: a claim answers within ~2 s whatever Redis does, and the
         # client is told resend_unavailable rather than kept waiting.
         self.client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0))
+        # ... and once one call found Redis unreachable, the calls queued behind it (on the event
+        # loop's few executor threads) fail at once instead of waiting their 2 s each in turn.
+        self._circuit = Circuit("the resend ledger's Redis", (redis.ConnectionError, redis.TimeoutError, OSError),
+                                CIRCUIT_OPEN_SECONDS)
+        self.circuit: Circuit | None = self._circuit
         self.prefix = conf.redis_key(KEY_PREFIX)
         self._claim = self.client.register_script(_CLAIM)
         self._renew = self.client.register_script(_RENEW)
@@ -152,8 +163,9 @@ class RedisLedger:
     def claim(self, owner: str, event_id: str, worker: str, lease: float) -> Claim:
         share = self.prefix + "owner:" + pair_key(owner, "")
         retention = int(float(conf.get("RESEND_RETENTION_SECONDS")) * 1000)
-        found = self._claim(keys=[self._key(owner, event_id), share],
-                            args=[f"run {worker}", int(lease * 1000), REDIS_MAX_KEYS_PER_OWNER, retention])
+        found = self._circuit.call(lambda: self._claim(
+            keys=[self._key(owner, event_id), share],
+            args=[f"run {worker}", int(lease * 1000), REDIS_MAX_KEYS_PER_OWNER, retention]))
         if not found:
             return Claim(NEW)
         value, ttl = found
@@ -162,19 +174,21 @@ class RedisLedger:
     def renew(self, pairs: list[tuple[str, str]], worker: str, lease: float) -> int:
         if not pairs:
             return 0
-        return int(self._renew(keys=[self._key(o, i) for o, i in pairs], args=[f"run {worker}", int(lease * 1000)]))
+        return int(self._circuit.call(lambda: self._renew(keys=[self._key(o, i) for o, i in pairs],
+                                                         args=[f"run {worker}", int(lease * 1000)])))
 
     def done(self, owner: str, event_id: str, uid: str, retention: float) -> None:
-        self.client.set(self._key(owner, event_id), f"done {uid}", px=int(retention * 1000))
+        self._circuit.call(lambda: self.client.set(self._key(owner, event_id), f"done {uid}", px=int(retention * 1000)))
 
     def release(self, owner: str, event_id: str, worker: str) -> None:
-        self._renew(keys=[self._key(owner, event_id)], args=[f"run {worker}", 0])
+        self._circuit.call(lambda: self._renew(keys=[self._key(owner, event_id)], args=[f"run {worker}", 0]))
 
 
 class LocalLedger:
     """The ledger of this process (no Redis): lost with the process, so at-least-once only."""
 
     name = "local"
+    circuit: Circuit | None = None
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # claims come from executor threads, renewals from the renewer
@@ -357,7 +371,10 @@ def complete(owner: str, event_id: str, worker: str, elapsed: float) -> str:
     store_ = ledger()
     renewer.drop(store_, worker, owner, event_id)
     try:
-        uid = _durable_trace(owner, event_id, worker, elapsed)
+        # Through the ledger's circuit: the trace lives in the same Redis, and a record whose Redis
+        # is known down fails at once rather than after the history store's 5 s socket timeout.
+        uid = (store_.circuit.call if store_.circuit is not None else _now)(
+            lambda: _durable_trace(owner, event_id, worker, elapsed))
         store_.done(owner, event_id, uid, float(conf.get("RESEND_RETENTION_SECONDS")))
         return uid
     except Exception as exc:
@@ -369,6 +386,10 @@ def complete(owner: str, event_id: str, worker: str, elapsed: float) -> str:
             raise
         raise ResendError("resend_unavailable", f"the record could not be written ({type(exc).__name__}: {exc})"
                           ) from exc
+
+
+def _now(fn: Callable[[], str]) -> str:
+    return fn()
 
 
 def _durable_trace(owner: str, event_id: str, worker: str, elapsed: float) -> str:

@@ -20,8 +20,9 @@ from .engine.matcher import Handler
 
 class Service(Protocol):
     """A background job of a worker, ticked every ``interval`` seconds off the event loop. One
-    whose tick may run long (it runs code it does not control) sets ``own_thread = True``: the
-    worker ticks it on a thread of its own, so it cannot hold the others' ticks."""
+    whose tick may run long (it runs code it does not control, or waits for a dependency the others
+    do not use: the database) sets ``own_thread = True``: the worker ticks it on a thread of its own,
+    so it cannot hold the others' ticks."""
 
     interval: float
 

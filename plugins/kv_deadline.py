@@ -9,7 +9,9 @@ pool thread all along. Here the wait ends with what is left of the budget: SQLit
 set to it for the transaction, PostgreSQL's ``statement_timeout`` (local to the transaction) too, and
 a lock wait cut short raises TimeoutError, which the host reports as the guest's ``timeout``.
 ``kv_get`` too (``read``): an ACCESS EXCLUSIVE lock on PostgreSQL (a migration, VACUUM FULL) held a
-read with a 0.2 s budget until it was released.
+read with a 0.2 s budget until it was released. A server that does not answer at all (a stall, a
+partition) is cut off on this side ``CUTOFF_MARGIN_SECONDS`` after the deadline (execapp/db_cutoff.py),
+also a TimeoutError: before, such a call held its pool thread for as long as the stall lasted.
 """
 from __future__ import annotations
 
@@ -20,8 +22,12 @@ from typing import Iterator
 
 from django.db import OperationalError, connection, transaction
 
+from execapp.db_cutoff import DatabaseDeadline, atomic_within
+
 #: SQLSTATEs of a PostgreSQL statement ended by statement_timeout (query_canceled) or lock_timeout.
 _PG_CUT_SHORT = frozenset({"57014", "55P03"})
+#: How long after the deadline a PostgreSQL call with no answer at all has its connection cut.
+CUTOFF_MARGIN_SECONDS = 0.5
 
 
 @contextmanager
@@ -34,7 +40,7 @@ def write_transaction(deadline: float) -> Iterator[None]:
             with _sqlite_busy_timeout(ms), transaction.atomic():
                 yield
         elif connection.vendor == "postgresql":
-            with transaction.atomic(), _pg_statement_timeout(ms):
+            with atomic_within(ms / 1000 + CUTOFF_MARGIN_SECONDS), _pg_statement_timeout(ms):
                 yield
         else:
             with transaction.atomic():
@@ -53,7 +59,7 @@ def read(deadline: float) -> Iterator[None]:
             with _sqlite_busy_timeout(ms):
                 yield
         elif connection.vendor == "postgresql":
-            with transaction.atomic(), _pg_statement_timeout(ms):
+            with atomic_within(ms / 1000 + CUTOFF_MARGIN_SECONDS), _pg_statement_timeout(ms):
                 yield
         else:
             yield
@@ -70,6 +76,8 @@ def _ms_left(deadline: float) -> int:
 
 def _timeout(exc: OperationalError, ms: int) -> Exception:
     """TimeoutError for a lock wait the deadline cut short, else ``exc`` itself."""
+    if isinstance(exc, DatabaseDeadline):
+        return TimeoutError(f"the KV store's database did not answer within the call's budget ({ms} ms)")
     if _cut_short(exc):
         return TimeoutError(f"the KV store's lock was not free within the call's budget ({ms} ms)")
     return exc

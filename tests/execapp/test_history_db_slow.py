@@ -43,3 +43,37 @@ async def test_a_flush_for_a_resend_does_not_wait_for_a_hung_failure_write(
     finally:
         release.set()
         await asyncio.to_thread(housekeeper.join, 10)
+
+
+async def test_the_housekeeper_s_tick_does_not_wait_for_a_hung_failure_write(
+        recorded: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    # The tick runs on the thread that also updates the metrics and publishes the dashboard
+    # snapshots: with PostgreSQL stalled and events failing, the worker's snapshot went 11.6 s old
+    # (stale, out of the dashboard's totals) while each write waited for its deadline.
+    entered, release = threading.Event(), threading.Event()
+    written: list[int] = []
+
+    def hung_database(rows: list, *args: Any, **kwargs: Any) -> list:
+        entered.set()
+        release.wait(10)
+        written.append(len(rows))
+        return []
+
+    monkeypatch.setattr(EventTrace.objects, "bulk_create", hung_database)
+    await send_all([{"type": "message", "id": "failed", "text": "/boom"}])
+    try:
+        started = time.monotonic()
+        await asyncio.to_thread(recorder().tick)
+        assert await asyncio.to_thread(entered.wait, 5), "the failed trace's write never started"
+        await send_all([{"type": "message", "id": "failed-2", "text": "/boom"}])
+        await asyncio.to_thread(recorder().tick)  # while the first write hangs
+        assert time.monotonic() - started < 2.0, "the tick waited for the database"
+        assert await aget("tenant:acme", "failed-2") is not None  # its trace is in the store already
+    finally:
+        release.set()
+    await asyncio.to_thread(recorder().tick)
+    for _ in range(50):  # the second failure is written once the first write ends
+        if sum(written) >= 2:
+            break
+        await asyncio.sleep(0.1)
+    assert sum(written) == 2, written

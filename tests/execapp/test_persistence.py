@@ -283,3 +283,76 @@ def test_profile_factory_window_is_respected_on_restore() -> None:
     profile.restore("learning", samples, runs=20)
     assert profile.samples() == samples[-12:] and profile.runs == 20
 
+
+
+_LOCKED_FLUSH = textwrap.dedent("""
+    import os, time
+    import django
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    django.setup()
+    import psycopg
+    from django.db import connection
+    from execapp import persistence
+    from execapp.engine import Engine
+    from execapp.models import ExecProfileRecord
+
+    with connection.schema_editor() as editor:
+        editor.create_model(ExecProfileRecord)
+    persistence.FLUSH_DEADLINE_SECONDS = 0.5
+    engine = Engine(pool_enabled=False)
+    engine.profile_for("command:locked").record(0.001)
+    store = persistence.ProfileStore(engine)
+    with psycopg.connect(os.environ["DATABASE_URL"]) as locker:  # a migration, VACUUM FULL, an admin
+        locker.execute("LOCK TABLE execapp_execprofilerecord IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        try:
+            store.flush()
+            outcome = "written"
+        except Exception as exc:
+            outcome = type(exc).__name__
+        print(outcome, round(time.monotonic() - started, 1), store.flushes)
+""")
+
+
+@pytest.mark.postgres
+def test_a_flush_into_a_locked_table_fails_at_its_deadline(postgres_url: str) -> None:
+    """A drain's flush (manage.py drain, SIGTERM) waited for as long as execapp_execprofilerecord was
+    locked: a SIGTERM under a 60 s lock ran past its grace until the supervisor SIGKILLed the workers."""
+    from tests.conftest import empty_postgres_database
+
+    with empty_postgres_database(f"execapp_flush_{uuid.uuid4().hex[:8]}") as url:
+        env = {**__import__("os").environ, "DATABASE_URL": url, "PYTHONPATH": str(ROOT)}
+        env.pop("REDIS_URL", None)
+        proc = subprocess.run([sys.executable, "-c", _LOCKED_FLUSH], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        outcome, seconds, flushes = proc.stdout.split()
+        # statement_timeout at 0.5 s (the server answers): a database error, the profile still pending.
+        assert outcome == "OperationalError" and float(seconds) < 3 and flushes == "0", proc.stdout
+
+
+def test_after_a_failed_flush_the_next_ones_fail_at_once_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGTERM under a stalled PostgreSQL waited for the tick's flush, the drain's and the final
+    close's in turn (5-10 s each) and exited past its grace: a database known down is not waited for."""
+    from django.db import OperationalError
+
+    from execapp.circuit import CircuitOpen
+
+    engine = Engine(pool_enabled=False)
+    engine.profile_for("command:down").record(0.001)
+    store = ProfileStore(engine)
+    calls: list[int] = []
+
+    def down(*args: Any) -> None:
+        calls.append(1)
+        raise OperationalError("the database did not answer")
+
+    monkeypatch.setattr(store, "_write", down)
+    with pytest.raises(OperationalError):
+        store.flush()
+    with pytest.raises(CircuitOpen, match="the profile store's database failed a moment ago"):
+        store.flush()  # the drain's, the close's: no second wait
+    assert len(calls) == 1 and store.flushes == 0
+    store._circuit._open_until = 1.0  # the window passed: the next flush tries the database again
+    monkeypatch.setattr(store, "_write", lambda *args: None)
+    assert store.flush() == 1 and store.flushes == 1

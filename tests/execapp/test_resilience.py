@@ -451,3 +451,19 @@ def test_a_replay_is_built_from_the_event_s_trace() -> None:
         ("reply", "a", None), ("reply", "b", None), ("error", None, "handler_error"), ("done", None, None)]
     assert all(f["replay"] is True and f["session"] == "room" and f["id"] == "e" for f in frames)
     assert frames[-1]["truncated"] is True and frames[-1]["elapsed_ms"] == 500.0 and frames[-1]["recorded"] is True
+
+
+@pytest.mark.redis
+def test_a_control_command_on_a_hung_redis_ends_at_its_deadline(redis_server: RedisServer, settings: Any) -> None:
+    # On a Redis answering in ~1 s a call (a slow link) `execstatus` took 16 s and `drain --timeout 2`
+    # 15.5 s, against their 3 s and 5 s: the deadline began after the registry reads and the send.
+    from execapp.control import ControlUnavailable
+    from execapp.control_client import request_sync
+
+    settings.REDIS_URL = redis_server.url
+    settings.CHANNEL_LAYERS = redis_layer_settings(redis_server.url, "hung")
+    redis_server.client().execute_command("CLIENT", "PAUSE", 8000, "ALL")  # our own redis-server: hung
+    started = time.monotonic()
+    with pytest.raises(ControlUnavailable, match=r"Redis did not answer within the command's 1 s"):
+        request_sync("status", wait=1.0)
+    assert time.monotonic() - started < 2.5  # the registry's socket timeout alone is 5 s

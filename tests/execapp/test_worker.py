@@ -79,6 +79,14 @@ def test_the_registry_sync_runs_on_its_own_thread() -> None:
     assert sync.RegistrySync.own_thread is True
 
 
+def test_the_profile_store_runs_on_its_own_thread() -> None:
+    # Its flush waits for the database: a 20 s lock on execapp_execprofilerecord held the shared
+    # thread, and the worker's dashboard snapshot went 17 s stale (its gauges frozen).
+    from execapp.persistence import ProfileStore
+
+    assert ProfileStore.own_thread is True
+
+
 def test_an_undrain_cannot_reopen_a_worker_that_is_shutting_down(monkeypatch: pytest.MonkeyPatch) -> None:
     """`manage.py undrain` during a SIGTERM's drain set the stopping worker admitting events again:
     /healthz said ok to the load balancer, and events accepted then could outlast the grace (their
