@@ -54,10 +54,11 @@ serve: $(VENV)/.installed
 
 # TEST_WORKERS pytest-xdist processes (each with its own run id: its own PostgreSQL database and
 # Redis key prefix, see tests/conftest.py). Many tests wait on servers they start, so two
-# processes keep the 2-core CI machine busy; worksteal evens out the long tail.
+# processes keep the 2-core CI machine busy. loadgroup: the sandbox-budget tests (tests/plugins)
+# run one after another in one process (tests/conftest.py, SANDBOX_TESTS).
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed sysdeps
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # Static checks, configured in pyproject.toml: ruff on the repository's Python, mypy on the app
 # (execapp, plugins, config). .ci/run runs this before `make test`.

@@ -40,6 +40,21 @@ REDIS_RUN_PREFIX = f"execapp-test-{RUN_ID}"
 os.environ["REDIS_PREFIX"] = REDIS_RUN_PREFIX
 
 
+#: Test modules whose assertions are a sandbox's budget on the wall clock (a hostile guest stopped
+#: within its deadline): under ``make test``'s two pytest-xdist processes they run one after
+#: another in one process (``--dist loadgroup``), never two CPU-bound guests at once on a 2-core
+#: machine, while the other process takes the server and database tests.
+SANDBOX_TESTS = ROOT / "tests" / "plugins"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put every test under ``SANDBOX_TESTS`` in one xdist group (see SANDBOX_TESTS)."""
+    group = pytest.mark.xdist_group("sandbox")
+    for item in items:
+        if Path(str(item.path)).is_relative_to(SANDBOX_TESTS):
+            item.add_marker(group)
+
+
 def _reachable(url: str) -> bool:
     parsed = urlparse(url)
     try:
@@ -240,10 +255,11 @@ class ServerProcess:
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
                                      stdout=self._log, stderr=subprocess.STDOUT)
 
-    def log(self) -> str:
-        """The end of the server's output, for failure messages."""
+    def log(self, tail: int | None = 6000) -> str:
+        """The end of the server's output (its last ``tail`` characters; None: all of it)."""
         self._log.flush()
-        return self.log_path.read_text(errors="replace")[-6000:]
+        text = self.log_path.read_text(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM, as a container stop would; kill only if it outlives ``timeout``."""

@@ -166,7 +166,7 @@ async def test_one_worker_is_supervised_and_a_stalled_loop_is_replaced(start: An
     assert dead[0]["heartbeat_age"] > STALL_LIMIT
     entries = read_quarantine(server.watch_dir)
     assert [e.matcher for e in entries] == ["command:stall"] and f"worker process {old}" in entries[0].reason
-    log = server.log()
+    log = server.log(tail=None)  # the whole log: every thread's stack follows the line
     assert f"worker process [{old}]: event loop stalled" in log and "running matcher command:stall inline" in log
     assert "most recent call first" in log, "the stalled worker's stacks were dumped before the kill"
     print(f"\nstall -> worker killed in {killed_after:.2f} s, replacement serving {served_after:.2f} s after the "
@@ -204,7 +204,7 @@ async def test_two_workers_keep_the_offender_off_every_loop(start: Any) -> None:
     finally:
         await c.close()
     assert [e.matcher for e in read_quarantine(server.watch_dir)] == ["command:stall"]
-    log = server.log()
+    log = server.log(tail=None)  # the whole log: every thread's stack follows the line
     assert f"worker process [{pid_a}]: event loop stalled" in log
     assert log.count("matcher command:stall quarantined (pinned to the pool)") >= 2, log
 
@@ -223,7 +223,7 @@ async def test_stuck_threads_recycle_the_worker_then_a_sigterm_drain_still_answe
         assert await closed_code(ws, WAIT + START_BOUND) == 1012
     new = await asyncio.wait_for(first_answer(server, "after"), WAIT)
     assert new != old
-    log = server.log()
+    log = server.log(tail=None)  # the whole log: every thread's stack follows the line
     asked = log.index(f"worker process [{old}] asks to be recycled")
     listening = log.index(f"listens: draining worker process [{old}] (SIGTERM)")
     assert asked < log.index("started worker process", asked) < listening, "the replacement starts first"

@@ -496,8 +496,10 @@ def test_a_discarded_instance_is_freed_off_the_callers_thread_and_the_gil(strate
     # frees a runtime in lua_close with the GIL held: 14 million small tables left by earlier calls
     # took 0.6-0.8 s, the timeout answered that late and every Python thread (the loop) waited. Now
     # the runtime is collected on the reaper thread, in Lua (no GIL), before it is dropped.
+    # The fills get a roomy timeout (a loaded machine may take more than a second for one); the
+    # spin gets ``budget`` as its call's deadline, which is the budget under test.
     budget = 1.0
-    plugin = LoadedPlugin(PluginSpec(name="hoard", runtime="lua", strategy=strategy, timeout=budget,
+    plugin = LoadedPlugin(PluginSpec(name="hoard", runtime="lua", strategy=strategy, timeout=budget * 10,
                                      memory_bytes=1024 << 20, pool_size=1, shard_count=1, max_concurrency=1, code=(
                                          "local T, n = {}, 0 "
                                          "function fill(e) for i = 1, 1e6 do n = n + 1 T[n] = {} end return n end "
@@ -519,7 +521,7 @@ def test_a_discarded_instance_is_freed_off_the_callers_thread_and_the_gil(strate
     try:
         start = time.monotonic()
         with pytest.raises(HandlerError):
-            plugin.call("spin", event)
+            plugin.call("spin", event, deadline=time.monotonic() + budget)
         elapsed = time.monotonic() - start
         time.sleep(1.5)  # the reaper frees the runtime meanwhile
     finally:
