@@ -1,9 +1,10 @@
 """A share of the worker's thread pool: how many of one owner's events may hold pooled work at once.
 
-Why: one worker's ExecPool (POOL_MAX_WORKERS threads and a queue) serves every owner on it, in
-arrival order. One owner with many connections, each with events in flight whose handlers are
-slow and pooled, took every thread and queue slot, and other owners' pooled events waited behind
-its own until they were refused ``overloaded``. Each owner's connections on a worker now share
+Why: one worker's ExecPool (POOL_MAX_WORKERS threads and a queue) serves every owner on it (its
+queue takes owners in turn, execapp/engine/fairqueue.py, but its threads go to whoever comes).
+One owner with many connections, each with events in flight whose handlers are slow and pooled,
+took every thread and queue slot, and other owners' pooled events waited behind its own until they
+were refused ``overloaded``. Each owner's connections on a worker now share
 one ``PoolShare`` (execapp.worker): the count of the pool tasks (pooled handlers) of the owner's
 events that left pooled work running, queued or parked for a slot (``take`` when
 ``Connection.receive`` dispatched one, ``give`` when its done is delivered; one frame matching 100

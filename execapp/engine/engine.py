@@ -348,7 +348,7 @@ class Engine:
         """The rest of a dispatch that found the pool full: wait for slots, resume, repeat."""
         while parked is not None:
             try:
-                submitted = await self._await_slot(parked.task, ahead)
+                submitted = await self._await_slot(parked.task, ahead, run.event.tenant)
             except BaseException:
                 # Cancelled while waiting (the client went away): the parked handler never runs,
                 # the rest of the dispatch is abandoned, and the event still completes once.
@@ -359,7 +359,7 @@ class Engine:
             parked = self._resume(run, parked, submitted)
         return run
 
-    async def _await_slot(self, task: Callable[[], None], ahead: bool = False) -> bool:
+    async def _await_slot(self, task: Callable[[], None], ahead: bool = False, owner: str = "") -> bool:
         """Backpressure for one client: wait in line for a pool slot, up to ``overflow_wait``."""
         pool = self.pool
         assert pool is not None
@@ -370,22 +370,22 @@ class Engine:
             remaining = deadline - loop.time()
             if remaining <= 0 or not await self._waiters.wait(remaining, first=first, ahead=ahead):
                 return False
-            if self._try_submit(pool, task):
+            if self._try_submit(pool, task, owner):
                 return True
             # Woken by a task that has returned but whose worker may not have stepped on to
             # free its slot yet: let it (one loop turn), then keep our place at the head.
             await asyncio.sleep(0)
-            if self._try_submit(pool, task):
+            if self._try_submit(pool, task, owner):
                 return True
             first = True
         self._waiters.notify()  # draining: let the next in line find out too
         return False
 
     @staticmethod
-    def _try_submit(pool: ExecPool, task: Callable[[], None]) -> bool:
+    def _try_submit(pool: ExecPool, task: Callable[[], None], owner: str = "") -> bool:
         """A retry of a parked dispatch; a pool that cannot start a thread counts as full."""
         try:
-            return pool.try_submit(task, count_rejection=False)
+            return pool.try_submit(task, count_rejection=False, owner=owner)
         except Exception as exc:
             _rlog.exception(("submit", type(exc).__name__), "pool submission failed: %r", exc)
             return False
@@ -467,7 +467,7 @@ class Engine:
                         # line for a slot queues behind them (first come, first served).
                         try:
                             submitted = (not (on_loop and self._waiters and self.overflow == "wait")
-                                         and pool.try_submit(task))
+                                         and pool.try_submit(task, owner=event.tenant))
                         except Exception as exc:  # e.g. no thread could be started
                             run.release()
                             self._not_run(run, m, HandlerError.code,

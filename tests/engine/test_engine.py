@@ -361,6 +361,30 @@ def test_burst_larger_than_the_pool_loses_no_event(engines):
     assert stats["pooled"] + stats["inline"] == 200 and stats["fallbacks"] > 0
 
 
+def test_another_tenants_pooled_handler_runs_before_one_tenants_queued_backlog(engines):
+    """The engine queues each pooled handler under its event's tenant: tenant b's event, sent
+    after tenant a queued 10, runs after at most one of a's, not after a's whole backlog."""
+    pool = ExecPool(1, 64)
+    engine = engines(pool=pool)
+    gate = threading.Event()
+    order: list[str] = []
+
+    def handler(ctx) -> None:
+        if ctx.args == "hold":
+            gate.wait(LIVENESS)
+        else:
+            order.append(ctx.event.tenant)
+
+    promote(engine.on_command("cmd", handler))
+    runs = [engine.process_event(Event(text="/cmd hold", tenant="a"))]
+    runs += [engine.process_event(Event(text="/cmd", tenant="a")) for _ in range(10)]
+    runs.append(engine.process_event(Event(text="/cmd", tenant="b")))
+    gate.set()
+    assert all(r.wait(LIVENESS) is not None for r in runs)
+    assert engine.stats()["fallbacks"] == 0, "every run was pooled (queued), none fell back inline"
+    assert order.index("b") == 1, order
+
+
 # -- pool ownership ---------------------------------------------------------------------------------------
 
 def test_shared_pool_is_used_and_survives_shutdown(engines):

@@ -5,7 +5,6 @@ ends), never "took less than X".
 """
 from __future__ import annotations
 
-import collections
 import random
 import sys
 import threading
@@ -14,6 +13,7 @@ import time
 import pytest
 
 from execapp.engine import ConfigError, ExecPool
+from execapp.engine.fairqueue import FairQueue
 
 from .helpers import LIVENESS, wait_until
 
@@ -199,7 +199,7 @@ def test_exit_protocol_bursts_every_accepted_task_runs(pools, idle_seconds, tiny
     assert stats["completed"] == ran.n == accepted
 
 
-class WideningQueue(collections.deque):
+class WideningQueue(FairQueue):
     """The pool's real task queue, yielding the GIL at the two racy points of the exit protocol.
 
     A submitter pauses between "no token free" and "enqueued", and a worker pauses between
@@ -215,9 +215,9 @@ class WideningQueue(collections.deque):
     def _pause(self) -> None:
         time.sleep(self.rng.choice((0.0, 0.0, 0.00005, 0.0002)))
 
-    def append(self, item) -> None:
+    def append(self, item, key="") -> None:
         self._pause()
-        super().append(item)
+        super().append(item, key)
 
     def popleft(self):
         try:
@@ -226,11 +226,11 @@ class WideningQueue(collections.deque):
             self._pause()
             raise
 
-    def __len__(self) -> int:  # also what `if queue:` asks
+    def __bool__(self) -> bool:  # what `if queue:` asks
         n = super().__len__()
         if n == 0:
             self._pause()
-        return n
+        return n > 0
 
 
 @pytest.mark.parametrize("max_workers, idle_seconds", [(1, 0.0), (2, 0.0), (2, 60.0)])
@@ -252,7 +252,7 @@ def test_exit_protocol_chained_submissions_every_accepted_task_runs(pools, max_w
     def chain(c: int) -> None:
         for i in range(per_chain):
             ran = threading.Event()
-            assert pool.try_submit(ran.set)
+            assert pool.try_submit(ran.set, owner=f"o{c % 2}")  # two owners: lines come and go
             if not ran.wait(LIVENESS):
                 stranded.append(f"chain {c} task {i}: stats={pool.stats()}")
                 return
@@ -382,3 +382,37 @@ def test_worker_threads_are_started_by_the_starter_never_by_the_submitter(pools,
     workers = [(name, by) for name, by in starts if name.startswith("startpool-") and name != "startpool-starter"]
     assert workers and all(by is not threading.current_thread() for _, by in workers), workers
     assert {by.name for _, by in workers} == {"startpool-starter"}
+
+
+# -- owners take turns in the queue -----------------------------------------------------------------------
+
+def test_a_queued_task_of_another_owner_runs_before_one_owners_backlog(pools):
+    """Owner a holds the only worker and queues 10 tasks; owner b's one task, queued after them,
+    runs after at most one of a's (round robin), not after all 10 (arrival order)."""
+    pool = pools(1, 64)
+    gate = threading.Event()
+    order: list[str] = []
+    assert pool.try_submit(lambda: gate.wait(LIVENESS), owner="a")
+    for i in range(10):
+        assert pool.try_submit(lambda i=i: order.append(f"a{i}"), owner="a")
+    assert pool.try_submit(lambda: order.append("b"), owner="b")
+    gate.set()
+    assert wait_until(lambda: len(order) == 11)
+    assert order == ["a0", "b"] + [f"a{i}" for i in range(1, 10)]
+
+
+def test_fair_queue_round_robin_fifo_within_a_key_and_no_empty_lines_kept():
+    q: FairQueue[str] = FairQueue()
+    for item in ("a1", "a2", "a3"):
+        q.append(item, "a")
+    q.append("b1", "b")
+    q.append("c1", "c")
+    q.append("b2", "b")
+    assert (len(q), q.keys()) == (6, 3)
+    assert [q.popleft() for _ in range(6)] == ["a1", "b1", "c1", "a2", "b2", "a3"]
+    assert (len(q), bool(q), q.keys()) == (0, False, 0)
+    with pytest.raises(IndexError):
+        q.popleft()
+    for i in range(3):  # one key: plain FIFO
+        q.append(str(i))
+    assert [q.popleft() for _ in range(3)] == ["0", "1", "2"]
