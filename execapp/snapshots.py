@@ -23,6 +23,7 @@ from .control_registry import process_namespace
 from .engine.engine import COUNTERS as ENGINE_COUNTERS
 from .engine.ratelog import RateLimitedLog
 from .outbox import SessionFrameTotals
+from .redis_deadline import RedisDeadline, acquire_within, deadline_client
 from .redis_layer import layer_stats
 from .seams import EngineLike, WorkerLike
 from .worker_slot import worker_slot
@@ -120,9 +121,8 @@ class RedisBackend:
     name = "redis"
 
     def __init__(self, url: str) -> None:
-        import redis
-
-        self.client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        # Within a dashboard request's redis_deadline, its calls share the request's deadline.
+        self.client = deadline_client(url, socket_timeout=2, socket_connect_timeout=2)
         self.key_prefix = conf.redis_key(KEY_PREFIX)
         self.workers_key = self.key_prefix + "workers"
         #: worker id -> wall-clock time of its last snapshot: what each publish expires dead workers by.
@@ -355,12 +355,18 @@ class SnapshotPublisher:
         span = now - t0
         return max(0.0, (events - e0) / span) if span >= 0.5 * self.interval and span > 0 else self._eps
 
-    def publish(self, advance: bool = True) -> dict[str, Any]:
-        """Publish now; ``advance=False`` refreshes the latest snapshot without a history point."""
-        with self._lock:
+    def publish(self, advance: bool = True, within_deadline: bool = False) -> dict[str, Any]:
+        """Publish now; ``advance=False`` refreshes the latest snapshot without a history point.
+        ``within_deadline``: wait for the housekeeper's publish (which may be waiting on Redis) only
+        as long as the request's redis_deadline leaves (RedisDeadline past it)."""
+        if not (acquire_within(self._lock) if within_deadline else self._lock.acquire()):
+            raise RedisDeadline(float(conf.get("REDIS_REQUEST_DEADLINE_SECONDS")), "this worker's own publish")
+        try:
             snap, point = self.snapshot(advance)
             self.store.publish(snap, point)
             return snap
+        finally:
+            self._lock.release()
 
     def tick(self) -> None:
         """Housekeeper tick: publish the snapshot and a history point. While Redis is down (a
@@ -406,12 +412,19 @@ def local_snapshots() -> list[tuple[dict[str, Any], list[HistoryPoint]]]:
     shows while its backend (Redis) cannot be read."""
     out: list[tuple[dict[str, Any], list[HistoryPoint]]] = []
     for publisher in list(_publishers):
+        # The housekeeper may hold the lock while its publish waits on Redis: within the request's
+        # deadline only (a worker left out then, and the warning says why).
+        if not acquire_within(publisher._lock):
+            _rare.warning(("local", "busy"), "snapshot of local worker %s left out: its publish waits on Redis",
+                          publisher.worker.id)
+            continue
         try:
-            with publisher._lock:
-                snap, _ = publisher.snapshot(advance=False)
+            snap, _ = publisher.snapshot(advance=False)
         except Exception as exc:  # a worker stopping meanwhile: the others are still shown
             _rare.warning(("local", type(exc).__name__), "snapshot of a local worker failed: %r", exc)
             continue
+        finally:
+            publisher._lock.release()
         out.append((snap, []))
     return out
 
@@ -420,6 +433,6 @@ def refresh_local() -> None:
     """Re-publish this process's workers' snapshots now, so the dashboard reads exact numbers."""
     for publisher in list(_publishers):
         try:
-            publisher.publish(advance=False)
+            publisher.publish(advance=False, within_deadline=True)
         except Exception as exc:  # Redis down: the dashboard polls every 2 s, one line a minute is enough
             _rare.warning(("refresh", type(exc).__name__), "snapshot refresh failed: %r", exc)
