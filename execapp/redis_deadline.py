@@ -15,7 +15,6 @@ as plain redis-py ones.
 from __future__ import annotations
 
 import contextvars
-import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -64,12 +63,6 @@ def remaining() -> float | None:
     """Seconds left of this context's deadline (0 when passed), or None outside one."""
     current = _deadline.get()
     return None if current is None else max(0.0, current[0] - time.monotonic())
-
-
-def acquire_within(lock: threading.Lock) -> bool:
-    """Take ``lock``, waiting at most what is left of the deadline (as long as it takes outside one)."""
-    left = remaining()
-    return lock.acquire() if left is None else lock.acquire(timeout=left)
 
 
 class _DeadlineMixin:
@@ -122,6 +115,8 @@ class _DeadlineMixin:
         self.socket_connect_timeout = left if own is None else min(own, left)
         try:
             super().connect_check_health(check_health, False)  # type: ignore[misc]
+        except RedisDeadline:  # (its handshake's read: an OSError too)
+            raise
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             self._passed(exc)
             raise
