@@ -89,6 +89,9 @@ MIDDLEWARE = [
     # discovery ask, whatever ALLOWED_HOSTS lists (execapp/probe_hosts.py).
     "execapp.probe_hosts.ProbeHostMiddleware",
     "django_prometheus.middleware.PrometheusBeforeMiddleware",
+    # Every request's database calls within EXECAPP['REQUEST_DB_DEADLINE_SECONDS'] on a PostgreSQL
+    # that does not answer (execapp/request_db_deadline.py); before the session and user lookups.
+    "execapp.request_db_deadline.RequestDatabaseDeadlineMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",

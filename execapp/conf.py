@@ -203,6 +203,13 @@ DEFAULTS: dict[str, Any] = {
     # second per user (429 past a burst of twice it); the page polls every 0.5-2 s
     # (execapp/dashboard_limit.py).
     "DASHBOARD_MAX_REQUESTS": 4,
+    # All the Redis calls of one dashboard data request or Events page together: past it they fail
+    # at once (redis_unavailable) and the page answers with what it has (execapp/redis_deadline.py).
+    "REDIS_REQUEST_DEADLINE_SECONDS": 2.0,
+    # Every HTTP request's database calls (admin pages, their session and user lookups) end within
+    # this of its start on PostgreSQL, or its connection is cut and it answers 503
+    # database_unavailable (execapp/request_db_deadline.py).
+    "REQUEST_DB_DEADLINE_SECONDS": 30.0,
     "DASHBOARD_REQUESTS_PER_SECOND": 4.0,
     # Draining and shutdown.
     "DRAIN_TIMEOUT_SECONDS": 25.0,

@@ -15,6 +15,7 @@ from django.urls import path, reverse
 
 from . import dashboard_limit
 from .dashboard_data import collect
+from .redis_deadline import redis_deadline
 
 #: The Events page's permission: event contents (failure messages, event ids) on the dashboard need it too.
 EVENTS_PERMISSION = "execapp.view_eventtrace"
@@ -41,7 +42,8 @@ def dashboard_data(request: HttpRequest) -> JsonResponse:
     It reads what the workers published and starts nothing: a worker of this process (if any)
     re-publishes first, so its own numbers are exact; the others' are at most SNAPSHOT_SECONDS old.
     Event contents are left out for a user without the Events permission (without_event_contents)."""
-    data = collect(refresh=True)
+    with redis_deadline():  # all its Redis calls together: a Redis that does not answer costs it this, once
+        data = collect(refresh=True)
     if not request.user.has_perm(EVENTS_PERMISSION):
         data = without_event_contents(data)
     return JsonResponse(data)

@@ -15,6 +15,7 @@ from .codes import REFUSAL_CODES
 from .control_registry import process_gone
 from .engine.engine import COUNTERS as ENGINE_COUNTERS
 from .engine.profile import COUNTERS as PROFILE_COUNTERS
+from .redis_deadline import RedisDeadline
 from .snapshots import (
     RATE_WINDOW_SECONDS,
     SERIES_FIELDS,
@@ -182,12 +183,14 @@ def collect(refresh: bool = True) -> dict[str, Any]:
     drop_after = conf.get("WORKER_DROP_SECONDS")
     period = conf.get("SNAPSHOT_SECONDS")
     workers = []
-    warning = ""
+    warning = unavailable = ""
     try:
         loaded = store.load()
     except Exception as exc:  # Redis down (a restart): answer with this process's own workers, and say so
-        warning = (f"the {store.name} backend cannot be read ({type(exc).__name__}): showing only this "
-                   "process's workers, without chart history")
+        # (Within the request's redis_deadline, a Redis that does not answer fails at the deadline.)
+        unavailable = RedisDeadline.code
+        warning = (f"{unavailable}: the {store.name} backend cannot be read ({type(exc).__name__}): showing only "
+                   "this process's workers, without chart history")
         loaded = local_snapshots()
     for snap, series in loaded:
         age = now - snap.get("ts", 0)
@@ -227,6 +230,7 @@ def collect(refresh: bool = True) -> dict[str, Any]:
         "now": now,
         "backend": store.name,
         "warning": warning,
+        "unavailable": unavailable,  # the code of what could not be read ("": nothing missing)
         "history": history_usage(),
         "interval": period,
         "poll_seconds": min(2.0, max(0.5, period)),

@@ -20,6 +20,7 @@ from django.urls import reverse
 
 from . import codes, conf, history
 from .history_store import Filters
+from .redis_deadline import RedisDeadline, redis_deadline
 from .running_cap import RunningCap
 from .user_rate import UserRate
 
@@ -125,7 +126,8 @@ class EventTraceAdmin(admin.ModelAdmin):
                                 "(EXECAPP['HISTORY_MAX_SEARCHES']); try again in a moment", status=503,
                                 content_type="text/plain; charset=utf-8", headers={"Retry-After": "1"})
         try:
-            return self._changelist(request, extra_context)
+            with redis_deadline():  # all its Redis calls together (the usage, the search's scan)
+                return self._changelist(request, extra_context)
         finally:
             _searches.release()
 
@@ -136,8 +138,9 @@ class EventTraceAdmin(admin.ModelAdmin):
         try:  # Redis down (a restart): the page still answers with the database's failures, and says so
             usage = store.usage()
         except Exception as exc:
-            problems.append(f"the recent store ({store.name}) cannot be read now ({type(exc).__name__}): only the "
-                            "failures the database keeps are shown; events that ended ok are back once it answers")
+            problems.append(f"{RedisDeadline.code}: the recent store ({store.name}) cannot be read now "
+                            f"({type(exc).__name__}): only the failures the database keeps are shown; events that "
+                            "ended ok are back once it answers")
         rows = history.search(filters, limit=PAGE_SIZE + 1)
         more = len(rows) > PAGE_SIZE
         rows = rows[:PAGE_SIZE]
@@ -176,7 +179,8 @@ class EventTraceAdmin(admin.ModelAdmin):
         """One trace (``object_id`` is its uid) as a timeline of its handlers."""
         if not self.has_view_permission(request):
             return HttpResponse("you need the 'Can view event' permission", status=403)
-        trace = history.detail(object_id)
+        with redis_deadline():  # the recent store first: a Redis that does not answer costs this, then the database
+            trace = history.detail(object_id)
         if trace is None:
             raise Http404(f"no trace {object_id!r}: it is older than the recent store keeps "
                           "(EXECAPP['HISTORY_MAX_EVENTS'] traces, EXECAPP['HISTORY_REDIS_MAX_BYTES'] or "

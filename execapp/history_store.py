@@ -486,13 +486,14 @@ class RedisStore:
     name = "redis"
 
     def __init__(self, url: str, max_events: int, max_bytes: int | None = None) -> None:
-        import redis
+        from .redis_deadline import deadline_client
 
         self.max_events = max_events
         #: The bytes the traces may take (bodies and TRACE_OVERHEAD_BYTES each); past it the oldest
         #: of the owner holding the most bytes go.
         self.max_bytes = int(conf.DEFAULTS["HISTORY_REDIS_MAX_BYTES"]) if max_bytes is None else max_bytes
-        self.client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+        # Within an Events page's redis_deadline, its calls share the request's deadline.
+        self.client = deadline_client(url, socket_timeout=5, socket_connect_timeout=2)
         self.prefix = conf.redis_key(KEY_PREFIX)
         self.log_key = self.prefix + "log"
         self._add = self.client.register_script(_ADD_SCRIPT)

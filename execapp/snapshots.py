@@ -23,6 +23,7 @@ from .control_registry import process_namespace
 from .engine.engine import COUNTERS as ENGINE_COUNTERS
 from .engine.ratelog import RateLimitedLog
 from .outbox import SessionFrameTotals
+from .redis_deadline import deadline_client, remaining
 from .redis_layer import layer_stats
 from .seams import EngineLike, WorkerLike
 from .worker_slot import worker_slot
@@ -120,9 +121,8 @@ class RedisBackend:
     name = "redis"
 
     def __init__(self, url: str) -> None:
-        import redis
-
-        self.client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        # Within a dashboard request's redis_deadline, its calls share the request's deadline.
+        self.client = deadline_client(url, socket_timeout=2, socket_connect_timeout=2)
         self.key_prefix = conf.redis_key(KEY_PREFIX)
         self.workers_key = self.key_prefix + "workers"
         #: worker id -> wall-clock time of its last snapshot: what each publish expires dead workers by.
@@ -265,7 +265,10 @@ class SnapshotPublisher:
         self.interval = interval if interval is not None else conf.get("SNAPSHOT_SECONDS")
         self.host = socket.gethostname()
         self.pidns = process_namespace()  # a dashboard on this machine sees at once that the process is gone
-        self._lock = threading.Lock()  # the housekeeper and dashboard refreshes both publish
+        self._lock = threading.Lock()  # the state snapshot() reads and advances (held for its ms only)
+        # Publishes one at a time, in the order their snapshots were built: held while the backend
+        # (Redis) is written, which the dashboard's fallback to snapshots built here needs not wait for.
+        self._publishing = threading.Lock()
         self._delays: collections.deque = collections.deque(maxlen=100_000)
         self._runs: collections.deque = collections.deque(maxlen=100_000)
         self._recent: dict[str, collections.deque] = {}
@@ -355,12 +358,19 @@ class SnapshotPublisher:
         span = now - t0
         return max(0.0, (events - e0) / span) if span >= 0.5 * self.interval and span > 0 else self._eps
 
-    def publish(self, advance: bool = True) -> dict[str, Any]:
-        """Publish now; ``advance=False`` refreshes the latest snapshot without a history point."""
-        with self._lock:
-            snap, point = self.snapshot(advance)
+    def publish(self, advance: bool = True, wait: float | None = None) -> dict[str, Any]:
+        """Publish now; ``advance=False`` refreshes the latest snapshot without a history point.
+        ``wait``: how long to wait for a publish under way (the housekeeper's, which may be waiting
+        on Redis) before giving up with TimeoutError; None: as long as it takes."""
+        if not self._publishing.acquire(timeout=-1 if wait is None else wait):
+            raise TimeoutError(f"the snapshot of {self.worker.id} is being published already (waiting on its backend)")
+        try:
+            with self._lock:
+                snap, point = self.snapshot(advance)
             self.store.publish(snap, point)
             return snap
+        finally:
+            self._publishing.release()
 
     def tick(self) -> None:
         """Housekeeper tick: publish the snapshot and a history point. While Redis is down (a
@@ -407,7 +417,7 @@ def local_snapshots() -> list[tuple[dict[str, Any], list[HistoryPoint]]]:
     out: list[tuple[dict[str, Any], list[HistoryPoint]]] = []
     for publisher in list(_publishers):
         try:
-            with publisher._lock:
+            with publisher._lock:  # (not held by a publish waiting on Redis: that holds _publishing)
                 snap, _ = publisher.snapshot(advance=False)
         except Exception as exc:  # a worker stopping meanwhile: the others are still shown
             _rare.warning(("local", type(exc).__name__), "snapshot of a local worker failed: %r", exc)
@@ -416,10 +426,17 @@ def local_snapshots() -> list[tuple[dict[str, Any], list[HistoryPoint]]]:
     return out
 
 
+#: Within a request's redis_deadline, how long its refresh waits for a publish under way (one takes
+#: ~1 ms; a longer one waits on Redis, and the request's deadline is for its own calls).
+REFRESH_WAIT_SECONDS = 0.25
+
+
 def refresh_local() -> None:
     """Re-publish this process's workers' snapshots now, so the dashboard reads exact numbers."""
+    left = remaining()  # within a request's redis_deadline: a publish under way is waited for briefly
+    wait = None if left is None else min(left, REFRESH_WAIT_SECONDS)
     for publisher in list(_publishers):
         try:
-            publisher.publish(advance=False)
+            publisher.publish(advance=False, wait=wait)
         except Exception as exc:  # Redis down: the dashboard polls every 2 s, one line a minute is enough
             _rare.warning(("refresh", type(exc).__name__), "snapshot refresh failed: %r", exc)
