@@ -532,6 +532,33 @@ async def test_an_eager_outbox_writes_an_item_at_once_while_its_writer_is_idle()
     box.close()
 
 
+async def test_an_eager_outbox_writes_through_write_now_and_falls_back_to_write_when_it_declines() -> None:
+    # The server protocol's own send (execapp.ws_flow send_text_now) takes a frame by a plain call:
+    # no coroutine made and stepped per frame. One it declines (writes paused) goes through write.
+    by_call: list[str] = []
+    by_coroutine: list[str] = []
+    ran: list[str] = []
+
+    async def write(item: str) -> None:
+        by_coroutine.append(item)
+
+    def write_now(item: str) -> bool:
+        if item == "gone":
+            raise ConnectionError("socket gone")
+        if item == "paused":
+            return False
+        by_call.append(item)
+        return True
+
+    box = Outbox(write, "test", eager=True, write_now=write_now)
+    await asyncio.sleep(0)  # the writer parks
+    for item in ("a", "gone", "paused", "b"):
+        box.push(item, lambda item=item: ran.append(item), 10)
+    assert by_call == ["a", "b"] and by_coroutine == ["paused"]
+    assert ran == ["a", "gone", "paused", "b"] and box.frames == box.bytes == 0
+    box.close()
+
+
 def _eager_schedule(ops: list[tuple[str, int]]) -> None:
     """Run ``ops`` on an eager outbox whose writes wait when told to; check order and accounting."""
 
