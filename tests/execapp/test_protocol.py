@@ -306,6 +306,17 @@ def test_reply_and_done_frames_are_the_bytes_of_the_general_encoder(outcome: Any
     assert frame["id"] == outcome.event_id and frame.get("session") == session
 
 
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.floats(-1e12, 1e12, exclude_min=True, exclude_max=True),
+                 st.floats(0, 10).map(lambda x: round(x, 4) + 0.0005), st.integers(0, 10 ** 9).map(float)))
+def test_elapsed_ms_is_written_as_the_encoder_writes_its_rounded_value(ms: float) -> None:
+    # outcome_frame writes elapsed_ms with "%.3f" and its trailing zeros cut (round() and repr()
+    # cost ~3x as much): the same text as repr(round(ms, 3)), which the general path encodes.
+    from execapp.protocol import _ms_text
+
+    assert _ms_text(ms) == repr(round(ms, 3))
+
+
 def test_data_that_is_not_json_is_sent_as_text_not_dropped() -> None:
     circular: dict = {}
     circular["self"] = circular
