@@ -570,8 +570,9 @@ async def test_an_eager_outbox_writes_through_write_now_and_falls_back_to_write_
     box.close()
 
 
-def _eager_schedule(ops: list[tuple[str, int]]) -> None:
-    """Run ``ops`` on an eager outbox whose writes wait when told to; check order and accounting."""
+def _eager_schedule(ops: list[tuple[str, int]], sync: bool = False) -> None:
+    """Run ``ops`` on an eager outbox whose writes wait when told to; check order and accounting.
+    ``sync``: with a ``write_now`` that takes every item whose write would not wait."""
 
     async def main() -> None:
         gates: dict[int, asyncio.Event] = {}
@@ -584,7 +585,14 @@ def _eager_schedule(ops: list[tuple[str, int]]) -> None:
                 await gate.wait()
             written.append(item)
 
-        box = Outbox(write, "test", eager=True)
+        def write_now(item: int) -> bool:
+            gate = gates.get(item)
+            if gate is not None and not gate.is_set():
+                return False
+            written.append(item)
+            return True
+
+        box = Outbox(write, "test", eager=True, write_now=write_now if sync else None)
         await asyncio.sleep(0)
         pushed: list[int] = []
         closed_at = None
@@ -626,6 +634,15 @@ def _eager_schedule(ops: list[tuple[str, int]]) -> None:
                 max_size=40))
 def test_an_eager_outbox_keeps_order_and_runs_each_callback_once_whatever_waits(ops: list[tuple[str, int]]) -> None:
     _eager_schedule(ops)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.just("push"), st.integers(0, 1)), st.tuples(st.just("release"), st.just(0)),
+                          st.tuples(st.just("turn"), st.integers(1, 3)), st.tuples(st.just("close"), st.just(0))),
+                max_size=40))
+def test_an_outbox_writing_through_write_now_keeps_order_and_runs_each_callback_once(
+        ops: list[tuple[str, int]]) -> None:
+    _eager_schedule(ops, sync=True)
 
 
 def test_an_integer_past_python_s_digit_limit_is_bad_json_with_a_fix_the_client_can_make() -> None:
