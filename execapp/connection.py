@@ -77,7 +77,8 @@ class Connection:
                  publish: Callable[[str, str], Awaitable[None]] | None = None,
                  join: Callable[[str], Awaitable[None]] | None = None, owner: str | None = None,
                  outbox_limits: OutboxLimits | None = None, decode_share: LoopShare | None = None,
-                 pool_share: PoolShare | None = None, outbox_budget: OutboxBudget | None = None) -> None:
+                 pool_share: PoolShare | None = None, outbox_budget: OutboxBudget | None = None,
+                 send_now: Callable[[str], bool] | None = None) -> None:
         if (publish is not None or join is not None) and not owner:
             raise ValueError("a Connection with session groups needs its owner (e.g. 'tenant:acme'): group names "
                              "are namespaced by owner")
@@ -96,8 +97,9 @@ class Connection:
         bounds = outbox_limits if outbox_limits is not None else OutboxLimits.from_settings()
         # Both outboxes also count in the owner's budget on this worker (execapp.outbox_budget;
         # shared by the owner's connections): one tenant's many connections together are bounded.
+        # ``send_now(text)``: the same write without a coroutine, False when ``send`` must do it (Outbox).
         self.outbox = Outbox(send, "execapp-ws-writer", limits=bounds, lagged=_lagged, budget=outbox_budget,
-                             eager=True)
+                             eager=True, write_now=send_now)
         self._publish = publish
         # Frames waiting for the channel layer are this client's own output too: bounded the same
         # way, by backpressure (a layer slower than the sender slows the sender; a layer that is

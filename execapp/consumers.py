@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from typing import Any, Awaitable, Coroutine
+from typing import Any, Awaitable, Callable, Coroutine
 from urllib.parse import parse_qs
 
 from asgiref.sync import sync_to_async
@@ -62,6 +62,15 @@ async def aget_worker() -> worker_module.Worker:
     if worker is not None:
         return worker
     return await sync_to_async(worker_module.get_worker, thread_sensitive=False)()
+
+
+def _send_now_of(send: Any) -> Callable[[str], bool] | None:
+    """The server protocol's own coroutine-free write of a text frame when ``send`` (the ASGI send) is
+    that protocol's ``send`` (execapp.ws_flow under execapp.serve); None under any other server or
+    wrapper (daphne, a test's communicator, a middleware's send): every frame then goes through ``send``."""
+    owner = getattr(send, "__self__", None)
+    send_now = getattr(owner, "send_text_now", None)
+    return send_now if callable(send_now) and getattr(send, "__name__", "") == "send" else None
 
 
 class EventConsumer(AsyncWebsocketConsumer):
@@ -208,7 +217,8 @@ class EventConsumer(AsyncWebsocketConsumer):
                                join=self._join if has_layer else None, owner=self.owner,
                                decode_share=worker.decode_share(self.owner, conf.get("DECODE_SHARE_PER_OWNER")),
                                pool_share=worker.pool_share(self.owner, conf.get("POOL_SHARE_PER_OWNER")),
-                               outbox_budget=worker.outbox_budget(self.owner, int(conf.get("OWNER_OUTBOX_BYTES"))))
+                               outbox_budget=worker.outbox_budget(self.owner, int(conf.get("OWNER_OUTBOX_BYTES"))),
+                               send_now=_send_now_of(self.base_send))
         self.conn.watch_parked = self._parked
         # Join the URL's sessions before accepting, so a client is a member once it is connected.
         problems = []

@@ -96,8 +96,12 @@ class Outbox:
 
     def __init__(self, write: Callable[[Any], Awaitable[None]], name: str, warn: bool = False,
                  limits: OutboxLimits = UNBOUNDED, lagged: Callable[[dict[str, int]], tuple[Any, int]] | None = None,
-                 budget: OutboxBudget | None = None, eager: bool = False) -> None:
+                 budget: OutboxBudget | None = None, eager: bool = False,
+                 write_now: Callable[[Any], bool] | None = None) -> None:
         self._write = write
+        #: An eager outbox's write without a coroutine: True if it took the item whole, False if
+        #: ``write`` must (see ``_write_now``); None: always ``write``.
+        self._write_sync = write_now
         #: Write an item pushed while the writer is idle at once (``_write_now``), not a loop turn later.
         self._eager = eager
         #: The write ``_write_now`` began that waits (the client's socket is backed up): the writer
@@ -132,6 +136,23 @@ class Outbox:
             if after is not None:
                 after()
             return
+        wake = self._wake
+        # (A pending wake: the writer is parked, not between a wake and its next step.)
+        idle = (wake is not None and self._eager and not self._items and self._begun is None and not self._stepping
+                and not wake.done())
+        failed: Exception | None = None
+        if idle and self._write_sync is not None:
+            # Written by a plain call before this returns (``write_now``): nothing is counted in and
+            # out again (frames, bytes, the owner's budget: none of them changes), only the write.
+            try:
+                taken = self._write_sync(item)
+            except Exception as exc:  # a dead socket: counted, then dropped as a failed write is
+                taken, failed = True, exc
+            if taken and failed is None:
+                TerminalFrames.writes += 1
+                if after is not None:
+                    after()
+                return
         self.frames += 1
         self.bytes += size
         if after is not None:
@@ -139,12 +160,13 @@ class Outbox:
         budget = self.budget
         if budget is not None:
             budget.bytes += size
-        wake = self._wake
+        if failed is not None:
+            self._written((item, after, size), failed)
+            return
+        if idle:
+            self._write_now((item, after, size))
+            return
         if wake is not None and not wake.done():
-            # (A pending wake: the writer is parked, not between a wake and its next step.)
-            if self._eager and not self._items and self._begun is None and not self._stepping:
-                self._write_now((item, after, size))
-                return
             wake.set_result(None)
         self._items.append((item, after, size))
 
@@ -254,7 +276,8 @@ class Outbox:
         the transport is paused). An inline event's reply and done then go out without waking the
         writer task (a future, a loop turn and a task step each: ~3 us of the loop per event). A
         write that does wait is handed to the writer task, which finishes it before anything queued
-        behind it: the caller never waits for a client's socket."""
+        behind it: the caller never waits for a client's socket. (With ``write_now``, ``push`` wrote
+        an item the socket had room for already, by a plain call: no coroutine made and stepped.)"""
         coro: Any = self._write(entry[0])  # (an eager outbox's write returns a coroutine)
         self._stepping = True
         try:

@@ -573,3 +573,21 @@ async def test_a_client_s_frame_reaches_its_connection_without_a_coroutine_of_th
             assert [f["type"] for f in await c.until_done(f"p{n}")] == ["reply", "done"]
     assert "websocket.receive" not in routed and "websocket.connect" in routed
     assert not inspect.iscoroutinefunction(EventConsumer._send_text)
+
+
+def test_the_consumer_writes_its_frames_through_the_server_protocol_s_own_send_now_when_it_has_one() -> None:
+    # Under execapp.serve the ASGI send is execapp.ws_flow's protocol's: an event's frames then skip
+    # its coroutine (Connection's outbox, write_now). Any other send (daphne, a middleware's, a test
+    # communicator's) keeps the coroutine path.
+    from execapp import ws_flow
+    from execapp.consumers import _send_now_of
+
+    protocol = object.__new__(ws_flow.BackpressuredWebSocketProtocol)
+    assert _send_now_of(protocol.send) == protocol.send_text_now
+
+    async def send(message: dict) -> None:
+        pass
+
+    assert _send_now_of(send) is None
+    assert _send_now_of(protocol.send_text_now) is None
+

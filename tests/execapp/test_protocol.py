@@ -306,6 +306,17 @@ def test_reply_and_done_frames_are_the_bytes_of_the_general_encoder(outcome: Any
     assert frame["id"] == outcome.event_id and frame.get("session") == session
 
 
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.floats(-1e12, 1e12, exclude_min=True, exclude_max=True),
+                 st.floats(0, 10).map(lambda x: round(x, 4) + 0.0005), st.integers(0, 10 ** 9).map(float)))
+def test_elapsed_ms_is_written_as_the_encoder_writes_its_rounded_value(ms: float) -> None:
+    # outcome_frame writes elapsed_ms with "%.3f" and its trailing zeros cut (round() and repr()
+    # cost ~3x as much): the same text as repr(round(ms, 3)), which the general path encodes.
+    from execapp.protocol import _ms_text
+
+    assert _ms_text(ms) == repr(round(ms, 3))
+
+
 def test_data_that_is_not_json_is_sent_as_text_not_dropped() -> None:
     circular: dict = {}
     circular["self"] = circular
@@ -532,8 +543,40 @@ async def test_an_eager_outbox_writes_an_item_at_once_while_its_writer_is_idle()
     box.close()
 
 
-def _eager_schedule(ops: list[tuple[str, int]]) -> None:
-    """Run ``ops`` on an eager outbox whose writes wait when told to; check order and accounting."""
+async def test_an_eager_outbox_writes_through_write_now_and_falls_back_to_write_when_it_declines() -> None:
+    # The server protocol's own send (execapp.ws_flow send_text_now) takes a frame by a plain call:
+    # no coroutine made and stepped per frame. One it declines (writes paused) goes through write.
+    by_call: list[str] = []
+    by_coroutine: list[str] = []
+    ran: list[str] = []
+
+    async def write(item: str) -> None:
+        by_coroutine.append(item)
+
+    counted: list[int] = []
+
+    def write_now(item: str) -> bool:
+        counted.append(box.frames)  # an item written at once is never counted in (and out again)
+        if item == "gone":
+            raise ConnectionError("socket gone")
+        if item == "paused":
+            return False
+        by_call.append(item)
+        return True
+
+    box = Outbox(write, "test", eager=True, write_now=write_now)
+    await asyncio.sleep(0)  # the writer parks
+    for item in ("a", "gone", "paused", "b"):
+        box.push(item, lambda item=item: ran.append(item), 10)
+    assert by_call == ["a", "b"] and by_coroutine == ["paused"]
+    assert ran == ["a", "gone", "paused", "b"] and box.frames == box.bytes == 0
+    assert counted == [0, 0, 0, 0]
+    box.close()
+
+
+def _eager_schedule(ops: list[tuple[str, int]], sync: bool = False) -> None:
+    """Run ``ops`` on an eager outbox whose writes wait when told to; check order and accounting.
+    ``sync``: with a ``write_now`` that takes every item whose write would not wait."""
 
     async def main() -> None:
         gates: dict[int, asyncio.Event] = {}
@@ -546,7 +589,14 @@ def _eager_schedule(ops: list[tuple[str, int]]) -> None:
                 await gate.wait()
             written.append(item)
 
-        box = Outbox(write, "test", eager=True)
+        def write_now(item: int) -> bool:
+            gate = gates.get(item)
+            if gate is not None and not gate.is_set():
+                return False
+            written.append(item)
+            return True
+
+        box = Outbox(write, "test", eager=True, write_now=write_now if sync else None)
         await asyncio.sleep(0)
         pushed: list[int] = []
         closed_at = None
@@ -588,6 +638,15 @@ def _eager_schedule(ops: list[tuple[str, int]]) -> None:
                 max_size=40))
 def test_an_eager_outbox_keeps_order_and_runs_each_callback_once_whatever_waits(ops: list[tuple[str, int]]) -> None:
     _eager_schedule(ops)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.just("push"), st.integers(0, 1)), st.tuples(st.just("release"), st.just(0)),
+                          st.tuples(st.just("turn"), st.integers(1, 3)), st.tuples(st.just("close"), st.just(0))),
+                max_size=40))
+def test_an_outbox_writing_through_write_now_keeps_order_and_runs_each_callback_once(
+        ops: list[tuple[str, int]]) -> None:
+    _eager_schedule(ops, sync=True)
 
 
 def test_an_integer_past_python_s_digit_limit_is_bad_json_with_a_fix_the_client_can_make() -> None:

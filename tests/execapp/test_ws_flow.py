@@ -329,6 +329,58 @@ async def test_a_close_sent_in_the_same_turn_as_frames_goes_out_after_them() -> 
             assert await _closed_with(ws) == (4000, "")
 
 
+@pytest.mark.parametrize("size", [0, 125, 126, 65535, 65536])
+def test_a_data_frame_is_made_as_websockets_makes_it(size: int) -> None:
+    from websockets.frames import Frame, Opcode
+
+    payload = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    assert ws_flow.data_frame(ws_flow.OP_TEXT, payload) == Frame(Opcode.TEXT, payload).serialize(mask=False)
+    assert ws_flow.data_frame(ws_flow.OP_BINARY, payload) == Frame(Opcode.BINARY, payload).serialize(mask=False)
+
+
+async def test_frames_sent_now_and_through_send_go_out_in_order_without_websockets_frame_objects(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # An event's reply and done went through uvicorn's send coroutine (a dict, a coroutine) and
+    # websockets' Frame and serialize: ~2.5 us of the loop a frame. send_text_now is a plain call,
+    # and both build the frame's bytes themselves.
+    from websockets.frames import Frame, Opcode
+
+    built: list[int] = []
+    serialize = Frame.serialize
+
+    def counted(self: Frame, **kwargs: Any) -> bytes:
+        if self.opcode in (Opcode.TEXT, Opcode.BINARY) and not kwargs.get("mask"):  # the server's (the client masks)
+            built.append(len(self.data))
+        return serialize(self, **kwargs)
+
+    monkeypatch.setattr(Frame, "serialize", counted)
+    paused: list[bool] = []
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "websocket":
+            return
+        await receive()
+        await send({"type": "websocket.accept"})
+        protocol = send.__self__
+        while (message := await receive())["type"] != "websocket.disconnect":
+            text = message["text"]
+            assert protocol.send_text_now(f"{text}-now")
+            await send({"type": "websocket.send", "text": f"{text}-send"})
+            assert protocol.send_text_now(text * 70_000)
+            await send({"type": "websocket.send", "bytes": b"\x00" * 200})
+            protocol.writable.clear()  # as while the transport's writes are paused: send must take it
+            paused.append(protocol.send_text_now("never"))
+            protocol.writable.set()
+
+    with InProcess(app) as server:
+        async with connect(f"ws://127.0.0.1:{server.port}/", compression=None, max_size=2 ** 20) as ws:
+            for text in ("a", "b"):
+                await ws.send(text)
+                got = [await asyncio.wait_for(ws.recv(), 5) for _ in range(4)]
+                assert got == [f"{text}-now", f"{text}-send", text * 70_000, b"\x00" * 200]
+    assert paused == [False, False] and built == []
+
+
 def test_an_app_taking_a_backlog_of_messages_hands_the_loop_back_every_slice() -> None:
     # The app's receive returns at once while messages are queued, and a handler proven fast runs
     # inline: a client that had sent ~10,000 small frames had its connection's task run them all
