@@ -70,6 +70,26 @@ CASES["js bare reused"] = (_JS, 'bare["reused"]()', 2_000)
 CASES["js bare reused fields"] = (_JS, 'bare["reused_fields"]()', 2_000)
 CASES["js pooled"] = (_JS, 'ours["pooled"].call("upper", EVENT)', 2_000)
 
+_LUA = """
+import sys, time
+sys.path.insert(0, "bench")
+from bench.common import setup_django
+setup_django()
+from bench.bench_plugins import _spec, _examples, _lua_bare, EVENT
+from plugins.loaded import LoadedPlugin
+code = _examples()["lua"]
+bare = _lua_bare(code)
+ours = {s: LoadedPlugin(_spec("cg-" + s, "lua", code, s)) for s in ("per_request", "pooled", "sharded")}
+for _ in range(20):
+    bare["reused_sandboxed"](); bare["fresh_env"]()
+    for s in ours.values(): s.call("echo", EVENT)
+"""
+CASES["lua bare sandboxed"] = (_LUA, 'bare["reused_sandboxed"]()', 2_000)
+CASES["lua pooled"] = (_LUA, 'ours["pooled"].call("echo", EVENT)', 2_000)
+CASES["lua sharded"] = (_LUA, 'ours["sharded"].call("echo", EVENT)', 2_000)
+CASES["lua bare fresh env"] = (_LUA, 'bare["fresh_env"]()', 2_000)
+CASES["lua per_request"] = (_LUA, 'ours["per_request"].call("echo", EVENT)', 2_000)
+
 _PROGRAM = """
 import gc, sys
 sys.path.insert(0, {root!r})

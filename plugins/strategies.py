@@ -17,6 +17,7 @@ run, and a wait for a slot or shard ends by it too. Inline, it is the engine's i
 from __future__ import annotations
 
 import abc
+import collections
 import itertools
 import queue
 import threading
@@ -41,7 +42,6 @@ from .errors import (
 from .runtimes.base import MAX_REPLY_BYTES, MAX_REPLY_DEPTH, Compiled, Instance, clip_error
 from .spec import PluginSpec
 
-_Empty = queue.Empty
 _now = time.monotonic
 #: Keys (sessions) whose shard a Sharded strategy remembers at most.
 _SHARD_KEYS = 4096
@@ -77,32 +77,34 @@ class Slots:
     a woken waiter that finds its slot so taken keeps its place at the front. ``tenant`` is the
     event's opaque owner id ("" for callers without one).
 
-    The slots are tokens in a ``queue.SimpleQueue`` (C code): while nobody waits, taking and giving
-    one back are two C calls with no Python-level lock (a Lock/Condition pair cost ~0.3 us per call,
-    a threading.Semaphore ~2.5 us; exact per-tenant counts under a lock ~0.8 us). Only while callers
-    wait does a give touch the lock.
+    The slots are tokens in a ``collections.deque`` (C code, ``pop``/``append`` atomic under the GIL):
+    while nobody waits, taking and giving one back are two C calls with no Python-level lock (a
+    Lock/Condition pair cost ~0.3 us per call, a threading.Semaphore ~2.5 us; exact per-tenant counts
+    under a lock ~0.8 us). Only while callers wait does a give touch the lock. (Not a
+    ``queue.SimpleQueue``: its ``get_nowait`` compacts its list every other call, a realloc per
+    slot; and the methods are called on the deque, not through bound methods kept as attributes,
+    which Python 3.11 cannot specialize: ~300 instructions a call.)
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._tokens: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(capacity):
-            self._tokens.put(None)
-        self._get = self._tokens.get_nowait
-        self._put = self._tokens.put
+        self._tokens: collections.deque = collections.deque([None] * capacity)
         self._lock = threading.Lock()
         self._waiters: list[_Waiter] = []  # not woken yet, in arrival order
         self._woken = 0  # woken for a free slot, not yet back for it
         #: The turn at which each tenant last took a slot (a count: next() on it is one C call).
         self._served: dict[str, int] = {}
-        self._next_turn = itertools.count().__next__
+        #: The tenant of the last take: a tenant taking slot after slot is recorded at the first of
+        #: its run only (the order of the tenants' last turns is the same; a lost race misorders one tie).
+        self._last: str | None = None
+        self._turns = itertools.count()
         self.waits_total = 0
         self.refused_total = 0
 
     @property
     def busy(self) -> int:
         """Slots taken now."""
-        return self.capacity - self._tokens.qsize()
+        return self.capacity - len(self._tokens)
 
     @property
     def waiting(self) -> int:
@@ -115,18 +117,24 @@ class Slots:
         if (self._waiters or self._woken) and not barge:
             return False
         try:
-            self._get()
-        except _Empty:
+            self._tokens.pop()
+        except IndexError:
             return False
+        if tenant != self._last:
+            self._record(tenant)
+        return True
+
+    def _record(self, tenant: str) -> None:
+        """Note that ``tenant`` took a slot now (its turn)."""
         served = self._served
         if len(served) > _SERVED_TENANTS:
             served.clear()  # C calls, atomic under the GIL like the store below: no lock on this path
-        served[tenant] = self._next_turn()
-        return True
+        served[tenant] = next(self._turns)
+        self._last = tenant
 
     def give(self, tenant: str = "") -> None:
         """Give a slot back; while callers wait, wake the one whose turn it is."""
-        self._put(None)
+        self._tokens.append(None)
         # A waiter appends itself before it looks for a token (both under the lock), so either it
         # sees this token or this sees it: no slot stays free while someone waits unwoken.
         if self._waiters:
@@ -164,22 +172,22 @@ class Slots:
                 waiter.woken = False
                 self._woken -= 1
                 try:
-                    self._get()
-                except _Empty:  # a caller that never waits took it first
+                    self._tokens.pop()
+                except IndexError:  # a caller that never waits took it first
                     if _now() >= end:
                         self.refused_total += 1
                         return False
                     self._waiters.insert(0, waiter)  # keeps its place
                     self._wake()
                     continue
-                self._served[tenant] = self._next_turn()
+                self._record(tenant)
                 return True
 
     def _wake(self) -> None:
         """Under the lock: for each free slot no woken waiter is coming for, wake the waiter whose
         tenant's turn it is (the one that took a slot least recently)."""
         waiters, served = self._waiters, self._served
-        while waiters and self._tokens.qsize() > self._woken:
+        while waiters and len(self._tokens) > self._woken:
             best, oldest = 0, None
             seen: set[str] = set()
             for i, waiter in enumerate(waiters):
@@ -216,11 +224,9 @@ class Strategy(abc.ABC):
         self._lock = threading.Lock()
         #: The plugin's concurrency limit (shared by every engine of the process).
         self.slots = Slots(self.limit())
-        self._take_slot, self._give_slot = self.slots.take, self.slots.give
         self._timeout = spec.timeout
         # next() on itertools.count is one atomic C call: calls are counted without a lock.
         self._calls = itertools.count()
-        self._count = self._calls.__next__
         self.errors_total = 0
         self.timeouts_total = 0
         self.waiting = 0  # callers waiting for something other than a slot (a shard)
@@ -351,26 +357,25 @@ class PerRequest(Strategy):
 
     def __init__(self, spec: PluginSpec, compiled: Compiled) -> None:
         super().__init__(spec, compiled)
-        self._isolated = compiled.call_isolated
 
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
         tenant = event.get("tenant", "")
-        if not self._take_slot(tenant, not blocking):
+        if not self.slots.take(tenant, not blocking):
             self._no_slot(handler, blocking, deadline, tenant)
         if self.closed:
-            self._give_slot(tenant)
+            self.slots.give(tenant)
             raise self._closed(handler)
         try:
             # The deadline starts when the guest is about to run, after any wait for a slot.
             due = _now() + self._timeout
             if deadline is not None and deadline < due:
                 due = deadline
-            return self._isolated(handler, event, due)
+            return self.compiled.call_isolated(handler, event, due)
         except GuestError as exc:
             raise self._failed(handler, exc) from None
         finally:
-            self._give_slot(tenant)
-            self._count()
+            self.slots.give(tenant)
+            next(self._calls)
 
     def capacity(self) -> int:
         return self.spec.max_concurrency
@@ -395,10 +400,9 @@ class Pooled(Strategy):
 
     def __init__(self, spec: PluginSpec, compiled: Compiled) -> None:
         super().__init__(spec, compiled)
-        self._free: list[Instance] = []
-        # Atomic under the GIL; PooledPerThread points them at its per-thread slot.
-        self._pop: Callable[[], Instance] = self._free.pop
-        self._push: Callable[[Instance], None] = self._free.append
+        # pop/append atomic under the GIL; a deque, not a list: a list of one instance shrinks and
+        # grows back (two reallocs) on every call. PooledPerThread's is per thread.
+        self._free: collections.deque[Instance] | _IdlePerThread = collections.deque()
 
     def limit(self) -> int:
         return min(self.spec.max_concurrency, self.spec.pool_size)
@@ -413,15 +417,15 @@ class Pooled(Strategy):
 
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
         tenant = event.get("tenant", "")
-        if not self._take_slot(tenant, not blocking):
+        if not self.slots.take(tenant, not blocking):
             self._no_slot(handler, blocking, deadline, tenant)
         if self.closed:
-            self._give_slot(tenant)
+            self.slots.give(tenant)
             raise self._closed(handler)
         inst: Instance | None = None
         try:
             try:
-                inst = self._pop()
+                inst = self._free.pop()
             except IndexError:
                 inst = self._new(deadline)
             due = _now() + self._timeout
@@ -438,9 +442,9 @@ class Pooled(Strategy):
                 if self.closed:
                     self._discard(inst)
                 else:
-                    self._push(inst)
-            self._give_slot(tenant)
-            self._count()
+                    self._free.append(inst)
+            self.slots.give(tenant)
+            next(self._calls)
 
     def capacity(self) -> int:
         return self.spec.pool_size
@@ -467,8 +471,8 @@ class PooledPerThread(Pooled):
         # Instances alive now: an idle one leaves with its thread's locals when a pool thread
         # exits, without passing through _discard, so created - discarded would only grow.
         self._alive: weakref.WeakSet = weakref.WeakSet()
-        # Pooled.call takes and returns instances through these two: per thread here.
-        self._pop, self._push = self._pop_local, self._push_local
+        # Pooled.call takes and returns instances through its free list: per thread here.
+        self._free = _IdlePerThread(self)
 
     def _new(self, deadline: float | None) -> Instance:
         inst = super()._new(deadline)
@@ -482,25 +486,38 @@ class PooledPerThread(Pooled):
     def live(self) -> int:
         return len(self._alive)
 
-    def _pop_local(self) -> Instance:
-        """This thread's idle instance (IndexError when it has none, like list.pop)."""
-        local = self._local
+    def idle(self) -> int:
+        return max(self.live() - self.slots.busy, 0)
+
+
+class _IdlePerThread:
+    """PooledPerThread's free list: each thread's one idle instance (as Pooled.call uses a deque).
+    Its length is 0: close() leaves the idle instances to their threads' locals."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: PooledPerThread) -> None:
+        self._owner = owner
+
+    def pop(self) -> Instance:
+        """This thread's idle instance (IndexError when it has none, like deque.pop)."""
+        local = self._owner._local
         inst = getattr(local, "idle", None)
         if inst is None:
             raise IndexError("no idle instance on this thread")
         local.idle = None
         return inst
 
-    def _push_local(self, inst: Instance) -> None:
+    def append(self, inst: Instance) -> None:
         """Keep ``inst`` as this thread's idle instance (one per thread; a second is closed)."""
-        local = self._local
+        local = self._owner._local
         if getattr(local, "idle", None) is not None:
-            self._discard(inst)
+            self._owner._discard(inst)
         else:
             local.idle = inst
 
-    def idle(self) -> int:
-        return max(self.live() - self.slots.busy, 0)
+    def __len__(self) -> int:
+        return 0
 
 
 class _Shard:
@@ -533,9 +550,11 @@ class Sharded(Strategy):
         self._n = len(self.shards)
         self._limited = spec.max_concurrency < spec.shard_count
         self._thread_bound = compiled.thread_bound
-        # Shard by key, so a session's later calls skip encoding and hashing it (~0.1 us); cleared
-        # when full rather than evicted one by one (a miss costs only the crc32 again).
-        self._by_key: dict[Any, _Shard] = {}
+        # Shard by (tenant, session), so a session's later calls skip building its shard_key,
+        # encoding and hashing it (~0.3 us); cleared when full rather than evicted one by one (a
+        # miss costs only the shard_key and crc32 again). Events without a session (keyed by their
+        # id, new every event) are not remembered.
+        self._by_key: dict[tuple[Any, str], _Shard] = {}
 
     @property
     def busy(self) -> int:
@@ -546,24 +565,24 @@ class Sharded(Strategy):
         key = shard_key(event)
         return crc32(key.encode() if key.__class__ is str else str(key).encode()) % self._n
 
-    def _shard_of(self, key: Any) -> _Shard:
-        """The shard for ``key`` (an event's shard_key), remembered for its next calls."""
-        shard = self.shards[crc32(key.encode() if key.__class__ is str else str(key).encode()) % self._n]
-        if key.__class__ is str:
+    def _shard_of(self, event: dict[str, Any], tenant: Any, session: Any) -> _Shard:
+        """The shard of ``event`` (shard_for), remembered by its (tenant, session) for the session's next calls."""
+        shard = self.shards[self.shard_for(event)]
+        if session.__class__ is str and session:
             by_key = self._by_key
             if len(by_key) >= _SHARD_KEYS:
                 by_key.clear()
-            by_key[key] = shard
+            by_key[(tenant, session)] = shard
         return shard
 
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
         # The common case, flat: no plugin slot (the shard locks bound concurrency) and the call
         # runs on the caller's thread. ShardedGeneral covers the other two.
-        key = shard_key(event)
-        shard = self._by_key.get(key) if key.__class__ is str else None
-        if shard is None:
-            shard = self._shard_of(key)
+        session = event.get("session")
         tenant = event.get("tenant", "")
+        shard = self._by_key.get((tenant, session)) if session.__class__ is str else None
+        if shard is None:
+            shard = self._shard_of(event, tenant, session)
         slot = shard.slot
         if not slot.take(tenant, not blocking):
             self._wait_shard(shard, event, blocking, deadline, tenant)
@@ -586,7 +605,7 @@ class Sharded(Strategy):
             raise self._failed(handler, exc) from None
         finally:
             slot.give(tenant)
-            self._count()
+            next(self._calls)
 
     def _wait_shard(self, shard: _Shard, event: dict[str, Any], blocking: bool, deadline: float | None = None,
                     tenant: str = "") -> None:
@@ -663,7 +682,7 @@ class ShardedGeneral(Sharded):
     def call(self, handler: str, event: dict[str, Any], blocking: bool = True, deadline: float | None = None) -> Any:
         limited = self._limited
         tenant = event.get("tenant", "")
-        if limited and not self._take_slot(tenant, not blocking):
+        if limited and not self.slots.take(tenant, not blocking):
             self._no_slot(handler, blocking, deadline, tenant)
         try:
             shard = self.shards[self.shard_for(event)]
@@ -671,12 +690,12 @@ class ShardedGeneral(Sharded):
                 self._wait_shard(shard, event, blocking, deadline, tenant)
         except BaseException:
             if limited:
-                self._give_slot(tenant)
+                self.slots.give(tenant)
             raise
         if self.closed:  # a thread-bound shard's thread has stopped: nothing would run the call
             shard.slot.give(tenant)
             if limited:
-                self._give_slot(tenant)
+                self.slots.give(tenant)
             raise self._closed(handler)
         try:
             if self._thread_bound:
@@ -687,8 +706,8 @@ class ShardedGeneral(Sharded):
         finally:
             shard.slot.give(tenant)
             if limited:
-                self._give_slot(tenant)
-            self._count()
+                self.slots.give(tenant)
+            next(self._calls)
 
 
 def shard_key(event: dict[str, Any]) -> Any:

@@ -229,12 +229,14 @@ class _LuaVM:
         self.gate.deadline = deadline
         irq = self._irq
         irq.running = deadline
+        table_from = self._table_from  # (a local: self._table_from(...) is a lookup Python 3.11 cannot specialize)
         try:
-            table = self._table_from(event, recursive=True)
+            table = table_from(event, recursive=True)
         except OverflowError:  # an integer past Lua's 64 bits (see _fit_ints)
-            table = self._table_from(_fit_ints(event), recursive=True)
+            table = table_from(_fit_ints(event), recursive=True)
         try:
-            status, value = self._call(env, handler, table, deadline)
+            lua_call = self._call
+            status, value = lua_call(env, handler, table, deadline)
         except lupa.LuaError as exc:  # raised outside the guest's pcall (the sandbox's own limits)
             raise self._lua_error(exc, deadline) from None
         except UnicodeDecodeError:  # lupa decodes a str reply as UTF-8
@@ -252,12 +254,14 @@ class _LuaVM:
         self.gate.deadline = deadline
         irq = self._irq
         irq.running = deadline
+        table_from = self._table_from  # (a local: self._table_from(...) is a lookup Python 3.11 cannot specialize)
         try:
-            table = self._table_from(event, recursive=True)
+            table = table_from(event, recursive=True)
         except OverflowError:  # an integer past Lua's 64 bits (see _fit_ints)
-            table = self._table_from(_fit_ints(event), recursive=True)
+            table = table_from(_fit_ints(event), recursive=True)
         try:
-            status, value, held = self._fresh(self.bytecode, self.chunkname, handler, table, deadline)
+            fresh = self._fresh
+            status, value, held = fresh(self.bytecode, self.chunkname, handler, table, deadline)
         except lupa.LuaError as exc:
             raise self._lua_error(exc, deadline) from None
         except UnicodeDecodeError:
@@ -267,7 +271,8 @@ class _LuaVM:
             if irq.coroutines:
                 irq.end_call()
         if held:  # coroutines the call resumed, and what they hold: freed now, not at this thread's next call
-            self._settle()
+            settle = self._settle
+            settle()
         if status:
             _raise(status, value, self.spec)
         return value if value.__class__ is str else to_reply(_to_python(value, self._reply_chars, deadline))
@@ -417,12 +422,14 @@ class LuaInstance(_LuaVM):
         self.gate.deadline = deadline
         irq = self._irq
         irq.running = deadline
+        table_from = self._table_from  # (a local: self._table_from(...) is a lookup Python 3.11 cannot specialize)
         try:
-            table = self._table_from(event, recursive=True)
+            table = table_from(event, recursive=True)
         except OverflowError:  # an integer past Lua's 64 bits (see _fit_ints)
-            table = self._table_from(_fit_ints(event), recursive=True)
+            table = table_from(_fit_ints(event), recursive=True)
         try:
-            status, value = self._call(self.env, handler, table, deadline)
+            lua_call = self._call
+            status, value = lua_call(self.env, handler, table, deadline)
         except lupa.LuaError as exc:
             raise self._lua_error(exc, deadline) from None
         except UnicodeDecodeError:

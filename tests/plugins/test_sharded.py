@@ -40,8 +40,8 @@ def test_the_remembered_shard_of_a_session_is_its_crc32_shard_across_memo_clears
         memo = plugin.strategy._by_key  # type: ignore[attr-defined]
         assert len(memo) <= 3
         shards = plugin.strategy.shards  # type: ignore[attr-defined]
-        for key, shard in memo.items():
-            assert shard is shards[zlib.crc32(key.encode()) % 4]
+        for (tenant, session), shard in memo.items():
+            assert tenant == "" and shard is shards[zlib.crc32(session.encode()) % 4]
         for s in sessions:
             assert counts[s] == sorted(counts[s]) and len(set(counts[s])) == 3  # one warm instance, in order
     finally:

@@ -160,3 +160,29 @@ def test_a_shard_busy_with_one_tenant_s_sessions_serves_another_tenant_s_session
                 t.join(10)
     finally:
         plugin.close()
+
+
+def test_a_tenant_taking_slot_after_slot_is_recorded_once_and_still_ordered_by_its_last_turn(monkeypatch) -> None:
+    # The hot path: one tenant's calls back to back record its turn at the first of the run only
+    # (a dict store and a new int per call saved); the order of the tenants' last turns is the same.
+    records: list[str] = []
+    record = Slots._record
+    monkeypatch.setattr(Slots, "_record", lambda self, tenant: (records.append(tenant), record(self, tenant))[1])
+    slots = Slots(2)
+    for _ in range(50):
+        assert slots.take("a")
+        slots.give("a")
+    assert records == ["a"]
+    assert slots.take("b") and slots.take("a")  # a took after b: b is now the least recently served
+    assert records == ["a", "b", "a"]
+    got: list[str] = []
+    threads = [_waiting(slots, "a", got)]
+    assert wait_until(lambda: slots.waiting == 1, 5)
+    threads.append(_waiting(slots, "b", got))
+    assert wait_until(lambda: slots.waiting == 2, 5)
+    slots.give("a")
+    assert wait_until(lambda: got == ["b"], 5), got
+    slots.give("b")
+    assert wait_until(lambda: got == ["b", "a"], 5), got
+    for thread in threads:
+        thread.join(5)
