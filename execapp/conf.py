@@ -190,6 +190,9 @@ DEFAULTS: dict[str, Any] = {
     # for this long.
     "RESEND_LEASE_SECONDS": 3.0,
     "RESEND_RETENTION_SECONDS": 600.0,
+    # All the Redis calls of one resend event's claim, and of its record at completion, together:
+    # past it the claim is refused resend_unavailable, the done says "recorded": false (execapp/resend.py).
+    "RESEND_DEADLINE_SECONDS": 2.0,
     # Background work of each worker.
     "PROFILE_FLUSH_SECONDS": 5.0,
     "SNAPSHOT_SECONDS": 1.0,
