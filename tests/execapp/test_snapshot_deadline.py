@@ -70,12 +70,12 @@ def test_a_publish_on_a_paused_redis_holds_the_housekeeper_no_longer_than_its_de
     started = time.monotonic()
     worker.start()  # its first publish, on this thread, gives up at the deadline too
     try:
-        assert time.monotonic() - started < PUBLISH_DEADLINE + 1.0  # before: its socket timeouts, retried (> 4 s)
+        assert time.monotonic() - started < PUBLISH_DEADLINE + 1.2  # before: its socket timeout (2.0 s)
         time.sleep(2.0)  # ~10 publishes, each waiting on Redis until its deadline
         ticks = _tickers[0].ticks
         gaps = [b - a for a, b in zip(ticks, ticks[1:])]
         # Each round of the housekeeper waits at most one publish deadline for Redis.
-        assert len(ticks) >= 3 and max(gaps) < PUBLISH_DEADLINE + 0.7, gaps
+        assert len(ticks) >= 3 and max(gaps) < PUBLISH_DEADLINE + 1.2, gaps  # before: 2.1 s
         failing = [r.getMessage() for r in caplog.records if "not published" in r.getMessage()]
         assert failing and "redis_unavailable" in failing[0], failing
         assert "SNAPSHOT_PUBLISH_DEADLINE_SECONDS" in failing[0]
