@@ -22,7 +22,8 @@ _POSITIVE_NUMBERS = ("SLOW_THRESHOLD_SECONDS", "OVERFLOW_WAIT_SECONDS", "PROFILE
                      "REGISTRY_POLL_SECONDS", "DRAIN_TIMEOUT_SECONDS", "SHUTDOWN_GRACE_SECONDS",
                      "DASHBOARD_HISTORY_SECONDS", "REQUEST_BODY_TIMEOUT_SECONDS",
                      "WS_MESSAGE_TIMEOUT_SECONDS", "REDIS_REQUEST_DEADLINE_SECONDS",
-                     "REQUEST_DB_DEADLINE_SECONDS")
+                     "REQUEST_DB_DEADLINE_SECONDS", "SNAPSHOT_PUBLISH_DEADLINE_SECONDS",
+                     "RESEND_DEADLINE_SECONDS")
 
 
 #: The longest number of seconds a setting may have (~31 years): "never" in practice, and below

@@ -190,6 +190,9 @@ DEFAULTS: dict[str, Any] = {
     # for this long.
     "RESEND_LEASE_SECONDS": 3.0,
     "RESEND_RETENTION_SECONDS": 600.0,
+    # All the Redis calls of one resend event's claim, and of its record at completion, together:
+    # past it the claim is refused resend_unavailable, the done says "recorded": false (execapp/resend.py).
+    "RESEND_DEADLINE_SECONDS": 2.0,
     # Background work of each worker.
     "PROFILE_FLUSH_SECONDS": 5.0,
     "SNAPSHOT_SECONDS": 1.0,
@@ -206,6 +209,9 @@ DEFAULTS: dict[str, Any] = {
     # All the Redis calls of one dashboard data request or Events page together: past it they fail
     # at once (redis_unavailable) and the page answers with what it has (execapp/redis_deadline.py).
     "REDIS_REQUEST_DEADLINE_SECONDS": 2.0,
+    # All the Redis calls of one dashboard snapshot publish (a worker's housekeeper, every
+    # SNAPSHOT_SECONDS): past it they fail at once and the next tick tries again (execapp/snapshots.py).
+    "SNAPSHOT_PUBLISH_DEADLINE_SECONDS": 0.5,
     # Every HTTP request's database calls (admin pages, their session and user lookups) end within
     # this of its start on PostgreSQL, or its connection is cut and it answers 503
     # database_unavailable (execapp/request_db_deadline.py).

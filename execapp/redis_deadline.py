@@ -9,7 +9,8 @@ call only what is left of the request's deadline, as its socket's timeout, and p
 once, without retrying, with :class:`RedisDeadline` (``redis_unavailable``): the first call that
 hangs takes the deadline, the others fail without waiting, and the request answers a degraded
 page. No state outlives the request (no circuit): the next request tries Redis again, so it is
-back the moment Redis answers. Outside a deadline (the workers' own threads) the clients behave
+back the moment Redis answers. A worker's background job on Redis (the dashboard snapshot's
+publish) bounds itself the same way, with its own setting. Outside a deadline the clients behave
 as plain redis-py ones.
 """
 from __future__ import annotations
@@ -25,11 +26,16 @@ from redis.connection import Connection, SSLConnection, UnixDomainSocketConnecti
 from . import conf
 from .engine.errors import ExecAppError
 
-#: (monotonic deadline, seconds it was given) of the request running in this context, if any.
-_deadline: contextvars.ContextVar[tuple[float, float] | None] = contextvars.ContextVar(
+#: (monotonic deadline, seconds it was given, the setting that gave them) of the request (or the
+#: background job) running in this context, if any.
+_deadline: contextvars.ContextVar[tuple[float, float, str] | None] = contextvars.ContextVar(
     "execapp_redis_deadline", default=None)
 #: A read that timed out this close to the deadline timed out because of it.
 _SLACK = 0.05
+
+
+#: The setting a request's deadline comes from (the default of :func:`redis_deadline`).
+REQUEST_SETTING = "REDIS_REQUEST_DEADLINE_SECONDS"
 
 
 class RedisDeadline(ExecAppError, ConnectionError):
@@ -38,21 +44,23 @@ class RedisDeadline(ExecAppError, ConnectionError):
 
     code = "redis_unavailable"
 
-    def __init__(self, seconds: float, where: str, cause: BaseException | None = None) -> None:
+    def __init__(self, seconds: float, where: str, cause: BaseException | None = None,
+                 setting: str = REQUEST_SETTING) -> None:
         reason = f" ({type(cause).__name__}: {str(cause).strip()[:200]})" if cause is not None else ""
         super().__init__(
-            f"{self.code}: Redis at {where} did not answer within this request's {seconds:.3g} s "
-            f"(EXECAPP['REDIS_REQUEST_DEADLINE_SECONDS']){reason}; check that Redis answers (paused, stopped, "
+            f"{self.code}: Redis at {where} did not answer within {seconds:.3g} s "
+            f"(EXECAPP['{setting}']){reason}; check that Redis answers (paused, stopped, "
             "overloaded), or raise the setting")
 
 
 @contextmanager
-def redis_deadline(seconds: float | None = None) -> Iterator[None]:
+def redis_deadline(seconds: float | None = None, setting: str = REQUEST_SETTING) -> Iterator[None]:
     """Every Redis call of the block (through :func:`deadline_client`'s clients) ends within
-    ``seconds`` (default REDIS_REQUEST_DEADLINE_SECONDS) of the block's start, all together."""
+    ``seconds`` (default: EXECAPP[setting], REDIS_REQUEST_DEADLINE_SECONDS) of the block's start, all
+    together. ``setting`` is what its RedisDeadline names as the one to raise."""
     if seconds is None:
-        seconds = float(conf.get("REDIS_REQUEST_DEADLINE_SECONDS"))
-    token = _deadline.set((time.monotonic() + seconds, seconds))
+        seconds = float(conf.get(setting))
+    token = _deadline.set((time.monotonic() + seconds, seconds, setting))
     try:
         yield
     finally:
@@ -81,7 +89,7 @@ class _DeadlineMixin:
         left = current[0] - time.monotonic()
         if left <= 0:
             self.disconnect()  # type: ignore[attr-defined]  # a reply may be pending: never reused
-            raise RedisDeadline(current[1], self._where())
+            raise RedisDeadline(current[1], self._where(), setting=current[2])
         return left
 
     def _where(self) -> str:
@@ -104,7 +112,7 @@ class _DeadlineMixin:
         current = _deadline.get()
         if current is not None and current[0] - time.monotonic() <= _SLACK:
             self.disconnect()  # type: ignore[attr-defined]
-            raise RedisDeadline(current[1], self._where(), exc) from exc
+            raise RedisDeadline(current[1], self._where(), exc, current[2]) from exc
 
     def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
         left = self._left()

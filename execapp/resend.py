@@ -35,6 +35,7 @@ from . import conf, history
 from .circuit import Circuit
 from .engine.errors import ExecAppError
 from .history_store import pair_key, store
+from .redis_deadline import deadline_client, redis_deadline
 
 log = logging.getLogger("execapp.resend")
 
@@ -53,6 +54,10 @@ NEW, RUNNING, DONE = "new", "running", "done"
 #: How long the Redis ledger fails its calls at once after one found Redis unreachable (then one
 #: call tries again): execapp/circuit.py.
 CIRCUIT_OPEN_SECONDS = 1.0
+#: All the Redis calls of one event's claim, and of its completion's record (the history's flush,
+#: the trace read back, the ledger's ``done`` or release), end within EXECAPP[this] of its start:
+#: each call was bounded, their sequence was not (~1 s a round trip: a `done` 10.3 s late).
+DEADLINE_SETTING = "RESEND_DEADLINE_SECONDS"
 
 
 class ResendError(ExecAppError):
@@ -146,8 +151,9 @@ class RedisLedger:
         from redis.retry import Retry
 
         # Short timeouts and no retries: a claim answers within ~2 s whatever Redis does, and the
-        # client is told resend_unavailable rather than kept waiting.
-        self.client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0))
+        # client is told resend_unavailable rather than kept waiting; within claim's and
+        # complete's redis_deadline every call shares their one deadline (RESEND_DEADLINE_SECONDS).
+        self.client = deadline_client(url, socket_timeout=2, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0))
         # ... and once one call found Redis unreachable, the calls queued behind it (on the event
         # loop's few executor threads) fail at once instead of waiting their 2 s each in turn.
         self._circuit = Circuit("the resend ledger's Redis", (redis.ConnectionError, redis.TimeoutError, OSError),
@@ -342,11 +348,19 @@ def claim(owner: str, event_id: str, worker: str) -> tuple[Claim, list[str]]:
                                                 "(EXECAPP['HISTORY_MAX_EVENTS'] is 0, or its recorder is not "
                                                 "running); send the event without \"resend\"")
     store_ = ledger()
-    try:
-        found = store_.claim(owner, event_id, worker, float(conf.get("RESEND_LEASE_SECONDS")))
-    except Exception as exc:
-        raise ResendError("resend_unavailable", f"the resend ledger ({store_.name}) cannot be reached now "
-                                                f"({type(exc).__name__}); retry in a few seconds") from exc
+    trace: dict[str, Any] | None = None
+    with redis_deadline(setting=DEADLINE_SETTING):  # the claim and the record's read, together
+        try:
+            found = store_.claim(owner, event_id, worker, float(conf.get("RESEND_LEASE_SECONDS")))
+        except Exception as exc:
+            raise ResendError("resend_unavailable", f"the resend ledger ({store_.name}) cannot be reached now "
+                                                    f"({type(exc).__name__}); retry in a few seconds") from exc
+        if found.state == DONE:
+            try:
+                trace = _trace(found.uid, owner)
+            except Exception as exc:
+                raise ResendError("resend_unavailable", f"the record of event {event_id!r} cannot be read now "
+                                                        f"({type(exc).__name__}); retry in a few seconds") from exc
     if found.state == NEW:
         renewer.hold(store_, worker, owner, event_id)
         return found, []
@@ -356,7 +370,6 @@ def claim(owner: str, event_id: str, worker: str) -> tuple[Claim, list[str]]:
                           f"{found.ttl:.1f} s left and is renewed while it runs); resend it after that: you get "
                           "its recorded outcome once it finished, or it runs again if its worker died",
                           retry_after_ms=max(100, int(found.ttl * 1000)))
-    trace = _trace(found.uid, owner)
     if trace is None:
         raise ResendError("resend_expired", f"event {event_id!r} completed (its done was sent) but its record is no "
                                             "longer kept (EXECAPP['HISTORY_MAX_EVENTS'] newest traces); it is not "
@@ -367,25 +380,27 @@ def claim(owner: str, event_id: str, worker: str) -> tuple[Claim, list[str]]:
 def complete(owner: str, event_id: str, worker: str, elapsed: float) -> str:
     """The event completed: make its trace durable, then mark (owner, id) done; the trace's uid.
     Raises ResendError(resend_unavailable) when it could not be recorded (the lease is released:
-    a resend then runs the event again)."""
+    a resend then runs the event again). All its Redis calls end within RESEND_DEADLINE_SECONDS
+    of its start, the release too (past it the lease lapses by itself, no longer renewed)."""
     store_ = ledger()
     renewer.drop(store_, worker, owner, event_id)
-    try:
-        # Through the ledger's circuit: the trace lives in the same Redis, and a record whose Redis
-        # is known down fails at once rather than after the history store's 5 s socket timeout.
-        uid = (store_.circuit.call if store_.circuit is not None else _now)(
-            lambda: _durable_trace(owner, event_id, worker, elapsed))
-        store_.done(owner, event_id, uid, float(conf.get("RESEND_RETENTION_SECONDS")))
-        return uid
-    except Exception as exc:
+    with redis_deadline(setting=DEADLINE_SETTING):
         try:
-            store_.release(owner, event_id, worker)
-        except Exception:  # unreachable too: the lease lapses by itself (no longer renewed)
-            pass
-        if isinstance(exc, ResendError):
-            raise
-        raise ResendError("resend_unavailable", f"the record could not be written ({type(exc).__name__}: {exc})"
-                          ) from exc
+            # Through the ledger's circuit: the trace lives in the same Redis, and a record whose Redis
+            # is known down fails at once rather than after the history store's 5 s socket timeout.
+            uid = (store_.circuit.call if store_.circuit is not None else _now)(
+                lambda: _durable_trace(owner, event_id, worker, elapsed))
+            store_.done(owner, event_id, uid, float(conf.get("RESEND_RETENTION_SECONDS")))
+            return uid
+        except Exception as exc:
+            try:
+                store_.release(owner, event_id, worker)
+            except Exception:  # unreachable too (or past the deadline): the lease lapses by itself
+                pass
+            if isinstance(exc, ResendError):
+                raise
+            raise ResendError("resend_unavailable", f"the record could not be written ({type(exc).__name__}: {exc})"
+                              ) from exc
 
 
 def _now(fn: Callable[[], str]) -> str:

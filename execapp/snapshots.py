@@ -9,6 +9,7 @@ snapshot in one hash field and a short history of points (one per ``SNAPSHOT_SEC
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import socket
@@ -23,7 +24,7 @@ from .control_registry import process_namespace
 from .engine.engine import COUNTERS as ENGINE_COUNTERS
 from .engine.ratelog import RateLimitedLog
 from .outbox import SessionFrameTotals
-from .redis_deadline import deadline_client, remaining
+from .redis_deadline import deadline_client, redis_deadline, remaining
 from .redis_layer import layer_stats
 from .seams import EngineLike, WorkerLike
 from .worker_slot import worker_slot
@@ -256,6 +257,11 @@ def history_counts(worker: WorkerLike) -> tuple[list[list[Any]], dict[str, int],
     return failures, dict(rec.event_refusals), dict(rec.last_failure)
 
 
+#: All the Redis calls of one publish (the snapshot, its point, the silent workers' removal) end
+#: within EXECAPP[this] of its start, not retried past it (execapp/redis_deadline.py).
+PUBLISH_SETTING = "SNAPSHOT_PUBLISH_DEADLINE_SECONDS"
+
+
 class SnapshotPublisher:
     """Worker service: publishes the worker's snapshot and a history point every ``interval``."""
 
@@ -367,7 +373,12 @@ class SnapshotPublisher:
         try:
             with self._lock:
                 snap, point = self.snapshot(advance)
-            self.store.publish(snap, point)
+            # The housekeeper's publish (or a stop's) gets its own deadline for all its Redis calls:
+            # a Redis that does not answer must not hold the other services' ticks. Within a
+            # request's deadline (refresh_local) the request's bounds it.
+            bound = redis_deadline(setting=PUBLISH_SETTING) if remaining() is None else contextlib.nullcontext()
+            with bound:
+                self.store.publish(snap, point)
             return snap
         finally:
             self._publishing.release()
