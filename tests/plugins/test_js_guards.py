@@ -61,6 +61,9 @@ ESCAPES = {  # each ran for minutes (natively, with no interrupt poll) before it
     "a RegExp's long literal, match": LONG_PATTERN + "s.match(n)",
     "a RegExp's long literal, replace": LONG_PATTERN + "s.replace(new RegExp(n, 'g'), 'x')",
     "String.raw": "String.raw({raw: {length: 2 ** 31}})",
+    # each run of combining marks put in canonical order by an insertion sort in C (21 s at 400 KB)
+    "normalize of a long run of combining marks": "('a' + '\\u0301\\u0323'.repeat(1e5)).normalize()",
+    "localeCompare, which normalizes both": "'a'.localeCompare('a' + '\\u0301\\u0323'.repeat(1e5))",
     # each hole or missing index looked up along a deep prototype chain, in C
     **{f"deep prototype chain: {name}": "let p = " + proto + "; for (let i = 0; i < 30000; i++) p = Object.create(p);"
        + source + expr for name, (proto, source, expr) in {
@@ -197,6 +200,12 @@ def test_guarded_string_searches_answer_as_the_natives(s: str, needle: str, pos:
     "Array.prototype.join.call(null)", "new Proxy([1, 2, 3], {}).map(x => x * 2)",
     "JSON.stringify({a: 1, b: 2, c: 3}, ['a', 'c'])", "JSON.stringify({a: 1}, new Proxy(['a'], {}), 2)",
     "String.raw`a${1}b${2}c`", "String.raw({raw: ['x', 'y', 'z']}, 1)", "String.raw({raw: 'abc'}, '-', '+')",
+    "'e\\u0301'.normalize()", "'\\u1e9b\\u0323'.normalize('NFKD')", "('a\\u0301\\u0323'.repeat(3000)).normalize('NFD')",
+    "('x' + '\\u0301'.repeat(40)).repeat(300).normalize('NFC')", "'x'.normalize(undefined)",
+    "String.prototype.normalize.call(5)",
+    "(() => { try { 'a'.normalize('x'); } catch (e) { return e.name; } })()", "String.prototype.normalize.call(null)",
+    "'a'.localeCompare('b')", "'\\u00e9'.localeCompare('e\\u0301')", "String.prototype.localeCompare.call(1, 2)",
+    "[String.prototype.normalize.length, String.prototype.localeCompare.length, String.prototype.normalize.name]",
     "String.raw(null)", "'a,b,,c'.split(',', 2)", "'abc'.split()", "'abc'.split(undefined, 0)",
     "'a1b2'.replace(/\\d/g, d => d * 2)", "'aXbX'.replaceAll(/x/gi, '-')", "'ab'.replaceAll(/a/, '-')",
     "'abc'.includes(/b/)", "String.prototype.indexOf.call(123123, 31)",
