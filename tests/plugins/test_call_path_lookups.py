@@ -60,8 +60,15 @@ def test_the_lua_call_paths_do_not_go_through_bound_methods_stored_on_the_vm() -
     try:
         inst = plugin.strategy._free[0]  # type: ignore[attr-defined]
         assert isinstance(inst, lua.LuaInstance)
-        for fn in (lua.LuaInstance.call, lua._LuaVM.call_env, lua._LuaVM.call_fresh):
+        for fn in (lua.LuaInstance.call, lua._LuaVM.call_env, lua.LuaCompiled.call_isolated):
             assert _bound_method_attribute_calls(fn, inst) == [], fn.__qualname__
         assert inst.call("echo", EVENT, time.monotonic() + 2) == "/x"
     finally:
         plugin.close()
+
+
+def test_the_lua_per_request_call_runs_its_fresh_environment_in_one_frame() -> None:
+    # call_isolated is the whole per_request Lua call: it does not call the VM's call_fresh (a
+    # frame, ~500 instructions a call); call_fresh goes through it instead.
+    assert "call_fresh" not in lua.LuaCompiled.call_isolated.__code__.co_names
+    assert "call_isolated" in lua._LuaVM.call_fresh.__code__.co_names
