@@ -212,6 +212,9 @@ DEFAULTS: dict[str, Any] = {
     # All the Redis calls of one dashboard snapshot publish (a worker's housekeeper, every
     # SNAPSHOT_SECONDS): past it they fail at once and the next tick tries again (execapp/snapshots.py).
     "SNAPSHOT_PUBLISH_DEADLINE_SECONDS": 0.5,
+    # All the Redis calls of one event-history flush on the housekeeper (every tick) together:
+    # past it they fail at once and that flush's traces are lost, as with Redis down (execapp/history.py).
+    "HISTORY_FLUSH_DEADLINE_SECONDS": 2.0,
     # Every HTTP request's database calls (admin pages, their session and user lookups) end within
     # this of its start on PostgreSQL, or its connection is cut and it answers 503
     # database_unavailable (execapp/request_db_deadline.py).

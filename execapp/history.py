@@ -52,6 +52,7 @@ from .history_record import (
     view,
 )
 from .history_store import Filters, Summary, store
+from .redis_deadline import redis_deadline
 from .seams import WorkerLike
 
 log = logging.getLogger("execapp.history")
@@ -126,6 +127,9 @@ _bytes = [0, 0]  # [in, out]
 _text_chars = 200
 _reply_cap = 4096 + REPLY_FRAME_SLACK
 
+
+#: The setting bounding a housekeeper flush's Redis calls together (execapp/redis_deadline.py).
+FLUSH_SETTING = "HISTORY_FLUSH_DEADLINE_SECONDS"
 
 class _Cut:
     """The data of a reply kept as a mark: its frame was over what any trace keeps."""
@@ -370,8 +374,14 @@ class Recorder:
 
         On the housekeeper, a database that did not answer held the metrics and the dashboard
         snapshots too: with PostgreSQL stalled and events failing, the worker's snapshot went 11.6 s
-        old (stale, out of the dashboard's totals) at each write's deadline and reconnect."""
-        self.flush(database=False)
+        old (stale, out of the dashboard's totals) at each write's deadline and reconnect.
+
+        The store's Redis calls share one deadline (HISTORY_FLUSH_DEADLINE_SECONDS): on a Redis
+        that does not answer, each waited its socket timeout and redis-py's retries, holding the
+        metrics, the snapshots and the watchdog's ticks. Past it the flush's traces are lost, as
+        when Redis is down (counted in ``store_errors``); the next tick tries again."""
+        with redis_deadline(setting=FLUSH_SETTING):
+            self.flush(database=False)
         with self._lock:
             if self._db_thread is None or not self._db_thread.is_alive():
                 self._db_thread = threading.Thread(target=self._database_loop, name="execapp-history-db",
