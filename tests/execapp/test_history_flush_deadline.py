@@ -4,10 +4,9 @@ housekeeper's other services are not held for the socket timeouts and retries; t
 traces are counted lost, as with Redis down."""
 from __future__ import annotations
 
-import signal
 import time
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -17,27 +16,17 @@ from execapp.engine.profile import ExecClass
 from execapp.history_store import RedisStore
 
 from .test_history import _direct_recorder, _one_run
-from .test_resilience import RedisServer, redis_server  # noqa: F401
+from .test_resilience import RedisServer, redis_server, stopped_redis  # noqa: F401
 
 FLUSH_DEADLINE = 0.3
 
 
-@pytest.fixture
-def stopped(redis_server: RedisServer) -> Iterator[RedisServer]:  # noqa: F811
-    assert redis_server.proc is not None
-    redis_server.proc.send_signal(signal.SIGSTOP)
-    try:
-        yield redis_server
-    finally:
-        redis_server.proc.send_signal(signal.SIGCONT)
-
-
 @pytest.mark.redis
 def test_a_flush_on_a_paused_redis_holds_the_housekeeper_no_longer_than_its_deadline(
-        stopped: RedisServer, settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        stopped_redis: RedisServer, settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     settings.EXECAPP = {"HISTORY_FLUSH_DEADLINE_SECONDS": FLUSH_DEADLINE}
     rec = _direct_recorder(monkeypatch)
-    rec.store = RedisStore(stopped.url, 100, 1 << 20)
+    rec.store = RedisStore(stopped_redis.url, 100, 1 << 20)
     try:
         _one_run(SimpleNamespace(owner="tenant:t"), Event(text="/ping", id="f1"), ExecClass.SYNC, ("pong", None))
         started = time.monotonic()

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from execapp.redis_deadline import RedisDeadline, deadline_client, redis_deadline
 
 from .test_admin_permissions import staff
-from .test_resilience import RedisServer, redis_server  # noqa: F401
+from .test_resilience import RedisServer, redis_server, stopped_redis  # noqa: F401
 
 DATA = "/admin/execapp/dashboard/data/"
 EVENTS = "/admin/execapp/eventtrace/"
@@ -20,20 +20,9 @@ EVENTS = "/admin/execapp/eventtrace/"
 DEADLINE = 0.4
 
 
-@pytest.fixture
-def stopped(redis_server: RedisServer) -> Iterator[RedisServer]:  # noqa: F811
-    """Our redis-server, SIGSTOPped: connections are accepted (the kernel's backlog), nothing answers."""
-    assert redis_server.proc is not None
-    redis_server.proc.send_signal(signal.SIGSTOP)
-    try:
-        yield redis_server
-    finally:
-        redis_server.proc.send_signal(signal.SIGCONT)
-
-
 @pytest.mark.redis
-def test_every_call_of_a_block_shares_one_deadline_and_redis_is_back_at_once(stopped: RedisServer) -> None:
-    client = deadline_client(stopped.url, socket_timeout=2, socket_connect_timeout=2)
+def test_every_call_of_a_block_shares_one_deadline_and_redis_is_back_at_once(stopped_redis: RedisServer) -> None:
+    client = deadline_client(stopped_redis.url, socket_timeout=2, socket_connect_timeout=2)
     started = time.monotonic()
     failures = []
     with redis_deadline(DEADLINE):
@@ -45,19 +34,19 @@ def test_every_call_of_a_block_shares_one_deadline_and_redis_is_back_at_once(sto
     # The first call took the deadline, the others failed at once (each alone: 2 s, retried).
     assert time.monotonic() - started < 3 * DEADLINE + 0.6
     assert {f.code for f in failures} == {"redis_unavailable"}
-    assert "REDIS_REQUEST_DEADLINE_SECONDS" in str(failures[0]) and str(stopped.port) in str(failures[0])
+    assert "REDIS_REQUEST_DEADLINE_SECONDS" in str(failures[0]) and str(stopped_redis.port) in str(failures[0])
     assert isinstance(failures[0], ConnectionError)  # what callers of an unreachable Redis handle
-    assert stopped.proc is not None
-    stopped.proc.send_signal(signal.SIGCONT)
+    assert stopped_redis.proc is not None
+    stopped_redis.proc.send_signal(signal.SIGCONT)
     with redis_deadline(DEADLINE):  # no circuit: the next request finds Redis answering
         assert client.ping() is True
     assert client.set("k", "v") and client.get("k") == b"v"  # outside a deadline: a plain client again
 
 
 @pytest.mark.redis
-def test_dashboard_data_and_events_page_answer_degraded_at_the_deadline(stopped: RedisServer, settings: Any,
+def test_dashboard_data_and_events_page_answer_degraded_at_the_deadline(stopped_redis: RedisServer, settings: Any,
                                                                         db: None) -> None:
-    settings.REDIS_URL = stopped.url
+    settings.REDIS_URL = stopped_redis.url
     settings.EXECAPP = {"REDIS_REQUEST_DEADLINE_SECONDS": DEADLINE}
     viewer = staff("viewer", ["execapp.view_eventtrace"])
 
@@ -77,8 +66,8 @@ def test_dashboard_data_and_events_page_answer_degraded_at_the_deadline(stopped:
     assert viewer.get(f"{EVENTS}nosuchuid/change/").status_code == 404  # the database answered after the store
     assert time.monotonic() - started < DEADLINE + 1.5
 
-    assert stopped.proc is not None
-    stopped.proc.send_signal(signal.SIGCONT)  # Redis answers again: the next request is whole
+    assert stopped_redis.proc is not None
+    stopped_redis.proc.send_signal(signal.SIGCONT)  # Redis answers again: the next request is whole
     data = viewer.get(DATA).json()
     assert data["unavailable"] == "" and data["warning"] == "" and data["history"] is not None
     assert not viewer.get(EVENTS).context["problems"]

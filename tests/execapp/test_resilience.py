@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -81,6 +82,17 @@ def redis_server() -> Iterator[RedisServer]:
     server = RedisServer()
     yield server
     server.kill()
+
+
+@pytest.fixture
+def stopped_redis(redis_server: RedisServer) -> Iterator[RedisServer]:
+    """Our redis-server, SIGSTOPped: connections are accepted (the kernel's backlog), nothing answers."""
+    assert redis_server.proc is not None
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield redis_server
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
 
 
 def redis_layer_settings(url: str, prefix: str = "resilience") -> dict[str, Any]:

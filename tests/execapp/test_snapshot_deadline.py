@@ -8,14 +8,14 @@ import logging
 import signal
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from execapp import snapshots
 from execapp import worker as worker_module
 
-from .test_resilience import RedisServer, redis_server  # noqa: F401
+from .test_resilience import RedisServer, redis_server, stopped_redis  # noqa: F401
 
 PUBLISH_DEADLINE = 0.3
 TICKER_INTERVAL = 0.1
@@ -46,20 +46,11 @@ def ticker(worker: Any) -> Ticker:
     return service
 
 
-@pytest.fixture
-def stopped(redis_server: RedisServer) -> Iterator[RedisServer]:  # noqa: F811
-    assert redis_server.proc is not None
-    redis_server.proc.send_signal(signal.SIGSTOP)
-    try:
-        yield redis_server
-    finally:
-        redis_server.proc.send_signal(signal.SIGCONT)
-
-
 @pytest.mark.redis
 def test_a_publish_on_a_paused_redis_holds_the_housekeeper_no_longer_than_its_deadline(
-        stopped: RedisServer, settings: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    settings.REDIS_URL = stopped.url
+        stopped_redis: RedisServer, settings: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    settings.REDIS_URL = stopped_redis.url
     settings.EXECAPP = {"SNAPSHOT_PUBLISH_DEADLINE_SECONDS": PUBLISH_DEADLINE, "SNAPSHOT_SECONDS": 0.2,
                         "POOL_MAX_WORKERS": 2, "POOL_QUEUE_SIZE": 2}
     monkeypatch.setattr(worker_module, "SERVICE_FACTORIES", ["execapp.snapshots.snapshot_publisher",
@@ -80,8 +71,8 @@ def test_a_publish_on_a_paused_redis_holds_the_housekeeper_no_longer_than_its_de
         assert failing and "redis_unavailable" in failing[0], failing
         assert "SNAPSHOT_PUBLISH_DEADLINE_SECONDS" in failing[0]
 
-        assert stopped.proc is not None
-        stopped.proc.send_signal(signal.SIGCONT)  # Redis answers again: the next publish goes through
+        assert stopped_redis.proc is not None
+        stopped_redis.proc.send_signal(signal.SIGCONT)  # Redis answers again: the next publish goes through
         store = snapshots.backend()
         assert isinstance(store, snapshots.RedisBackend)
         deadline = time.monotonic() + 5.0
