@@ -17,7 +17,7 @@ from execapp.routing import websocket_application
 from execapp.ws_flow import CONNECTION_LOST
 
 from . import ws_handlers
-from .ws_fixtures import Client, authed, channel_layer, demote, wait_for, ws_worker  # noqa: F401
+from .ws_fixtures import Client, authed, channel_layer, demote, held_token_lookups, wait_for, ws_worker  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("channel_layer", "ws_worker")
 
@@ -433,17 +433,7 @@ async def test_past_max_token_lookups_a_handshake_is_closed_unjudged_until_one_e
         token: str, settings: Any, monkeypatch: Any) -> None:
     from execapp import auth
 
-    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "MAX_TOKEN_LOOKUPS": 2}
-    slow_db = asyncio.Event()
-    lookups: list[str] = []
-    real = auth._authenticate
-
-    async def held(raw: str) -> Any:  # a database that answers only when the test says so
-        lookups.append(raw)
-        await slow_db.wait()
-        return await real(raw)
-
-    monkeypatch.setattr(auth, "_authenticate", held)
+    slow_db, lookups = held_token_lookups(settings, monkeypatch)  # a database that answers when told
     waiting = [WebsocketCommunicator(websocket_application, f"/ws/events/?token={raw}") for raw in ("a", "b")]
     for comm in waiting:
         await comm.send_input({"type": "websocket.connect"})

@@ -128,6 +128,18 @@ def deployment(ops_env: dict[str, str]) -> Iterator[Deployment]:
     d.stop()
 
 
+def two_tenant_deployment(ops_env: dict[str, str]) -> Iterator[tuple[Deployment, str, str]]:
+    """Two worker processes and two tenants' tokens: ``(deployment, ops_env's token, a new
+    tenant's token)``, for the e2e tests of one tenant's flood against another (a fixture body)."""
+    made = manage("create_token", f"victim-{os.getpid()}-{random.randrange(10**6)}", env=ops_env, timeout=60)
+    assert made.returncode == 0, made.stderr
+    d = Deployment(ops_env, workers=2)
+    try:
+        yield d, ops_env["TOKEN"], made.stdout.strip().splitlines()[-1]
+    finally:
+        d.stop()
+
+
 # -- WebSocket load ---------------------------------------------------------------------------------
 
 @dataclass

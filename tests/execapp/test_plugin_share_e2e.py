@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import random
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -23,7 +21,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from tests.conftest import manage
-from tests.execapp.test_operations import Deployment, ops_env  # noqa: F401 (a fixture)
+from tests.execapp.test_operations import Deployment, ops_env, two_tenant_deployment  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.postgres]
 
@@ -44,13 +42,7 @@ def two_tenants(ops_env: dict[str, str]) -> Iterator[tuple[Deployment, str, str]
         Path(directory, "tshare.lua").write_text(SOURCE)
         loaded = manage("loadplugins", "--dir", directory, env=ops_env, timeout=120)
         assert loaded.returncode == 0, loaded.stdout + loaded.stderr
-    made = manage("create_token", f"victim-{os.getpid()}-{random.randrange(10**6)}", env=ops_env, timeout=60)
-    assert made.returncode == 0, made.stderr
-    d = Deployment(ops_env, workers=2)
-    try:
-        yield d, ops_env["TOKEN"], made.stdout.strip().splitlines()[-1]
-    finally:
-        d.stop()
+    yield from two_tenant_deployment(ops_env)
 
 
 async def _flood(url: str, token: str, stop: asyncio.Event) -> int:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,8 +24,7 @@ from typing import Any, Iterator
 import pytest
 from websockets.asyncio.client import connect
 
-from tests.conftest import manage
-from tests.execapp.test_operations import Deployment, ops_env  # noqa: F401 (a fixture)
+from tests.execapp.test_operations import Deployment, ops_env, two_tenant_deployment  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.postgres]
 
@@ -53,13 +51,7 @@ def redis_sockets(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def two_tenants(ops_env: dict[str, str]) -> Iterator[tuple[Deployment, str, str]]:  # noqa: F811
-    made = manage("create_token", f"victim-{os.getpid()}-{random.randrange(10**6)}", env=ops_env, timeout=60)
-    assert made.returncode == 0, made.stderr
-    d = Deployment(ops_env, workers=2)
-    try:
-        yield d, ops_env["TOKEN"], made.stdout.strip().splitlines()[-1]
-    finally:
-        d.stop()
+    yield from two_tenant_deployment(ops_env)
 
 
 async def _session_rounds(sender: Any, listener: Any, stop: asyncio.Event) -> list[float]:

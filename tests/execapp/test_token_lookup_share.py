@@ -11,7 +11,7 @@ from channels.testing import WebsocketCommunicator
 
 from execapp.routing import websocket_application
 
-from .ws_fixtures import channel_layer, wait_for, ws_worker  # noqa: F401
+from .ws_fixtures import channel_layer, held_token_lookups, wait_for, ws_worker  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("channel_layer", "ws_worker")
 
@@ -29,17 +29,7 @@ async def test_one_tenant_s_burst_of_handshakes_is_one_lookup_and_another_tenant
     from execapp import auth
 
     flooder, victim = tokens
-    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "MAX_TOKEN_LOOKUPS": 2}
-    slow_db = asyncio.Event()
-    lookups: list[str] = []
-    real = auth._authenticate
-
-    async def held(raw: str) -> Any:  # a database that answers only when the test says so
-        lookups.append(raw)
-        await slow_db.wait()
-        return await real(raw)
-
-    monkeypatch.setattr(auth, "_authenticate", held)
+    slow_db, lookups = held_token_lookups(settings, monkeypatch)  # a database that answers when told
     burst = [WebsocketCommunicator(websocket_application, f"/ws/events/?token={flooder}") for _ in range(6)]
     for comm in burst:
         await comm.send_input({"type": "websocket.connect"})

@@ -1,6 +1,7 @@
 """Fixtures and helpers shared by the WebSocket tests (imported by name into each test module)."""
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, AsyncIterator, Iterator
 
@@ -125,3 +126,23 @@ class Admission:
 
     def end_event(self) -> None:
         self.ended += 1
+
+
+def held_token_lookups(settings: Any, monkeypatch: pytest.MonkeyPatch,
+                       max_lookups: int = 2) -> tuple[asyncio.Event, list[str]]:
+    """MAX_TOKEN_LOOKUPS set to ``max_lookups`` and a database that answers a token lookup only once
+    the returned event is set: ``(answer, raw tokens looked up so far)``."""
+    from execapp import auth
+
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "MAX_TOKEN_LOOKUPS": max_lookups}
+    answer = asyncio.Event()
+    lookups: list[str] = []
+    real = auth._authenticate
+
+    async def held(raw: str) -> Any:
+        lookups.append(raw)
+        await answer.wait()
+        return await real(raw)
+
+    monkeypatch.setattr(auth, "_authenticate", held)
+    return answer, lookups
