@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Iterable
 
-from django.db import OperationalError, close_old_connections
+from django.db import OperationalError, close_old_connections, connections
 
 from . import conf
 from .db_deadline import statement_deadline
@@ -92,6 +92,8 @@ DB_ROWS_PER_FLUSH = 2000
 DB_WRITE_DEADLINE_SECONDS = 5.0
 #: How often a worker deletes database traces older than HISTORY_FAILURE_DAYS.
 PRUNE_SECONDS = 3600.0
+#: One hourly prune's statements end within this (a huge or locked table: the next hour tries again).
+PRUNE_DEADLINE_SECONDS = 30.0
 #: Outcome of an event whose done never came (its worker stopped first).
 INCOMPLETE = "incomplete"
 
@@ -345,6 +347,9 @@ class Recorder:
         # The thread that writes them (and prunes) for tick(): the housekeeper never waits for the database.
         self._db_thread: threading.Thread | None = None
         self._db_due = threading.Event()
+        # Set by close(): the database thread ends (its writes and prunes would otherwise go on past
+        # the worker's stop, on a database the process is tearing down or flushing).
+        self._closing = threading.Event()
         #: Failed or refused handlers by (matcher, plugin, code), and refused events by code (before
         #: any matcher): totals since this recorder started. Read by the dashboard and /metrics.
         self.handler_failures: collections.Counter[tuple[str, str, str]] = collections.Counter()
@@ -383,6 +388,8 @@ class Recorder:
         with redis_deadline(setting=FLUSH_SETTING):
             self.flush(database=False)
         with self._lock:
+            if self._closing.is_set():
+                return
             if self._db_thread is None or not self._db_thread.is_alive():
                 self._db_thread = threading.Thread(target=self._database_loop, name="execapp-history-db",
                                                    daemon=True)
@@ -390,9 +397,17 @@ class Recorder:
         self._db_due.set()
 
     def _database_loop(self) -> None:
+        try:
+            self._database_turns()
+        finally:
+            connections.close_all()  # this thread's own connections (a thread's are its own in Django)
+
+    def _database_turns(self) -> None:
         while True:
             self._db_due.wait()
             self._db_due.clear()
+            if self._closing.is_set():
+                return  # close() writes what is left itself
             with self._lock:
                 failed, self._unwritten = self._unwritten, []
             if failed:
@@ -402,8 +417,9 @@ class Recorder:
                 self._last_prune = time.monotonic()
                 try:
                     close_old_connections()
-                    prune(self.failure_days)
-                    prune_owners()  # each owner's newest HISTORY_FAILURES_PER_OWNER, the rest deleted
+                    with statement_deadline(PRUNE_DEADLINE_SECONDS):
+                        prune(self.failure_days)
+                        prune_owners()  # each owner's newest HISTORY_FAILURES_PER_OWNER, the rest deleted
                 except Exception as exc:
                     _rare.warning(("prune", type(exc).__name__), "pruning old event traces failed: %r", exc)
 
@@ -624,12 +640,27 @@ class Recorder:
         active = _recorder is self
         if active:
             _recorder = None
+        self._stop_database_thread()
         try:
             from .persistence import off_loop
 
             off_loop(lambda: self.flush(expire_all=active))  # another recorder's events are its own
         except Exception as exc:
             log.warning("final event history flush failed: %r", exc)
+
+
+    def _stop_database_thread(self) -> None:
+        # Bounded: a write in progress ends within its statement deadline; one still running past
+        # that (or a long prune) is left, a daemon thread, and said: the worker's stop goes on.
+        with self._lock:
+            self._closing.set()
+            thread = self._db_thread
+        self._db_due.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(DB_WRITE_DEADLINE_SECONDS + 1.0)
+            if thread.is_alive():
+                log.warning("the event history's database thread did not end within %.0f s of the worker's "
+                            "stop; left running", DB_WRITE_DEADLINE_SECONDS + 1.0)
 
 
 def _set_wall_offset() -> None:

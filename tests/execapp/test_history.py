@@ -838,3 +838,17 @@ def test_failure_rows_are_written_again_when_sqlite_says_a_table_is_locked(
     skipped = rec.db_skipped
     rec._write_failures([_record(8, outcome="error", codes=("handler_error",), owner="tenant:retry")])
     assert rec.db_skipped == skipped + 1  # still locked after every wait: counted, not raised
+
+
+def test_the_database_thread_ends_when_the_worker_stops(recorded: worker_module.Worker) -> None:
+    """A stopped worker leaves no history database thread behind, and a late tick starts none: its
+    prunes and writes went on against a database being flushed (a test's flush failed "table is
+    locked" in CI) and each recorder of the process kept one thread forever."""
+    rec = recorder()
+    rec.tick()
+    thread = rec._db_thread
+    assert thread is not None and thread.is_alive()
+    recorded.stop(timeout=10)
+    assert not thread.is_alive()
+    rec.tick()
+    assert rec._db_thread is thread and not thread.is_alive()
