@@ -126,6 +126,7 @@ def check_execapp_settings(app_configs: Any = None, **kwargs: Any) -> list[check
     errors += _decode_share_checks()
     errors += _http_share_checks()
     errors += _pool_share_checks()
+    errors += _pool_reserve_checks()
     errors += _owner_outbox_checks()
     errors += _env_checks()
     errors += _history_checks()
@@ -416,6 +417,18 @@ def _pool_share_checks() -> list[checks.CheckMessage]:
     return _fraction_check("POOL_SHARE_PER_OWNER", "the thread pool (POOL_MAX_WORKERS)", 0.5,
                            "lets one owner's events hold every pool thread while others wait for one",
                            "execapp.E064")
+
+
+def _pool_reserve_checks() -> list[checks.CheckMessage]:
+    """POOL_RESERVE: a fraction of the thread pool, in [0, 1)."""
+    value = conf.get("POOL_RESERVE")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1:
+        return []
+    return [checks.Error(f"EXECAPP['POOL_RESERVE'] is {value!r}{_from('POOL_RESERVE')}, it must be a fraction of "
+                         "the thread pool (POOL_MAX_WORKERS) from 0 up to, not including, 1",
+                         hint=f"Set it to a number like 0.125 (the default: {conf.DEFAULTS['POOL_RESERVE']}): the "
+                              "threads kept free of any one owner for another's arrival; 0 lets one owner take "
+                              "every thread.", id="execapp.E143")]
 
 
 def _owner_outbox_checks() -> list[checks.CheckMessage]:

@@ -16,6 +16,11 @@ DEFAULTS: dict[str, Any] = {
     "POOL_MAX_WORKERS": pool.MAX_WORKERS,
     "POOL_QUEUE_SIZE": pool.QUEUE_SIZE,
     "POOL_IDLE_SECONDS": pool.IDLE_SECONDS,
+    # The fraction of POOL_MAX_WORKERS no one owner's pooled handlers may run on at once, kept
+    # for another owner's arrival (in [0, 1); execapp/engine/pool.py): an owner alone on a worker
+    # takes the rest, and past it its tasks queue. 0.125 of 64 threads keeps 8. 0 turns it off
+    # (a single-tenant deployment that wants every thread for its one owner).
+    "POOL_RESERVE": pool.RESERVE,
     # Execution profiles.
     "PROFILE_WINDOW": profile.WINDOW,
     "SLOW_THRESHOLD_SECONDS": profile.SLOW_THRESHOLD,

@@ -69,8 +69,9 @@ class Worker:
     def __init__(self, worker_id: str | None = None) -> None:
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
         self.started_at = time.time()
-        self.pool = ExecPool(conf.get("POOL_MAX_WORKERS"), conf.get("POOL_QUEUE_SIZE"),
-                             conf.get("POOL_IDLE_SECONDS"), name="execpool")
+        threads = conf.get("POOL_MAX_WORKERS")
+        self.pool = ExecPool(threads, conf.get("POOL_QUEUE_SIZE"), conf.get("POOL_IDLE_SECONDS"), name="execpool",
+                             reserve=int(threads * conf.get("POOL_RESERVE")))
         self.engine = Engine(
             pool=self.pool,
             overflow=conf.get("OVERFLOW_POLICY"),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Generic, Hashable, TypeVar
+from typing import Callable, Generic, Hashable, TypeVar
 
 T = TypeVar("T")
 
@@ -71,6 +71,34 @@ class FairQueue(Generic[T]):
             return item
         finally:
             lock.release()
+
+    def popleft_where(self, accept: Callable[[Hashable], bool]) -> T:
+        """Like ``popleft``, from the first key in turn that ``accept`` takes (the ones passed over
+        keep their place); IndexError when no key with items is accepted. O(keys queued)."""
+        lock = self._lock
+        lock.acquire()
+        try:
+            turns = self._turns
+            for key in turns:
+                if accept(key):
+                    break
+            else:
+                raise IndexError("no queued key is accepted")
+            turns.remove(key)  # (each key is in turns once)
+            line = self._lines[key]
+            item = line.popleft()
+            if line:
+                turns.append(key)
+            else:
+                del self._lines[key]
+            self._len -= 1
+            return item
+        finally:
+            lock.release()
+
+    def any_key(self, accept: Callable[[Hashable], bool]) -> bool:
+        """True when some key with items queued is accepted (read without the lock: a hint)."""
+        return any(accept(key) for key in list(self._turns))
 
     def keys(self) -> int:
         """How many keys have items queued."""

@@ -29,6 +29,8 @@ WATCH_LINGER = 2.0
 MAX_WORKERS = 64
 QUEUE_SIZE = 128
 IDLE_SECONDS = 2.0
+#: EXECAPP['POOL_RESERVE']'s default: the fraction of the threads no one owner's tasks may hold.
+RESERVE = 0.125
 
 #: How long the pool's starter thread (ExecPool._start) lingers with no worker to start before it
 #: exits (seconds), and how long it waits before trying a failed start again.
@@ -100,12 +102,23 @@ class ExecPool:
     """
 
     def __init__(self, max_workers: int = MAX_WORKERS, queue_size: int = QUEUE_SIZE,
-                 idle_seconds: float = IDLE_SECONDS, name: str = "execpool") -> None:
-        if max_workers < 1 or queue_size < 0 or idle_seconds < 0:
+                 idle_seconds: float = IDLE_SECONDS, name: str = "execpool", reserve: int = 0) -> None:
+        if max_workers < 1 or queue_size < 0 or idle_seconds < 0 or not 0 <= reserve < max_workers:
             raise ConfigError(f"ExecPool(max_workers={max_workers}, queue_size={queue_size}, "
-                              f"idle_seconds={idle_seconds}): need max_workers >= 1, queue_size >= 0, "
-                              "idle_seconds >= 0")
+                              f"idle_seconds={idle_seconds}, reserve={reserve}): need max_workers >= 1, "
+                              "queue_size >= 0, idle_seconds >= 0 and 0 <= reserve < max_workers")
         self.max_workers = max_workers
+        # The reserve: threads no one owner's tasks may hold (tasks of owner "" are nobody's).
+        # Why: an owner alone on a worker took every thread with one frame's fan-out (the pool
+        # share is work-conserving, enforced only once a second owner is seen), and the next
+        # owner's first pooled handler waited for one of those to finish (1.2-1.6 s with 1.2 s
+        # handlers, up to their timeout). Past its cap an owner's tasks queue; a worker takes a
+        # queued task only of an owner under its cap, and the worker that ends an owner's task
+        # looks at the queue right after, so a capped owner's queued tasks are never stranded.
+        self.reserve = reserve
+        self._owner_cap = max_workers - reserve if reserve else 0  # 0: no cap
+        self._owned: dict[str, int] = {}  # owner -> its tasks holding a worker (under _owned_lock)
+        self._owned_lock = threading.Lock()
         self.queue_size = queue_size
         self.idle_seconds = idle_seconds
         self.name = name
@@ -113,10 +126,10 @@ class ExecPool:
         self._slots: list[None] = [None] * queue_size  # one per task that may wait in the queue
         # One line per owner, served in turn (FairQueue): a newly arrived owner's task waits for
         # about one queued task of each other owner, not for another owner's whole backlog.
-        self._queue: FairQueue[tuple[Task, float]] = FairQueue()
+        self._queue: FairQueue[tuple[Task, float, str]] = FairQueue()
         # Tasks that took a token: each has a worker started after it was put here, but the
         # first worker free takes it (a worker just finishing beats a thread still starting).
-        self._handoff: collections.deque[tuple[Task, float]] = collections.deque()
+        self._handoff: collections.deque[tuple[Task, float, str]] = collections.deque()
         self._exit_lock = threading.Lock()
         self._idle: list[_Worker] = []  # lingering workers, each waiting on its own slot
         self._closed = False
@@ -156,37 +169,16 @@ class ExecPool:
         next(self._attempts)
         if self._closed:
             return self._refuse(count_rejection)
-        task = (fn, perf_counter())
+        task = (fn, perf_counter(), owner)
         idle = self._idle
-        if idle:  # 1. a lingering worker takes it: no thread start, no lock
-            try:
-                worker = idle.pop()
-            except IndexError:
-                pass
-            else:
-                worker.slot.put(task)
-                return True
         tokens = self._tokens
-        if tokens:  # 2. a free token: start a worker for it
-            try:
-                tokens.pop()
-            except IndexError:
-                pass
-            else:
-                self._handoff.append(task)
-                try:
-                    self._start(None)
-                except BaseException:
-                    # No thread (e.g. "can't start new thread"): take the task back if no other
-                    # worker took it meanwhile, give the token back, and let the caller report it.
-                    try:
-                        self._handoff.remove(task)
-                    except ValueError:
-                        return True  # a live worker took it: it is accepted and will run
-                    tokens.append(None)
-                    self._refuse(True)
-                    raise
-                return True
+        counted = bool(owner) and self._owner_cap > 0
+        if counted and not self._own(owner):
+            pass  # at its cap: only the queue, whatever threads are free (they are the reserve)
+        elif self._direct(task, idle, tokens):
+            return True
+        elif counted:
+            self._disown(owner)  # no worker free: it waits in the queue uncounted, like any other
         try:  # 3. a free queue slot: queue it
             self._slots.pop()
         except IndexError:
@@ -211,6 +203,81 @@ class ExecPool:
                         _rlog.error(("start", type(exc).__name__), "pool %s could not start a worker: %r",
                                     self.name, exc)
         return True
+
+    def _direct(self, task: tuple[Task, float, str], idle: list[_Worker], tokens: list[None]) -> bool:
+        """Hand ``task`` to a worker at once if one is free or may start (False: none)."""
+        if idle:  # 1. a lingering worker takes it: no thread start, no lock
+            try:
+                worker = idle.pop()
+            except IndexError:
+                pass
+            else:
+                worker.slot.put(task)
+                return True
+        if tokens:  # 2. a free token: start a worker for it
+            try:
+                tokens.pop()
+            except IndexError:
+                pass
+            else:
+                self._handoff.append(task)
+                try:
+                    self._start(None)
+                except BaseException:
+                    # No thread (e.g. "can't start new thread"): take the task back if no other
+                    # worker took it meanwhile, give the token back, and let the caller report it.
+                    try:
+                        self._handoff.remove(task)
+                    except ValueError:
+                        return True  # a live worker took it: it is accepted and will run
+                    tokens.append(None)
+                    if task[2] and self._owner_cap:
+                        self._disown(task[2])
+                    self._refuse(True)
+                    raise
+                return True
+        return False
+
+    # -- the reserve (owners' caps) -------------------------------------------------------------
+
+    def _own(self, owner: str) -> bool:
+        """Count one more task of ``owner`` holding a worker, unless it is at its cap (False)."""
+        with self._owned_lock:
+            n = self._owned.get(owner, 0)
+            if n >= self._owner_cap:
+                return False
+            self._owned[owner] = n + 1
+            return True
+
+    def _disown(self, owner: str) -> None:
+        with self._owned_lock:
+            n = self._owned[owner] - 1
+            if n:
+                self._owned[owner] = n
+            else:
+                del self._owned[owner]
+
+    def _may_take(self, owner: Any) -> bool:
+        return not owner or self._owned.get(owner, 0) < self._owner_cap
+
+    def _take_queued(self) -> tuple[Task, float, str]:
+        """The next queued task a worker may run (an owner at its cap is passed over, counted
+        when taken); IndexError when there is none."""
+        if not self._owner_cap:
+            return self._queue.popleft()
+        with self._owned_lock:  # (then the queue's own lock: always in this order)
+            task = self._queue.popleft_where(self._may_take)
+            owner = task[2]
+            if owner:
+                self._owned[owner] = self._owned.get(owner, 0) + 1
+            return task
+
+    def _queued_runnable(self) -> bool:
+        """A queued task some worker may take now (a hint, read without the locks)."""
+        queue_ = self._queue
+        if not self._owner_cap or not queue_:
+            return bool(queue_)
+        return queue_.any_key(self._may_take)
 
     def _refuse(self, count: bool) -> bool:
         next(self._refused)
@@ -278,7 +345,7 @@ class ExecPool:
                     continue
             if tasks:
                 try:
-                    task = tasks.popleft()
+                    task = self._take_queued()
                 except IndexError:
                     pass
                 else:
@@ -288,7 +355,7 @@ class ExecPool:
                     continue
             if not stop and self.idle_seconds > 0 and not self._closed:
                 idle.append(me)
-                if tasks:
+                if self._queued_runnable():
                     # A task queued between our check and our joining `idle` may have found no
                     # idle worker to wake: look again now that we are visible.
                     try:
@@ -312,7 +379,7 @@ class ExecPool:
                         continue
             with self._exit_lock:
                 try:
-                    task = tasks.popleft()  # the last check before giving the token back
+                    task = self._take_queued()  # the last check before giving the token back
                 except IndexError:
                     self._exit()
                     break
@@ -324,8 +391,8 @@ class ExecPool:
         next(self._exited)
         self._tokens.append(None)
 
-    def _run(self, task: tuple[Task, float]) -> None:
-        fn, submitted_at = task
+    def _run(self, task: tuple[Task, float, str]) -> None:
+        fn, submitted_at, owner = task
         delay = perf_counter() - submitted_at
         self._delays.append(delay)
         if self._listeners:
@@ -339,6 +406,9 @@ class ExecPool:
                 self._notify("failed", 1.0)
         else:
             next(self._completed)
+        finally:
+            if owner and self._owner_cap:
+                self._disown(owner)  # before this worker looks at the queue (see __init__)
 
     # -- deadlines ----------------------------------------------------------------------------
 

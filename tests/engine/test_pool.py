@@ -226,6 +226,13 @@ class WideningQueue(FairQueue):
             self._pause()
             raise
 
+    def popleft_where(self, accept):
+        try:
+            return super().popleft_where(accept)
+        except IndexError:
+            self._pause()
+            raise
+
     def __bool__(self) -> bool:  # what `if queue:` asks
         n = super().__len__()
         if n == 0:
@@ -233,17 +240,19 @@ class WideningQueue(FairQueue):
         return n > 0
 
 
-@pytest.mark.parametrize("max_workers, idle_seconds", [(1, 0.0), (2, 0.0), (2, 60.0)])
-def test_exit_protocol_chained_submissions_every_accepted_task_runs(pools, max_workers, idle_seconds):
+@pytest.mark.parametrize("max_workers, idle_seconds, reserve", [(1, 0.0, 0), (2, 0.0, 0), (2, 60.0, 0), (2, 0.0, 1),
+                                                                (2, 60.0, 1)])
+def test_exit_protocol_chained_submissions_every_accepted_task_runs(pools, max_workers, idle_seconds, reserve):
     """3 threads x 700 submissions, each landing as the previous task's worker exits or idles.
 
     Each submitter submits a task, waits for it to run, and submits the next at once: the
     worker that ran the first is then between its last queue check and giving its token
     back (idle_seconds=0), or between its last queue check and going idle (a long linger: a
     queued task missed by an idle worker would wait the whole linger, far past the wait
-    below). Exactly the gaps the exit protocol closes.
+    below). Exactly the gaps the exit protocol closes. With a reserve, owner o0's two chains
+    share its cap of one worker: its second task waits queued, passed over, until its first ends.
     """
-    pool = pools(max_workers, 64, idle_seconds=idle_seconds)
+    pool = pools(max_workers, 64, idle_seconds=idle_seconds, reserve=reserve)
     pool._queue = WideningQueue(seed=max_workers)  # white-box: widen the race windows
     chains, per_chain = 3, 700
     completed = Counter()
@@ -416,3 +425,97 @@ def test_fair_queue_round_robin_fifo_within_a_key_and_no_empty_lines_kept():
     for i in range(3):  # one key: plain FIFO
         q.append(str(i))
     assert [q.popleft() for _ in range(3)] == ["0", "1", "2"]
+
+
+# -- the reserve: threads no one owner may hold ------------------------------------------------------------
+
+def _blocked_tasks(pool: ExecPool, owner: str, n: int, gate: threading.Event) -> dict[str, int]:
+    """Submit ``n`` tasks of ``owner`` that wait for ``gate``; the counts of them running now and at most."""
+    seen = {"now": 0, "peak": 0}
+    lock = threading.Lock()
+
+    def task() -> None:
+        with lock:
+            seen["now"] += 1
+            seen["peak"] = max(seen["peak"], seen["now"])
+        gate.wait(LIVENESS)
+        with lock:
+            seen["now"] -= 1
+
+    for _ in range(n):
+        assert pool.try_submit(task, owner=owner)
+    return seen
+
+
+def test_one_owner_alone_leaves_the_reserve_for_the_next_owners_first_task(pools):
+    """Owner a alone fans out to 20 slow tasks on 8 threads with a reserve of 2: 6 run and 14
+    queue, and owner b's first task starts at once on a reserved thread instead of waiting for
+    one of a's to finish; every queued task of a still runs once the gate opens."""
+    pool = pools(8, 64, idle_seconds=60.0, reserve=2)
+    gate = threading.Event()
+    seen = _blocked_tasks(pool, "a", 20, gate)
+    assert wait_until(lambda: seen["now"] == 6)
+    b_ran = threading.Event()
+    assert pool.try_submit(b_ran.set, owner="b")
+    try:
+        assert b_ran.wait(LIVENESS), f"b waited behind a's tasks: stats={pool.stats()}"
+        assert seen["peak"] == 6 and pool.stats()["queued"] == 14
+    finally:
+        gate.set()
+    assert wait_until(lambda: pool.stats()["completed"] == 21)
+    assert seen["peak"] == 6 and pool._owned == {}
+
+
+def test_tasks_of_no_owner_are_not_capped(pools):
+    pool = pools(4, 64, idle_seconds=60.0, reserve=1)
+    gate = threading.Event()
+    seen = _blocked_tasks(pool, "", 4, gate)
+    try:
+        assert wait_until(lambda: seen["now"] == 4)
+    finally:
+        gate.set()
+    assert wait_until(lambda: pool.stats()["completed"] == 4)
+
+
+def test_idle_workers_do_not_spin_on_a_capped_owners_queue(pools, monkeypatch):
+    """Queued tasks only of an owner at its cap: the idle workers wait, they do not poll the queue."""
+    pool = pools(4, 64, idle_seconds=60.0, reserve=1)
+    looks = Counter()
+    take = pool._take_queued
+
+    def counted():
+        looks.bump()
+        return take()
+
+    monkeypatch.setattr(pool, "_take_queued", counted)
+    gate = threading.Event()
+    seen = _blocked_tasks(pool, "a", 3, gate)
+    assert wait_until(lambda: seen["now"] == 3)
+    assert pool.try_submit(lambda: None, owner="b")  # one worker is now idle beside a's three
+    assert wait_until(lambda: pool.stats()["completed"] == 1)
+    try:
+        for _ in range(5):
+            assert pool.try_submit(lambda: None, owner="a")  # queued: a is at its cap
+        before = looks.n
+        time.sleep(0.3)
+        assert looks.n - before <= 2 and pool.stats()["queued"] == 5
+    finally:
+        gate.set()
+    assert wait_until(lambda: pool.stats()["completed"] == 9)
+
+
+def test_a_reserve_must_leave_one_thread():
+    with pytest.raises(ConfigError, match="reserve=4"):
+        ExecPool(4, 8, reserve=4)
+
+
+def test_fair_queue_popleft_where_passes_over_keys_not_accepted():
+    q: FairQueue[str] = FairQueue()
+    for item, key in (("a1", "a"), ("a2", "a"), ("b1", "b"), ("c1", "c")):
+        q.append(item, key)
+    assert q.popleft_where(lambda k: k != "a") == "b1"
+    assert q.any_key(lambda k: k == "c") and not q.any_key(lambda k: k == "b")
+    assert q.popleft() == "a1"  # a kept its turn
+    with pytest.raises(IndexError):
+        q.popleft_where(lambda k: k == "z")
+    assert [q.popleft(), q.popleft()] == ["c1", "a2"]

@@ -311,3 +311,61 @@ async def test_an_event_counts_each_of_its_pooled_handlers() -> None:
         gate.set()
         conn.close()
         pool.drain(10)
+
+
+async def test_one_owner_s_first_fan_out_leaves_the_reserve_to_another_owner() -> None:
+    """An owner alone sends one frame that fans out to 8 slow pooled handlers on 8 threads with a
+    reserve of 2 (EXECAPP['POOL_RESERVE']): 6 run, 2 queue, and another owner's first event is
+    answered at once instead of after one of them ends (the work-conserving pool share could not
+    stop that first frame: it counts only once a second owner is seen)."""
+    pool = ExecPool(8, 8, idle_seconds=5.0, reserve=2)
+    engine = Engine(pool=pool)
+    gate = threading.Event()
+    for i in range(8):
+        promote(engine.add(engine.make_matcher("command", "fan", lambda ctx: gate.wait(10) and None,
+                                               name=f"fan{i}", plugin="test")))
+    promote(engine.add(engine.make_matcher("command", "hi", lambda ctx: "hi", name="hi", plugin="test")))
+    a_sent: list[str] = []
+    b_sent: list[str] = []
+
+    async def a_send(text: str) -> None:
+        a_sent.append(text)
+
+    async def b_send(text: str) -> None:
+        b_sent.append(text)
+
+    group = PoolShareGroup(window=30.0)
+    a = Connection(engine, Admission(), Limits(), a_send, owner="tenant:a", pool_share=PoolShare(4, group))
+    b = Connection(engine, Admission(), Limits(), b_send, owner="tenant:b", pool_share=PoolShare(4, group))
+    try:
+        await a.receive(json.dumps({"id": "fan", "text": "/fan"}))
+        await _until(lambda: pool.stats()["queued"] == 2)
+        await b.receive(json.dumps({"id": "hi", "text": "/hi"}))
+        await _until(lambda: any(json.loads(f).get("type") == "done" for f in b_sent), timeout=5.0)
+        assert not gate.is_set() and [json.loads(f).get("text") for f in b_sent][0] == "hi"
+        gate.set()
+        await _until(lambda: any(json.loads(f).get("type") == "done" for f in a_sent))
+        assert json.loads(a_sent[-1])["replies"] == 0 and json.loads(a_sent[-1])["errors"] == 0
+    finally:
+        gate.set()
+        a.close()
+        b.close()
+        pool.drain(10)
+
+
+@pytest.mark.parametrize("value", [-0.1, 1, 1.5, "some", True, None])
+def test_a_reserve_that_is_not_a_fraction_below_one_fails_the_system_check(settings: Any, value: Any) -> None:
+    from execapp.checks import check_execapp_settings
+
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "POOL_RESERVE": value}
+    found = {m.id: m for m in check_execapp_settings()}
+    assert "execapp.E143" in found and "POOL_RESERVE" in found["execapp.E143"].msg and found["execapp.E143"].hint
+    settings.EXECAPP = {**settings.EXECAPP, "POOL_RESERVE": 0}
+    assert "execapp.E143" not in {m.id for m in check_execapp_settings()}
+
+
+def test_the_worker_s_pool_keeps_its_reserve(settings: Any) -> None:
+    from execapp.worker import Worker
+
+    settings.EXECAPP = {**getattr(settings, "EXECAPP", {}), "POOL_MAX_WORKERS": 16, "POOL_RESERVE": 0.25}
+    assert Worker("reserve-test").pool.reserve == 4
