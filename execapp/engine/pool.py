@@ -250,12 +250,12 @@ class ExecPool:
             return True
 
     def _disown(self, owner: str) -> None:
-        with self._owned_lock:
-            n = self._owned[owner] - 1
-            if n:
+        with self._owned_lock:  # (never raises: it runs in a worker's finally)
+            n = self._owned.get(owner, 0) - 1
+            if n > 0:
                 self._owned[owner] = n
             else:
-                del self._owned[owner]
+                self._owned.pop(owner, None)
 
     def _may_take(self, owner: Any) -> bool:
         return not owner or self._owned.get(owner, 0) < self._owner_cap
