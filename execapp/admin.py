@@ -15,7 +15,7 @@ from django.utils.cache import add_never_cache_headers
 from django.utils.html import format_html
 
 from .admin_filters import BoundedValuesFilter
-from .admin_search import BoundedSearchAdmin, bounded
+from .admin_query import BoundedQueryAdmin, bounded
 from .auth_watch import revoked_connections_note
 from .models import ApiToken, hash_token
 
@@ -24,7 +24,7 @@ _NEW_TOKEN = "_execapp_new_token"
 
 
 @admin.register(ApiToken)
-class ApiTokenAdmin(BoundedSearchAdmin):
+class ApiTokenAdmin(BoundedQueryAdmin):
     """API tokens for WebSocket clients: the raw token is shown once, when it is created."""
 
     list_display = ("name", "tenant", "prefix", "created_at", "last_used_at", "revoked_at", "active")
@@ -80,7 +80,7 @@ from .models import Dashboard, EventTrace, ExecProfileRecord  # noqa: E402
 
 
 @admin.register(ExecProfileRecord)
-class ExecProfileRecordAdmin(BoundedSearchAdmin):
+class ExecProfileRecordAdmin(BoundedQueryAdmin):
     """Persisted execution profiles, merged from every worker's flushes: read-only; delete to relearn."""
 
     list_display = ("matcher", "plugin", "state", "p50_ms", "p99_ms", "runs", "errors", "timeouts", "promotions",
@@ -131,7 +131,7 @@ class ExecProfileRecordAdmin(BoundedSearchAdmin):
 admin.site.register(Dashboard, DashboardAdmin)
 admin.site.register(EventTrace, EventTraceAdmin)
 
-# Django's own admins of users and groups search as ours do: bounded (execapp/admin_search.py).
+# Django's own admins of users and groups search as ours do: bounded (execapp/admin_query.py).
 for _model, _model_admin in [(m, a) for m, a in admin.site._registry.items() if m in (User, Group)]:
     admin.site.unregister(_model)
     admin.site.register(_model, bounded(type(_model_admin)))

@@ -10,7 +10,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 
 from execapp.admin_filters import BoundedValuesFilter
-from execapp.admin_search import BoundedSearchAdmin
+from execapp.admin_query import BoundedQueryAdmin
 from execapp.history_admin import events_url
 
 from .forms import BindingFormSet, PluginForm
@@ -58,7 +58,7 @@ class BindingInline(admin.TabularInline):
 
 
 @admin.register(Plugin)
-class PluginAdmin(BoundedSearchAdmin):
+class PluginAdmin(BoundedQueryAdmin):
     form = PluginForm
     inlines = [BindingInline]
     list_display = ["name", "runtime_shown", "enabled", "version", "strategy_shown", "timeout_ms", "memory_mb",
@@ -153,7 +153,7 @@ class PluginAdmin(BoundedSearchAdmin):
 
 
 @admin.register(KVEntry)
-class KVEntryAdmin(BoundedSearchAdmin):
+class KVEntryAdmin(BoundedQueryAdmin):
     list_display = ["plugin", "key", "value", "updated_at"]
     list_filter = [("plugin", BoundedValuesFilter)]
     search_fields = ["plugin", "key"]
