@@ -97,6 +97,9 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # A client that may change nothing sends at most EXECAPP['READ_ONLY_BODY_BYTES'] of body: Django's form
+    # parser (run by the CSRF check above, in process_view) is not given more (execapp/read_only_body.py).
+    "execapp.read_only_body.ReadOnlyBodyLimit",
     # A browser that signs in gets a device cookie: its own sign-in lane (execapp/login_device.py).
     "execapp.login_device.LoginDeviceMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",

@@ -5,6 +5,7 @@ import secrets
 from typing import Any
 
 from django.contrib import admin
+from django.contrib.auth.models import Group, User
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
@@ -14,6 +15,7 @@ from django.utils.cache import add_never_cache_headers
 from django.utils.html import format_html
 
 from .admin_filters import BoundedValuesFilter
+from .admin_query import BoundedQueryAdmin, bounded
 from .auth_watch import revoked_connections_note
 from .models import ApiToken, hash_token
 
@@ -22,7 +24,7 @@ _NEW_TOKEN = "_execapp_new_token"
 
 
 @admin.register(ApiToken)
-class ApiTokenAdmin(admin.ModelAdmin):
+class ApiTokenAdmin(BoundedQueryAdmin):
     """API tokens for WebSocket clients: the raw token is shown once, when it is created."""
 
     list_display = ("name", "tenant", "prefix", "created_at", "last_used_at", "revoked_at", "active")
@@ -78,7 +80,7 @@ from .models import Dashboard, EventTrace, ExecProfileRecord  # noqa: E402
 
 
 @admin.register(ExecProfileRecord)
-class ExecProfileRecordAdmin(admin.ModelAdmin):
+class ExecProfileRecordAdmin(BoundedQueryAdmin):
     """Persisted execution profiles, merged from every worker's flushes: read-only; delete to relearn."""
 
     list_display = ("matcher", "plugin", "state", "p50_ms", "p99_ms", "runs", "errors", "timeouts", "promotions",
@@ -128,3 +130,8 @@ class ExecProfileRecordAdmin(admin.ModelAdmin):
 
 admin.site.register(Dashboard, DashboardAdmin)
 admin.site.register(EventTrace, EventTraceAdmin)
+
+# Django's own admins of users and groups search as ours do: bounded (execapp/admin_query.py).
+for _model, _model_admin in [(m, a) for m, a in admin.site._registry.items() if m in (User, Group)]:
+    admin.site.unregister(_model)
+    admin.site.register(_model, bounded(type(_model_admin)))

@@ -100,6 +100,10 @@ DEFAULTS: dict[str, Any] = {
     # lets that upload come at ~70 KB/s (a slow mobile link) and bounds how long a body holds a socket.
     "MAX_REQUEST_BODY_BYTES": 8 * 1_048_576,
     "REQUEST_BODY_TIMEOUT_SECONDS": 60.0,
+    # A body from a client that may change nothing (not signed in, or staff with view permissions
+    # only; execapp/read_only_body.py): the login form is a few hundred bytes, and Django's form
+    # parser ran ~1 s of CPU on 5 MB of %-escapes that a made-up CSRF cookie got parsed. Past it: 413.
+    "READ_ONLY_BODY_BYTES": 64 * 1024,
     # The bytes of request bodies still arriving that one worker process holds at once (Django's
     # spool: memory up to 2.5 MiB a body, then disk); past it the body arriving the longest is
     # answered 503 (execapp/http_limits.py), so stalled bodies on many connections cannot take the

@@ -10,6 +10,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 
 from execapp.admin_filters import BoundedValuesFilter
+from execapp.admin_query import BoundedQueryAdmin
 from execapp.history_admin import events_url
 
 from .forms import BindingFormSet, PluginForm
@@ -57,7 +58,7 @@ class BindingInline(admin.TabularInline):
 
 
 @admin.register(Plugin)
-class PluginAdmin(admin.ModelAdmin):
+class PluginAdmin(BoundedQueryAdmin):
     form = PluginForm
     inlines = [BindingInline]
     list_display = ["name", "runtime_shown", "enabled", "version", "strategy_shown", "timeout_ms", "memory_mb",
@@ -152,7 +153,7 @@ class PluginAdmin(admin.ModelAdmin):
 
 
 @admin.register(KVEntry)
-class KVEntryAdmin(admin.ModelAdmin):
+class KVEntryAdmin(BoundedQueryAdmin):
     list_display = ["plugin", "key", "value", "updated_at"]
     list_filter = [("plugin", BoundedValuesFilter)]
     search_fields = ["plugin", "key"]

@@ -57,6 +57,7 @@ from .base import (
     to_reply,
 )
 from .host import MAX_LOG_CHARS, MAX_URL_CHARS, Host
+from .js_atoms import SCAN_CHARS, crowded_keys
 from .kvstore import MAX_KEY_CHARS, MAX_VALUE_CHARS
 
 if not quickjs._quickjs.__file__.endswith(".abi3.so"):
@@ -589,10 +590,14 @@ class JsInstance:
                         and args.__class__ is str and tenant.__class__ is str
                         and (session is None or session.__class__ is str)):
                     data = "{}" if data.__class__ is dict and not data else to_json(data)
+                    if len(data) > SCAN_CHARS and (crowded := crowded_keys(event["data"], data)) is not None:
+                        raise GuestError(crowded)
                 else:
                     payload = to_json(event)
         else:
             payload = to_json(event)
+        if payload is not None and len(payload) > SCAN_CHARS and (crowded := crowded_keys(event, payload)) is not None:
+            raise GuestError(crowded)  # (the client's keys, before any of them is an atom: js_atoms)
         if not self._enter(False):
             # A strategy bug, refused before it can crash the process. Not poison: discarding
             # the Context would free it under the call that holds it.

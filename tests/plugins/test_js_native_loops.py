@@ -43,7 +43,7 @@ CASES = {  # handler body -> a fragment of the refusal
     "JSON.parse of 20,000 keys with one hash": (
         COLLIDING_KEYS + " let t = '{'; for (let i = 0; i < 20000; i++) t += JSON.stringify(ks[i]) + ':1,';"
         " return Object.keys(JSON.parse(t + '\"x\": 1}')).length",
-        "distinct keys with one hash"),
+        "distinct keys in one bucket"),
     "Object.fromEntries of 20,000 keys with one hash": (
         COLLIDING_KEYS + " const en = ks.slice(0, 20000).map((k) => [k, 1]); for (;;) Object.fromEntries(en)",
         "timeout"),
