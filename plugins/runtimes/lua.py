@@ -99,6 +99,7 @@ GUARD_LIMITS = {
     "W_BYTE": 1,               # one byte of a linear string function
     "W_ELEM": 40,              # one table element read/written by a C loop (lua_geti/seti)
     "W_CMP": 60,               # one comparison of table.sort's default order
+    "W_HOP": 16,               # one hop of an access along a metatable's __index/__newindex chain
 }
 
 

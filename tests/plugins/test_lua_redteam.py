@@ -34,6 +34,11 @@ BOUND = 2 * BUDGET + 0.5
 HARD = 20.0  # seconds a child may spend on one case before it counts as hung
 EVENT = {"id": "e", "type": "message", "text": "x", "args": "x", "data": {}, "session": "s"}
 
+# A chain of n tables, each the __index and __newindex of the one before, the last holding `last`'s entries.
+CHAIN = ("local function chain(n, last) local t = {} local cur = t for i = 1, n do local nx = {} "
+         "setmetatable(cur, {__index = nx, __newindex = nx}) cur = nx end "
+         "for k, v in pairs(last or {}) do cur[k] = v end return t end ")
+
 # name -> (handler body, memory_mb, budget s, expected codes, a substring of the message or None).
 # Already contained before this file: kept as regression cases.
 CONTAINED: dict[str, tuple[str, int, float, tuple[str, ...], str | None]] = {
@@ -195,6 +200,22 @@ FIXED: dict[str, tuple[str, int, float, tuple[str, ...], str | None]] = {
                                          "local t = {} for i = 1, 2000 do t[i] = o end "
                                          "return #string.format(string.rep('%.1s', 2000), table.unpack(t))", 64,
                                          BUDGET, ("timeout",), None),
+    # a C loop's access to a key a table lacks walks the table's __index chain natively, up to 2,000
+    # tables (~30 us) an access, unseen by any hook: gsub with such a table as its replacement did
+    # 600,000 lookups in one native call, 33 s on a 0.3 s budget (the guard counted 48 units a match)
+    "gsub_index_chain": (CHAIN + "local t = chain(1990) return #string.gsub(string.rep('a', 600000), '.', t)",
+                         64, BUDGET, ("timeout",), None),
+    # the same with a chain of one table ending in a function that makes the chain 1,990 tables long at
+    # the first lookup: 27 s (the chain's length when the call starts does not bound it)
+    "gsub_index_rewired": (CHAIN + "local long = chain(1990) local t = setmetatable({}, {__index = function(t) "
+                           "setmetatable(t, getmetatable(long)) end}) "
+                           "return #string.gsub(string.rep('a', 600000), '.', t)", 64, BUDGET, ("timeout",), None),
+    # a default-order sort of 4,095 elements with holes read through a 1,990-table chain ran natively
+    # (its comparisons looked cheap): ~3 s on a 0.3 s budget; now the table is copied to a plain array
+    "sort_holes_index_chain": (CHAIN + "local src = {} for i = 1, 4096 do src[i] = (i * 7919) % 4096 end "
+                               "local t = {} for i = 1, 4096 do t[i] = i end for i = 2, 4095, 2 do t[i] = nil end "
+                               "setmetatable(t, getmetatable(chain(1990, src))) local n = #t table.sort(t) "
+                               "return n", 64, BUDGET, ("ok", "timeout"), None),
 }
 
 _CHILD = r"""
@@ -427,3 +448,41 @@ def test_rep_in_pieces_gives_the_native_result() -> None:
     results = [lua._LuaVM(spec, bytecode, guards=guards).call_fresh("h", {"args": ""}, time.monotonic() + 30)
                for guards in (False, True)]
     assert results[0] == results[1]
+
+
+def test_tables_behind_metatable_chains_give_the_native_results() -> None:
+    # gsub with a table replacement (a chain, one ending in a function, a plain table), and the range
+    # functions and sort on tables behind __index/__newindex chains: as many elements as take the
+    # smaller chunks, the Lua matcher, or sort's copy; the same results guarded and unguarded.
+    spec = PluginSpec(name="chains", runtime="lua", timeout=30, memory_bytes=64 << 20, code=CHAIN + r"""
+        local function sum(t, n) local h = 0 for i = 1, n do h = (h * 31 + (tonumber(t[i]) or 7)) % 2147483647 end
+          return h end
+        function h(e)
+          local out, s = {}, string.rep("abcdefg", 700)
+          local vals = {a = "1", b = "22", c = false, [3] = "three"}
+          for _, repl in ipairs({chain(3, vals), chain(1500, vals), vals,
+                                 setmetatable({}, {__index = function(t, k) return k == "d" and "D" or nil end})}) do
+            local r, n = string.gsub(s, "(%a)", repl)
+            out[#out + 1] = #r .. ":" .. n .. ":" .. r:sub(1, 40)
+            r, n = string.gsub(s, "()c", repl, 500)
+            out[#out + 1] = #r .. ":" .. n .. ":" .. r:sub(1, 40)
+          end
+          local src = {} for i = 1, 3000 do src[i] = tostring((i * 7919) % 3001) end
+          local t = chain(400, src)
+          out[#out + 1] = #table.concat(t, ",", 1, 3000)
+          out[#out + 1] = sum(table.move(t, 1, 3000, 1, {}), 3000)
+          local d = chain(400) table.move(src, 1, 3000, 2, d) out[#out + 1] = sum(d, 3001)
+          out[#out + 1] = select("#", table.unpack(t, 1, 3000)) .. ":" .. table.concat({table.unpack(t, 10, 20)}, ",")
+          local holes = {} for i = 1, 3000 do holes[i] = src[i] end for i = 2, 2999, 2 do holes[i] = nil end
+          setmetatable(holes, {__index = chain(300, src)})
+          table.insert(holes, 5, "x") out[#out + 1] = sum(holes, 3001)
+          out[#out + 1] = tostring(table.remove(holes, 7)) .. sum(holes, 3000)
+          table.sort(holes) out[#out + 1] = sum(holes, 3000)
+          return table.concat(out, "|")
+        end""")
+    bytecode = lua.compile_bytecode(spec)
+    native, guarded = (lua._LuaVM(spec, bytecode, guards=guards).call_fresh("h", {}, time.monotonic() + 30).split("|")
+                       for guards in (False, True))
+    assert len(guarded) == 15
+    for i, (want, got) in enumerate(zip(native, guarded)):
+        assert got == want, (i, want[:200], got[:200])
