@@ -210,6 +210,15 @@ FIXED: dict[str, tuple[str, int, float, tuple[str, ...], str | None]] = {
     "gsub_index_rewired": (CHAIN + "local long = chain(1990) local t = setmetatable({}, {__index = function(t) "
                            "setmetatable(t, getmetatable(long)) end}) "
                            "return #string.gsub(string.rep('a', 600000), '.', t)", 64, BUDGET, ("timeout",), None),
+    # gsub with a position capture looks its table up by integers, hashed without a seed: 800,000
+    # absent positions next to a chain of 16,382 colliding keys, in one native call (the guard counted
+    # 48 units a match), ran 41 s on a 3 s budget; now the lookups run in the Lua matcher
+    "gsub_position_keys_colliding": ("local S = 1 << 15 local t = {} "
+                                     "for i = 1, S // 2 + 1 do t[i * 2 + 1000000] = true end "
+                                     "for i = 1, S // 2 + 1 do t[i * 2 + 1000000] = nil end "
+                                     "for i = 1, S // 2 - 2 do t[i * (S - 1)] = 'x' end "
+                                     "return select(2, string.gsub(string.rep('a', 799999), '()', t))", 64, 1.5,
+                                     ("timeout",), None),
     # a default-order sort of 4,095 elements with holes read through a 1,990-table chain ran natively
     # (its comparisons looked cheap): ~3 s on a 0.3 s budget; now the table is copied to a plain array
     "sort_holes_index_chain": (CHAIN + "local src = {} for i = 1, 4096 do src[i] = (i * 7919) % 4096 end "
