@@ -77,6 +77,10 @@ MAX_REPLY_VALUES = MAX_REPLY_BYTES // 2
 HOST_ARG_MAX = 4 * MAX_VALUE_CHARS
 #: Tables converted between two checks of the call's deadline (~1-2 ms of conversion).
 TABLES_PER_CHECK = 1024
+#: Table entries read between two checks of the deadline, in the sandbox's count and the converter:
+#: each step of a table's traversal (lua_next) walks the chain of the key it left, which integer keys
+#: (hashed without a seed) can make as long as the table: 64 steps of a 500,000-node chain are ~30 ms.
+ENTRIES_PER_CHECK = 64
 #: Bytes of Lua memory a per_request call may leave behind in its thread's runtime (the sandbox
 #: itself is ~100 KB): past this the call's garbage is collected as it ends (lua_sandbox.lua).
 ISOLATED_KEEP_BYTES = 1 << 20
@@ -185,7 +189,8 @@ class _LuaVM:
                                          "ISOLATED_KEEP": ISOLATED_KEEP_BYTES,
                                          "MAX_REPLY_BYTES": MAX_REPLY_BYTES,
                                          "MAX_REPLY_VALUES": MAX_REPLY_VALUES, "MAX_DEPTH": MAX_DEPTH,
-                                         "HOST_ARG_MAX": HOST_ARG_MAX, "LOG_MAX": 4 * MAX_LOG_CHARS})
+                                         "HOST_ARG_MAX": HOST_ARG_MAX, "LOG_MAX": 4 * MAX_LOG_CHARS,
+                                         "ENTRIES_PER_CHECK": ENTRIES_PER_CHECK})
             # The deadline watchdog's view of this VM's states (no reference back to the VM).
             self._irq = irq = Interrupts()
             self._new_env, self._call, self._fresh, self._functions, main, self._settle = self.rt.execute(
@@ -360,6 +365,8 @@ class _Reply:
             if left < 0:
                 raise GuestError(f"the reply holds more than {MAX_REPLY_VALUES} values (tables and their entries, a "
                                  "table counted once per reference); return fewer")
+            if not left % ENTRIES_PER_CHECK and time.monotonic() > self.deadline:  # (a lua_next may walk a chain)
+                raise GuestTimeout("ran past its timeout while its reply was converted")
             kc = k.__class__
             if kc is str:
                 self._charge(k)

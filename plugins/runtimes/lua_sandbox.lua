@@ -269,6 +269,7 @@ local env_mt = {__index = base, __metatable = false}
 local MAX_ERROR, str_sub, str_gsub, utf8_len = 4096, string.sub, string.gsub, utf8.len
 local MAX_REPLY = LIMITS.MAX_REPLY_BYTES
 local MAX_VALUES, MAX_DEPTH, TABLES_PER_CLOCK = LIMITS.MAX_REPLY_VALUES, LIMITS.MAX_DEPTH, 4096
+local ENTRIES_PER_CLOCK = LIMITS.ENTRIES_PER_CHECK
 local TOO_DEEP = "reply nested deeper than " .. tostring(MAX_DEPTH) .. " levels"
 local TOO_MANY = "the reply holds more than " .. tostring(MAX_VALUES) .. " values (tables and their entries, a " ..
                  "table counted once per reference); return fewer"
@@ -315,8 +316,12 @@ local function outcome(ok, v)
       -- worker's time, and its call's whole budget under load, before it was refused. A table
       -- deeper than MAX_DEPTH is refused here too (the converter would, on reaching it: stopping
       -- the count there let a shared-table sibling reach the converter); the deadline passing
-      -- leaves the rest to the converter, which checks it too.
+      -- leaves the rest to the converter, which checks it too. The clock is read every
+      -- ENTRIES_PER_CLOCK entries as well: one step of next walks the chain of the key it left,
+      -- and integer keys (hashed without a seed) can make that chain as long as the table, so one
+      -- table's walk is quadratic (a kept table of 32,766 colliding keys: 2.7 s past a 5 s budget).
       local left, stack, depths, n, tables = MAX_VALUES, {v}, {0}, 1, 0
+      local late = false
       while n > 0 do
         local t, d = stack[n], depths[n]
         stack[n], depths[n], n = nil, nil, n - 1
@@ -328,7 +333,9 @@ local function outcome(ok, v)
           left = left - 1
           if left < 0 then return 1, TOO_MANY end
           if type(x) == "table" then n = n + 1; stack[n], depths[n] = x, d + 1 end
+          if left % ENTRIES_PER_CLOCK == 0 and clock() > B.deadline then late = true; break end
         end
+        if late then break end
       end
     end
     return 0, v

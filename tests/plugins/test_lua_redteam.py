@@ -495,3 +495,32 @@ def test_tables_behind_metatable_chains_give_the_native_results() -> None:
     assert len(guarded) == 15
     for i, (want, got) in enumerate(zip(native, guarded)):
         assert got == want, (i, want[:200], got[:200])
+
+
+def test_a_kept_table_of_colliding_keys_is_read_back_within_the_budget() -> None:
+    # One step of a table's traversal (lua_next) walks the chain of the key it left, and integer keys
+    # (hashed without a seed) can make that chain as long as the table: a pooled plugin that built
+    # 32,766 colliding keys over earlier calls and returned them had its reply read in two quadratic
+    # walks, the sandbox's count and the converter, that checked the clock only between tables: 7.7 s
+    # on a 5 s budget (3 s of it after the deadline) and `ok`. The clock is now read every 64 entries.
+    budget = 0.5
+    plugin = LoadedPlugin(PluginSpec(name="kept", runtime="lua", strategy="pooled", timeout=budget, pool_size=1,
+                                     memory_bytes=64 << 20, code="""
+        local S, T, done = 1 << 16, {}, 0
+        for i = 1, S // 2 + 1 do T[i * 2 + 1000000] = true end
+        for i = 1, S // 2 + 1 do T[i * 2 + 1000000] = nil end
+        function build(e)
+          local last = math.min(done + 1000, S // 2 - 2)
+          for i = done + 1, last do T[i * (S - 1)] = 'x' end
+          done = last
+          return tostring(done)
+        end
+        function ret(e) return T end"""))
+    while plugin.call("build", EVENT) != str((1 << 15) - 2):
+        pass
+    started = time.monotonic()
+    with pytest.raises(HandlerError) as info:
+        plugin.call("ret", EVENT)
+    elapsed = time.monotonic() - started
+    assert info.value.code == "timeout", info.value
+    assert elapsed < 2 * budget + 0.5, f"{elapsed:.2f} s on a {budget} s budget"
