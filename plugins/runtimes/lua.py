@@ -224,8 +224,12 @@ class _LuaVM:
             _raise(status, err, self.spec)
         return env
 
-    def functions(self, env: Any) -> frozenset[str]:
-        return frozenset(self._functions(env).values())
+    def functions(self, env: Any, deadline: float) -> frozenset[str]:
+        """The names of ``env``'s functions (its handlers), read within ``deadline`` (GuestTimeout past it)."""
+        names = self._functions(env, deadline)
+        if names is None:
+            raise GuestTimeout("its environment was still being read for handler names")
+        return frozenset(names.values())
 
     # The two call paths below are the hot path (see plugins/strategies.py): the event becomes
     # a Lua table in one C call (no JSON), a str reply comes back as is. ``irq.running`` is the
@@ -454,7 +458,9 @@ class LuaCompiled:
         try:
             # The top level runs under the plugin's own budget and guards: a runaway one is
             # refused at save (and skipped at worker start, plugins/sync.py) as `timeout`.
-            env = vm.load_env(time.monotonic() + load_seconds(spec))
+            due = time.monotonic() + load_seconds(spec)
+            env = vm.load_env(due)
+            self.handlers = vm.functions(env, due)
         except GuestTimeout as exc:
             note = load_budget_note(spec)
             if note:
@@ -467,7 +473,6 @@ class LuaCompiled:
             raise CompileError(f"the top level hit the memory cap: {exc}", code="memory_limit") from None
         except GuestError as exc:
             raise CompileError(f"the top level failed: {exc}") from None
-        self.handlers = vm.functions(env)
         self._local = threading.local()  # per-thread VM for call_isolated
         # The per-thread VMs alive now: a VM goes with its thread's locals when a pool thread
         # exits, so a counter bumped at creation would only grow.

@@ -408,9 +408,15 @@ end
 
 for _, f in next, {new_env, call, fresh_call, outcome, error_text, release, settle, gc, uncounted} do OWN[f] = true end
 
-local function functions(env)
-  local names = {}
+-- The handler names of an environment, or nil once the clock passes deadline: read every
+-- ENTRIES_PER_CLOCK keys, since a top level can fill its environment with integer keys chosen to
+-- collide, and each step of next then walks a chain as long as the table (32,000 such keys: a
+-- 1.5 s walk after a top level within its 2 s load budget, at every save and worker start).
+local function functions(env, deadline)
+  local names, n = {}, 0
   for k, v in next, env do
+    n = n + 1
+    if n % ENTRIES_PER_CLOCK == 0 and clock() > deadline then return nil end
     if type(k) == "string" and type(v) == "function" then names[#names + 1] = k end
   end
   return names

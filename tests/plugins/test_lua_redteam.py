@@ -23,6 +23,7 @@ import tracemalloc
 import pytest
 
 from execapp.engine import HandlerError
+from plugins.errors import GuestTimeout
 from plugins.loaded import LoadedPlugin
 from plugins.runtimes import lua
 from plugins.spec import PluginSpec
@@ -524,3 +525,25 @@ def test_a_kept_table_of_colliding_keys_is_read_back_within_the_budget() -> None
     elapsed = time.monotonic() - started
     assert info.value.code == "timeout", info.value
     assert elapsed < 2 * budget + 0.5, f"{elapsed:.2f} s on a {budget} s budget"
+
+
+def test_a_top_level_environment_of_colliding_keys_is_read_within_the_load_budget() -> None:
+    # Validation reads the top level's environment for handler names after the top level ran (its
+    # deadline is over by then): 32,000 integer keys chosen to collide, stored by a top level within
+    # its 2 s load budget, made that read walk a chain per step, 1.5 s more at every save and worker
+    # start (3.3 s in all, and the plugin saved). The read now stops at the load deadline too.
+    spec = PluginSpec(name="env", runtime="lua", timeout=30, memory_bytes=64 << 20, code="""
+        local S = 1 << 16
+        for i = 1, S // 2 + 1 do _ENV[i * 2 + 1000000] = true end
+        for i = 1, S // 2 + 1 do _ENV[i * 2 + 1000000] = nil end
+        for i = 1, 24000 do _ENV[i * (S - 1)] = 'x' end
+        function h(e) return 'ok' end""")
+    vm = lua._LuaVM(spec, lua.compile_bytecode(spec))
+    env = vm.load_env(time.monotonic() + 60)
+    started = time.monotonic()
+    with pytest.raises(GuestTimeout, match="environment was still being read"):
+        vm.functions(env, started + 0.1)
+    assert time.monotonic() - started < 0.4
+    small = PluginSpec(name="small", runtime="lua", timeout=1, code="x = 1 function h(e) end local function g() end "
+                                                                     "function k(e) end")
+    assert lua.LuaCompiled(small).handlers == {"h", "k"}
