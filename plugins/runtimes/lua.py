@@ -75,11 +75,11 @@ MAX_REPLY_VALUES = MAX_REPLY_BYTES // 2
 #: Bytes a string argument of a host call may have (lua_sandbox.lua's host_call refuses more before
 #: any work): a KV value's MAX_VALUE_CHARS at 4 bytes a character; a log line is cut instead.
 HOST_ARG_MAX = 4 * MAX_VALUE_CHARS
-#: Tables converted between two checks of the call's deadline (~1-2 ms of conversion).
-TABLES_PER_CHECK = 1024
-#: Table entries read between two checks of the deadline, in the sandbox's count and the converter:
-#: each step of a table's traversal (lua_next) walks the chain of the key it left, which integer keys
-#: (hashed without a seed) can make as long as the table: 64 steps of a 500,000-node chain are ~30 ms.
+#: Table entries read between two checks of the deadline, in the sandbox's count and the converter
+#: (which also check it before every table: a traversal's first step scans the table's array part,
+#: however few entries it holds): each step of a traversal (lua_next) walks the chain of the key it
+#: left, which integer keys (hashed without a seed) can make as long as the table: 64 steps of a
+#: 500,000-node chain are ~30 ms.
 ENTRIES_PER_CHECK = 64
 #: Bytes of Lua memory a per_request call may leave behind in its thread's runtime (the sandbox
 #: itself is ~100 KB): past this the call's garbage is collected as it ends (lua_sandbox.lua).
@@ -327,7 +327,7 @@ def _to_python(value: Any, string_chars: int, deadline: float) -> Any:
     Bounded before any work it cannot afford: at most MAX_REPLY_VALUES values, MAX_DEPTH levels
     and ``string_chars`` characters of strings (the memory cap: a string shared by reference
     would otherwise be copied into Python once per reference), and within the call's
-    ``deadline`` (checked every TABLES_PER_CHECK tables). No guest code runs (the hook is off
+    ``deadline`` (checked at every table and every ENTRIES_PER_CHECK entries). No guest code runs (the hook is off
     now): tables are read raw, and a key must be a string, number or boolean (a table key's
     ``__tostring`` would be guest code)."""
     if value is None or value.__class__ is str:
@@ -341,13 +341,12 @@ def _to_python(value: Any, string_chars: int, deadline: float) -> Any:
 class _Reply:
     """What is left of a reply's budget while it is converted."""
 
-    __slots__ = ("values", "chars", "deadline", "tables")
+    __slots__ = ("values", "chars", "deadline")
 
     def __init__(self, string_chars: int, deadline: float) -> None:
         self.values = MAX_REPLY_VALUES
         self.chars = string_chars
         self.deadline = deadline
-        self.tables = 0
 
     def convert(self, value: Any, depth: int) -> Any:
         cls = value.__class__
@@ -358,8 +357,7 @@ class _Reply:
         if depth > MAX_DEPTH:
             raise GuestError(f"reply nested deeper than {MAX_DEPTH} levels")
         self.values -= 1
-        self.tables += 1
-        if not self.tables % TABLES_PER_CHECK and time.monotonic() > self.deadline:
+        if time.monotonic() > self.deadline:  # (every table: see ENTRIES_PER_CHECK)
             raise GuestTimeout("ran past its timeout while its reply was converted")
         keys: list = []
         values: list = []
