@@ -105,6 +105,11 @@ local function chunk_for(per)
   if c > CHUNK then return CHUNK end
   return c
 end
+-- The same for a range read and written in place (insert, remove): CHUNK for a plain table.
+local function rw_chunk(t)
+  if getmetatable(t) == nil then return CHUNK end
+  return chunk_for(access(t, "__index") + access(t, "__newindex"))
+end
 
 ---------------------------------------------------------------------------------------------
 -- Pattern cost bounds. A bound is a polynomial in N = (subject length from init) + 1, kept as
@@ -806,8 +811,11 @@ local function g_concat(list, sep, i, j)
   local sep2 = ""
   if sep ~= nil then sep2 = str(sep) end
   local span = (jj + 0.0) - ii -- elements - 1, as a float: jj - ii may overflow
-  local per = access(list, "__index")
-  local chunk = chunk_for(per)
+  local per, chunk = ELEM, CHUNK
+  if getmetatable(list) ~= nil then
+    per = access(list, "__index")
+    chunk = chunk_for(per)
+  end
   if sep2 == nil or span < chunk then
     charge((span + 1) * per)
     return built(T.concat(list, sep, ii, jj))
@@ -835,7 +843,7 @@ end
 local function g_insert(t, ...)
   local nargs = select("#", ...)
   local n = raw_len(t)
-  if nargs ~= 2 or (n ~= nil and n < chunk_for(access(t, "__index") + access(t, "__newindex"))) then
+  if nargs ~= 2 or (n ~= nil and n < rw_chunk(t)) then
     return T.insert(t, ...)
   end
   if type(t) ~= "table" then return T.insert(t, ...) end
@@ -853,7 +861,7 @@ end
 
 local function g_remove(t, pos)
   local size = raw_len(t)
-  if type(t) ~= "table" or (size ~= nil and size < chunk_for(access(t, "__index") + access(t, "__newindex"))) then
+  if type(t) ~= "table" or (size ~= nil and size < rw_chunk(t)) then
     return T.remove(t, pos)
   end
   size = size or check_len(t, "remove")
@@ -884,8 +892,12 @@ local function g_unpack(list, i, j)
   local n = (jj + 0.0) - ii
   if n >= 1e6 then return T.unpack(list, ii, jj) end -- too many results: the native call refuses at once
   n = jj - ii
-  local per = access(list, "__index")
-  if n >= chunk_for(per) then
+  local per, chunk = ELEM, CHUNK
+  if getmetatable(list) ~= nil then
+    per = access(list, "__index")
+    chunk = chunk_for(per)
+  end
+  if n >= chunk then
     -- Gathered in chunks first, plain tables too: every element may be a metamethod call, and in a
     -- plain table a key's lookup walks the hash chain at its main position, which integer keys
     -- (hashed without a seed) can make as long as the table: 800,000 absent keys read next to a
