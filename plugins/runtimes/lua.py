@@ -193,7 +193,7 @@ class _LuaVM:
                                          "ENTRIES_PER_CHECK": ENTRIES_PER_CHECK})
             # The deadline watchdog's view of this VM's states (no reference back to the VM).
             self._irq = irq = Interrupts()
-            self._new_env, self._call, self._fresh, self._functions, main, self._settle = self.rt.execute(
+            self._new_env, self._call, fresh_for, self._functions, main, self._settle = self.rt.execute(
                 _SANDBOX, time.monotonic, self.gate, HOOK_COUNT, TIMEOUT_MSG,
                 _GUARDS_BYTECODE if guards else None, _PATTERNS_BYTECODE, limits,
                 irq.register if guards else None)
@@ -204,6 +204,8 @@ class _LuaVM:
             raise CompileError(f"the memory cap of {spec.memory_bytes} bytes is too small for the Lua "
                                "sandbox") from None
         self._table_from = self.rt.table_from
+        # The per_request call of this version (call_isolated): loads the chunk at its first call.
+        self._fresh = fresh_for(bytecode, self.chunkname)
         # A table reply's strings, in characters (each at least one byte of the reply's JSON):
         # converting stops past them, before plugins.loaded refuses the reply as over MAX_REPLY_BYTES.
         self._reply_chars = min(spec.memory_bytes, MAX_REPLY_BYTES)
@@ -500,7 +502,7 @@ class LuaCompiled:
                 table = table_from(_fit_ints(event), recursive=True)
             try:
                 fresh = vm._fresh
-                status, value, held = fresh(vm.bytecode, vm.chunkname, handler, table, deadline)
+                status, value, held = fresh(handler, table, deadline)
             except lupa.LuaError as exc:
                 raise vm._lua_error(exc, deadline) from None
             except UnicodeDecodeError:
