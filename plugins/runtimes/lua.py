@@ -75,8 +75,12 @@ MAX_REPLY_VALUES = MAX_REPLY_BYTES // 2
 #: Bytes a string argument of a host call may have (lua_sandbox.lua's host_call refuses more before
 #: any work): a KV value's MAX_VALUE_CHARS at 4 bytes a character; a log line is cut instead.
 HOST_ARG_MAX = 4 * MAX_VALUE_CHARS
-#: Tables converted between two checks of the call's deadline (~1-2 ms of conversion).
-TABLES_PER_CHECK = 1024
+#: Table entries read between two checks of the deadline, in the sandbox's count and the converter
+#: (which also check it before every table: a traversal's first step scans the table's array part,
+#: however few entries it holds): each step of a traversal (lua_next) walks the chain of the key it
+#: left, which integer keys (hashed without a seed) can make as long as the table: 64 steps of a
+#: 500,000-node chain are ~30 ms.
+ENTRIES_PER_CHECK = 64
 #: Bytes of Lua memory a per_request call may leave behind in its thread's runtime (the sandbox
 #: itself is ~100 KB): past this the call's garbage is collected as it ends (lua_sandbox.lua).
 ISOLATED_KEEP_BYTES = 1 << 20
@@ -99,6 +103,7 @@ GUARD_LIMITS = {
     "W_BYTE": 1,               # one byte of a linear string function
     "W_ELEM": 40,              # one table element read/written by a C loop (lua_geti/seti)
     "W_CMP": 60,               # one comparison of table.sort's default order
+    "W_HOP": 16,               # one hop of an access along a metatable's __index/__newindex chain
 }
 
 
@@ -184,10 +189,11 @@ class _LuaVM:
                                          "ISOLATED_KEEP": ISOLATED_KEEP_BYTES,
                                          "MAX_REPLY_BYTES": MAX_REPLY_BYTES,
                                          "MAX_REPLY_VALUES": MAX_REPLY_VALUES, "MAX_DEPTH": MAX_DEPTH,
-                                         "HOST_ARG_MAX": HOST_ARG_MAX, "LOG_MAX": 4 * MAX_LOG_CHARS})
+                                         "HOST_ARG_MAX": HOST_ARG_MAX, "LOG_MAX": 4 * MAX_LOG_CHARS,
+                                         "ENTRIES_PER_CHECK": ENTRIES_PER_CHECK})
             # The deadline watchdog's view of this VM's states (no reference back to the VM).
             self._irq = irq = Interrupts()
-            self._new_env, self._call, self._fresh, self._functions, main, self._settle = self.rt.execute(
+            self._new_env, self._call, fresh_for, self._functions, main, self._settle = self.rt.execute(
                 _SANDBOX, time.monotonic, self.gate, HOOK_COUNT, TIMEOUT_MSG,
                 _GUARDS_BYTECODE if guards else None, _PATTERNS_BYTECODE, limits,
                 irq.register if guards else None)
@@ -198,6 +204,8 @@ class _LuaVM:
             raise CompileError(f"the memory cap of {spec.memory_bytes} bytes is too small for the Lua "
                                "sandbox") from None
         self._table_from = self.rt.table_from
+        # The per_request call of this version (call_isolated): loads the chunk at its first call.
+        self._fresh = fresh_for(bytecode, self.chunkname)
         # A table reply's strings, in characters (each at least one byte of the reply's JSON):
         # converting stops past them, before plugins.loaded refuses the reply as over MAX_REPLY_BYTES.
         self._reply_chars = min(spec.memory_bytes, MAX_REPLY_BYTES)
@@ -218,8 +226,12 @@ class _LuaVM:
             _raise(status, err, self.spec)
         return env
 
-    def functions(self, env: Any) -> frozenset[str]:
-        return frozenset(self._functions(env).values())
+    def functions(self, env: Any, deadline: float) -> frozenset[str]:
+        """The names of ``env``'s functions (its handlers), read within ``deadline`` (GuestTimeout past it)."""
+        names = self._functions(env, deadline)
+        if names is None:
+            raise GuestTimeout("its environment was still being read for handler names")
+        return frozenset(names.values())
 
     # The two call paths below are the hot path (see plugins/strategies.py): the event becomes
     # a Lua table in one C call (no JSON), a str reply comes back as is. ``irq.running`` is the
@@ -317,7 +329,7 @@ def _to_python(value: Any, string_chars: int, deadline: float) -> Any:
     Bounded before any work it cannot afford: at most MAX_REPLY_VALUES values, MAX_DEPTH levels
     and ``string_chars`` characters of strings (the memory cap: a string shared by reference
     would otherwise be copied into Python once per reference), and within the call's
-    ``deadline`` (checked every TABLES_PER_CHECK tables). No guest code runs (the hook is off
+    ``deadline`` (checked at every table and every ENTRIES_PER_CHECK entries). No guest code runs (the hook is off
     now): tables are read raw, and a key must be a string, number or boolean (a table key's
     ``__tostring`` would be guest code)."""
     if value is None or value.__class__ is str:
@@ -331,13 +343,12 @@ def _to_python(value: Any, string_chars: int, deadline: float) -> Any:
 class _Reply:
     """What is left of a reply's budget while it is converted."""
 
-    __slots__ = ("values", "chars", "deadline", "tables")
+    __slots__ = ("values", "chars", "deadline")
 
     def __init__(self, string_chars: int, deadline: float) -> None:
         self.values = MAX_REPLY_VALUES
         self.chars = string_chars
         self.deadline = deadline
-        self.tables = 0
 
     def convert(self, value: Any, depth: int) -> Any:
         cls = value.__class__
@@ -348,8 +359,7 @@ class _Reply:
         if depth > MAX_DEPTH:
             raise GuestError(f"reply nested deeper than {MAX_DEPTH} levels")
         self.values -= 1
-        self.tables += 1
-        if not self.tables % TABLES_PER_CHECK and time.monotonic() > self.deadline:
+        if time.monotonic() > self.deadline:  # (every table: see ENTRIES_PER_CHECK)
             raise GuestTimeout("ran past its timeout while its reply was converted")
         keys: list = []
         values: list = []
@@ -359,6 +369,8 @@ class _Reply:
             if left < 0:
                 raise GuestError(f"the reply holds more than {MAX_REPLY_VALUES} values (tables and their entries, a "
                                  "table counted once per reference); return fewer")
+            if not left % ENTRIES_PER_CHECK and time.monotonic() > self.deadline:  # (a lua_next may walk a chain)
+                raise GuestTimeout("ran past its timeout while its reply was converted")
             kc = k.__class__
             if kc is str:
                 self._charge(k)
@@ -446,7 +458,9 @@ class LuaCompiled:
         try:
             # The top level runs under the plugin's own budget and guards: a runaway one is
             # refused at save (and skipped at worker start, plugins/sync.py) as `timeout`.
-            env = vm.load_env(time.monotonic() + load_seconds(spec))
+            due = time.monotonic() + load_seconds(spec)
+            env = vm.load_env(due)
+            self.handlers = vm.functions(env, due)
         except GuestTimeout as exc:
             note = load_budget_note(spec)
             if note:
@@ -459,7 +473,6 @@ class LuaCompiled:
             raise CompileError(f"the top level hit the memory cap: {exc}", code="memory_limit") from None
         except GuestError as exc:
             raise CompileError(f"the top level failed: {exc}") from None
-        self.handlers = vm.functions(env)
         self._local = threading.local()  # per-thread VM for call_isolated
         # The per-thread VMs alive now: a VM goes with its thread's locals when a pool thread
         # exits, so a counter bumped at creation would only grow.
@@ -489,7 +502,7 @@ class LuaCompiled:
                 table = table_from(_fit_ints(event), recursive=True)
             try:
                 fresh = vm._fresh
-                status, value, held = fresh(vm.bytecode, vm.chunkname, handler, table, deadline)
+                status, value, held = fresh(handler, table, deadline)
             except lupa.LuaError as exc:
                 raise vm._lua_error(exc, deadline) from None
             except UnicodeDecodeError:

@@ -74,6 +74,43 @@ local function too_big(fname, what, size, fix)
         .. MEMORY .. " bytes; " .. fix, 3)
 end
 
+-- A C loop's access to a key a table lacks follows the table's __index (a write: __newindex)
+-- natively, table after table, up to MAXTAGLOOP hops in one access (lvm.c luaV_finishget/finishset)
+-- with no hook between: ~15-30 ns a hop, so 30-60 us for an access ELEM takes as one. gsub with a
+-- table replacement behind a 2,000-table chain ran 600,000 lookups in one native call, 33 s on a
+-- 0.3 s budget. The units of one access: the chain as long as it is when the guard starts, or the
+-- longest one (MAXTAGLOOP) if it ends in a function (guest code, which may lengthen the chain while
+-- the native call still runs) or anything else that is not a table or string.
+local W_HOP, MAXTAGLOOP = cfg.W_HOP, 2000
+local WORST = ELEM + MAXTAGLOOP * W_HOP
+local function access(t, event)
+  local mt = getmetatable(t)
+  if mt == nil then return ELEM end
+  local hops = 0
+  while mt ~= nil do
+    local via = rawget(mt, event)
+    if via == nil then break end
+    local tv = type(via)
+    if (tv ~= "table" and tv ~= "string") or hops >= MAXTAGLOOP then return WORST end
+    hops = hops + 1
+    mt = getmetatable(via)
+  end
+  return ELEM + hops * W_HOP
+end
+-- Elements one native call over a range may take at `per` units an element.
+local function chunk_for(per)
+  if per <= ELEM then return CHUNK end
+  local c = NATIVE_MAX // per
+  if c < 1 then return 1 end
+  if c > CHUNK then return CHUNK end
+  return c
+end
+-- The same for a range read and written in place (insert, remove): CHUNK for a plain table.
+local function rw_chunk(t)
+  if getmetatable(t) == nil then return CHUNK end
+  return chunk_for(access(t, "__index") + access(t, "__newindex"))
+end
+
 ---------------------------------------------------------------------------------------------
 -- Pattern cost bounds. A bound is a polynomial in N = (subject length from init) + 1, kept as
 -- a coefficient list {c0, c1, ...}. Walking the pattern from its end, each suffix gets:
@@ -183,11 +220,13 @@ local function analyze(p, honor_anchor)
   if honor_anchor and S.byte(p, 1) == 94 then anchored, i = true, 2 end
   local items = {}
   local open = 0 -- captures left open: native find raises pushing them (no level 2)
+  local poskey = nil -- the first capture is a position: gsub looks a table replacement up by integers
   while i <= lp do
     local c, nx = S.byte(p, i), S.byte(p, i + 1)
     local it
     if c == 40 then
       it = {k = "cap"}
+      if poskey == nil then poskey = (nx == 41) end
       if nx ~= 41 then open = open + 1 end
       i = i + ((nx == 41) and 2 or 1)
     elseif c == 41 then
@@ -291,7 +330,9 @@ local function analyze(p, honor_anchor)
     end
     if #ff > MAX_DEGREE or #fa > MAX_DEGREE or #cs > MAX_DEGREE then return UNBOUNDED end
   end
-  return descriptor(ff, fa, cs, anchored, open, false, lp)
+  local d = descriptor(ff, fa, cs, anchored, open, false, lp)
+  d.poskey = poskey
+  return d
 end
 
 -- Descriptors by pattern string, for find/match/gsub (a leading '^' anchors) and for gmatch
@@ -445,9 +486,16 @@ function gsub_slow(s, p, repl, n)
   end
   local N = ls + 1
   local d = FM[p2] or describe(p2, false)
-  -- the replacement's own work: each match appends the replacement (a string's length)
+  -- the replacement's own work: each match appends the replacement (a string's length), or looks
+  -- the match up in the table, through its __index chain (access)
   local per = (tr == "string" and #repl or 0) + REPL_COST
+  if tr == "table" then per = per + access(repl, "__index") - ELEM end
   local u = d[5] * N ^ d[6] + N * per * BYTE
+  -- A position capture looks the table up by integer keys, which Lua hashes without a seed: a
+  -- guest can make each absent one's lookup walk a chain as long as the table (a gsub of '()' over
+  -- 800,000 positions next to 16,382 colliding keys ran 20 s past a 20 s budget in one native
+  -- call). Those lookups run in Lua (level 2 or 3), where the hook sees each.
+  if tr == "table" and d.poskey then u = huge end
   if u <= limit_for(d[6]) then
     charge(u)
     return built2(S.gsub(s, p, repl, n))
@@ -721,29 +769,33 @@ local function g_move(a1, f, e, t, a2)
   if fi == nil or ei == nil or ti == nil or ei < fi then return T.move(a1, f, e, t, a2) end
   if not (fi > 0 or ei < maxinteger + fi) then return T.move(a1, f, e, t, a2) end
   local n = ei - fi -- elements - 1
-  if n < CHUNK then
-    charge((n + 1) * ELEM)
+  local dst = a2
+  if a2 == nil then dst = a1 end
+  -- each element is a read of a1 and a write of dst, either through a metatable's chain (access)
+  local per = ELEM
+  if getmetatable(a1) ~= nil or getmetatable(dst) ~= nil then per = access(a1, "__index") + access(dst, "__newindex") end
+  local chunk = chunk_for(per)
+  if n < chunk then
+    charge((n + 1) * per)
     return T.move(a1, f, e, t, a2)
   end
   if ti > maxinteger - n then return T.move(a1, f, e, t, a2) end -- native raises "wrap around"
-  local dst = a2
-  if a2 == nil then dst = a1 end
   if ti > ei or ti <= fi or (a2 ~= nil and a1 ~= a2) then
-    for c = 0, n, CHUNK do
-      local last = c + CHUNK - 1
+    for c = 0, n, chunk do
+      local last = c + chunk - 1
       if last > n then last = n end
-      charge((last - c + 1) * ELEM)
+      charge((last - c + 1) * per)
       T.move(a1, fi + c, fi + last, ti + c, a2)
     end
   else
     -- overlapping, destination after the source: from the top down, as the native loop does
-    local c = n - n % CHUNK
+    local c = n - n % chunk
     while c >= 0 do
-      local last = c + CHUNK - 1
+      local last = c + chunk - 1
       if last > n then last = n end
-      charge((last - c + 1) * ELEM)
+      charge((last - c + 1) * per)
       T.move(a1, fi + c, fi + last, ti + c, a2)
-      c = c - CHUNK
+      c = c - chunk
     end
   end
   return dst
@@ -759,16 +811,21 @@ local function g_concat(list, sep, i, j)
   local sep2 = ""
   if sep ~= nil then sep2 = str(sep) end
   local span = (jj + 0.0) - ii -- elements - 1, as a float: jj - ii may overflow
-  if sep2 == nil or span < CHUNK then
-    charge((span + 1) * ELEM)
+  local per, chunk = ELEM, CHUNK
+  if getmetatable(list) ~= nil then
+    per = access(list, "__index")
+    chunk = chunk_for(per)
+  end
+  if sep2 == nil or span < chunk then
+    charge((span + 1) * per)
     return built(T.concat(list, sep, ii, jj))
   end
   local parts, np = {}, 0
   local est = 0
-  for k = ii, jj, CHUNK do
-    local last = k + CHUNK - 1
+  for k = ii, jj, chunk do
+    local last = k + chunk - 1
     if last > jj or last < k then last = jj end
-    charge((last - k + 1) * ELEM)
+    charge((last - k + 1) * per)
     np = np + 1
     parts[np] = T.concat(list, sep2, k, last)
     est = est + #parts[np] + #sep2
@@ -786,7 +843,9 @@ end
 local function g_insert(t, ...)
   local nargs = select("#", ...)
   local n = raw_len(t)
-  if nargs ~= 2 or (n ~= nil and n < CHUNK) then return T.insert(t, ...) end
+  if nargs ~= 2 or (n ~= nil and n < rw_chunk(t)) then
+    return T.insert(t, ...)
+  end
   if type(t) ~= "table" then return T.insert(t, ...) end
   local pos, v = ...
   local e = (n or check_len(t, "insert")) + 1 -- wraps around like luaL_intop
@@ -802,7 +861,9 @@ end
 
 local function g_remove(t, pos)
   local size = raw_len(t)
-  if type(t) ~= "table" or (size ~= nil and size < CHUNK) then return T.remove(t, pos) end
+  if type(t) ~= "table" or (size ~= nil and size < rw_chunk(t)) then
+    return T.remove(t, pos)
+  end
   size = size or check_len(t, "remove")
   local ipos = size
   if pos ~= nil then
@@ -831,7 +892,12 @@ local function g_unpack(list, i, j)
   local n = (jj + 0.0) - ii
   if n >= 1e6 then return T.unpack(list, ii, jj) end -- too many results: the native call refuses at once
   n = jj - ii
-  if n >= CHUNK then
+  local per, chunk = ELEM, CHUNK
+  if getmetatable(list) ~= nil then
+    per = access(list, "__index")
+    chunk = chunk_for(per)
+  end
+  if n >= chunk then
     -- Gathered in chunks first, plain tables too: every element may be a metamethod call, and in a
     -- plain table a key's lookup walks the hash chain at its main position, which integer keys
     -- (hashed without a seed) can make as long as the table: 800,000 absent keys read next to a
@@ -841,7 +907,7 @@ local function g_unpack(list, i, j)
     charge((n + 1) * ELEM)
     return T.unpack(buf, 1, n + 1)
   end
-  charge((n + 1) * ELEM)
+  charge((n + 1) * per)
   return T.unpack(list, ii, jj)
 end
 
@@ -928,8 +994,14 @@ local function g_sort(t, comp)
       local v = rawget(t, i)
       if type(v) == "string" and #v > maxl then maxl = #v end
     end
-    if sort_work(n, maxl) <= NATIVE_MAX then
-      charge(sort_work(n, maxl))
+    -- a comparison's two reads (and a swap's writes) of a table with a metatable may each walk a
+    -- chain (access): counted as longer strings
+    local work = sort_work(n, maxl)
+    if not plain(t) then
+      work = sort_work(n, maxl + 2 * (access(t, "__index") + access(t, "__newindex") - 2 * ELEM) // BYTE)
+    end
+    if work <= NATIVE_MAX then
+      charge(work)
       return T.sort(t, comp)
     end
     if n >= 2147483647 then return T.sort(t, comp) end

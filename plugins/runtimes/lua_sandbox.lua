@@ -268,7 +268,8 @@ local env_mt = {__index = base, __metatable = false}
 -- UnicodeDecodeError on anything else; a megabyte message would reach the client and the traces).
 local MAX_ERROR, str_sub, str_gsub, utf8_len = 4096, string.sub, string.gsub, utf8.len
 local MAX_REPLY = LIMITS.MAX_REPLY_BYTES
-local MAX_VALUES, MAX_DEPTH, TABLES_PER_CLOCK = LIMITS.MAX_REPLY_VALUES, LIMITS.MAX_DEPTH, 4096
+local MAX_VALUES, MAX_DEPTH, TABLES_PER_CLOCK = LIMITS.MAX_REPLY_VALUES, LIMITS.MAX_DEPTH, 16
+local ENTRIES_PER_CLOCK = LIMITS.ENTRIES_PER_CHECK
 local TOO_DEEP = "reply nested deeper than " .. tostring(MAX_DEPTH) .. " levels"
 local TOO_MANY = "the reply holds more than " .. tostring(MAX_VALUES) .. " values (tables and their entries, a " ..
                  "table counted once per reference); return fewer"
@@ -315,8 +316,16 @@ local function outcome(ok, v)
       -- worker's time, and its call's whole budget under load, before it was refused. A table
       -- deeper than MAX_DEPTH is refused here too (the converter would, on reaching it: stopping
       -- the count there let a shared-table sibling reach the converter); the deadline passing
-      -- leaves the rest to the converter, which checks it too.
+      -- leaves the rest to the converter, which checks it too. The clock is read every
+      -- TABLES_PER_CLOCK tables (a read is ~0.5 us: the 131,072 references of a reply of shared
+      -- tables would add 70 ms), and every ENTRIES_PER_CLOCK entries: a traversal's cost is not
+      -- its entries. Its first step scans the array part for the first value (a table of one
+      -- million nil slots, referenced 60,000 times, was counted and converted for 4.5 s past a
+      -- 0.5 s budget, with the clock read every 4,096 tables), and each step walks the chain of
+      -- the key it left, which integer keys (hashed without a seed) can make as long as the table
+      -- (a kept table of 32,766 colliding keys: 2.7 s past a 5 s budget).
       local left, stack, depths, n, tables = MAX_VALUES, {v}, {0}, 1, 0
+      local late = false
       while n > 0 do
         local t, d = stack[n], depths[n]
         stack[n], depths[n], n = nil, nil, n - 1
@@ -328,7 +337,9 @@ local function outcome(ok, v)
           left = left - 1
           if left < 0 then return 1, TOO_MANY end
           if type(x) == "table" then n = n + 1; stack[n], depths[n] = x, d + 1 end
+          if left % ENTRIES_PER_CLOCK == 0 and clock() > B.deadline then late = true; break end
         end
+        if late then break end
       end
     end
     return 0, v
@@ -339,11 +350,8 @@ local function outcome(ok, v)
   return 1, error_text(v)
 end
 
-local function new_env(bytecode, name, deadline)
-  local env = setmetatable({}, env_mt)
-  env._G = env
-  local chunk, err = load(bytecode, name, "b", env)
-  if not chunk then return nil, 1, err end
+-- The plugin's top level (chunk, whose _ENV is env) under deadline: env, 0, nil or nil, status, message.
+local function top_level(chunk, env, deadline)
   if B.ncos > 0 or nactive > 0 then release() end
   if B.rearm then B.rearm = false; sethook(hook, "", COUNT) end
   B.deadline, B.expired, B.why, B.loading = deadline, false, nil, true
@@ -351,6 +359,14 @@ local function new_env(bytecode, name, deadline)
   B.loading, B.deadline = false, math_huge
   if status ~= 0 then return nil, status, v end
   return env, 0, nil
+end
+
+local function new_env(bytecode, name, deadline)
+  local env = setmetatable({}, env_mt)
+  env._G = env
+  local chunk, err = load(bytecode, name, "b", env)
+  if not chunk then return nil, 1, err end
+  return top_level(chunk, env, deadline)
 end
 
 local function call(env, handler, event, deadline, same_call)
@@ -374,23 +390,50 @@ end
 -- The collection marks only the sandbox (the call's environment is garbage by then, its reply
 -- still referenced) and frees what the call allocated: work the call's own budget paid to build.
 -- What is allocated counts the large strings built since the last collection (Lua 5.5 does not).
+-- Both counted from what the runtime holds between calls (B.base: the sandbox, and the plugin's
+-- loaded chunk, as large as its code).
 local GC_AT, KEEP = LIMITS.memory / 2048, LIMITS.ISOLATED_KEEP / 1024 -- in KB
+B.base = 0
 local function gc(count)
-  if count then return collectgarbage("count") + uncounted() / 1024 end
+  if count then return collectgarbage("count") + uncounted() / 1024 - B.base end
   uncounted(true)
   collectgarbage()
 end
-local function fresh_call(bytecode, name, handler, event, deadline)
-  if gc("count") > GC_AT then gc() end
-  if B.seeded then B.seeded = false; native_seed(math_tointeger(clock() * 1e9 // 1)) end
-  local env, status, v = new_env(bytecode, name, deadline)
-  if env then
-    status, v = call(env, handler, event, deadline, true)
-    env = nil
+-- The isolated (per_request) call of one plugin version: its chunk is loaded once per runtime, at
+-- the first call, and each call runs it again in a fresh environment, a new _ENV upvalue of its
+-- own (upvaluejoin: a function an earlier call made keeps the earlier one). Loading it per call
+-- (lundump: every prototype and constant made again, before the call's deadline was even set)
+-- took ~0.25 s of CPU a call for a 4 MB plugin of 350,000 string constants whose top level only
+-- defines functions, on a 50 ms budget, and answered ok. Between calls _ENV is an empty table.
+local upvaluejoin, NO_ENV = debug.upvaluejoin, setmetatable({}, {__newindex = function() end, __metatable = false})
+local function no_env() return NO_ENV end
+local function fresh_for(bytecode, name)
+  local chunk
+  return function(handler, event, deadline)
+    if chunk == nil then
+      local err
+      chunk, err = load(bytecode, name, "b", NO_ENV)
+      if not chunk then return 1, err, false end
+      bytecode = nil
+      collectgarbage()
+      B.base = collectgarbage("count")
+    end
+    if gc("count") > GC_AT then gc() end
+    if B.seeded then B.seeded = false; native_seed(math_tointeger(clock() * 1e9 // 1)) end
+    local env = setmetatable({}, env_mt)
+    env._G = env
+    upvaluejoin(chunk, 1, function() return env end, 1)
+    local status, v
+    env, status, v = top_level(chunk, env, deadline)
+    upvaluejoin(chunk, 1, no_env, 1)
+    if env then
+      status, v = call(env, handler, event, deadline, true)
+      env = nil
+    end
+    -- (the coroutines the call resumed are still referenced, for the watchdog: settle, next)
+    if B.ncos == 0 and gc("count") > KEEP then gc() end
+    return status, v, B.ncos > 0
   end
-  -- (the coroutines the call resumed are still referenced, for the watchdog: settle, next)
-  if B.ncos == 0 and gc("count") > KEEP then gc() end
-  return status, v, B.ncos > 0
 end
 -- After an isolated call that resumed coroutines, once the VM has stopped writing to them
 -- (lua.py): let them go, and what they hold (a suspended one keeps its locals), then collect.
@@ -399,14 +442,27 @@ local function settle()
   if gc("count") > KEEP then gc() end
 end
 
-for _, f in next, {new_env, call, fresh_call, outcome, error_text, release, settle, gc, uncounted} do OWN[f] = true end
+for _, f in next, {new_env, top_level, call, outcome, error_text, release, settle, gc, uncounted} do OWN[f] = true end
 
-local function functions(env)
-  local names = {}
+-- The handler names of an environment, or nil once the clock passes deadline: read every
+-- ENTRIES_PER_CLOCK keys, since a top level can fill its environment with integer keys chosen to
+-- collide, and each step of next then walks a chain as long as the table (32,000 such keys: a
+-- 1.5 s walk after a top level within its 2 s load budget, at every save and worker start).
+local function functions(env, deadline)
+  local names, n = {}, 0
   for k, v in next, env do
+    n = n + 1
+    if n % ENTRIES_PER_CLOCK == 0 and clock() > deadline then return nil end
     if type(k) == "string" and type(v) == "function" then names[#names + 1] = k end
   end
   return names
 end
 
-return new_env, call, fresh_call, functions, tostring((coroutine.running())), settle
+-- (fresh_for's calls are made OWN as they are made)
+local function fresh(bytecode, name)
+  local f = fresh_for(bytecode, name)
+  OWN[f] = true
+  return f
+end
+
+return new_env, call, fresh, functions, tostring((coroutine.running())), settle

@@ -23,6 +23,7 @@ import tracemalloc
 import pytest
 
 from execapp.engine import HandlerError
+from plugins.errors import GuestTimeout
 from plugins.loaded import LoadedPlugin
 from plugins.runtimes import lua
 from plugins.spec import PluginSpec
@@ -33,6 +34,11 @@ BUDGET = 0.3
 BOUND = 2 * BUDGET + 0.5
 HARD = 20.0  # seconds a child may spend on one case before it counts as hung
 EVENT = {"id": "e", "type": "message", "text": "x", "args": "x", "data": {}, "session": "s"}
+
+# A chain of n tables, each the __index and __newindex of the one before, the last holding `last`'s entries.
+CHAIN = ("local function chain(n, last) local t = {} local cur = t for i = 1, n do local nx = {} "
+         "setmetatable(cur, {__index = nx, __newindex = nx}) cur = nx end "
+         "for k, v in pairs(last or {}) do cur[k] = v end return t end ")
 
 # name -> (handler body, memory_mb, budget s, expected codes, a substring of the message or None).
 # Already contained before this file: kept as regression cases.
@@ -195,6 +201,37 @@ FIXED: dict[str, tuple[str, int, float, tuple[str, ...], str | None]] = {
                                          "local t = {} for i = 1, 2000 do t[i] = o end "
                                          "return #string.format(string.rep('%.1s', 2000), table.unpack(t))", 64,
                                          BUDGET, ("timeout",), None),
+    # a C loop's access to a key a table lacks walks the table's __index chain natively, up to 2,000
+    # tables (~30 us) an access, unseen by any hook: gsub with such a table as its replacement did
+    # 600,000 lookups in one native call, 33 s on a 0.3 s budget (the guard counted 48 units a match)
+    "gsub_index_chain": (CHAIN + "local t = chain(1990) return #string.gsub(string.rep('a', 600000), '.', t)",
+                         64, BUDGET, ("timeout",), None),
+    # the same with a chain of one table ending in a function that makes the chain 1,990 tables long at
+    # the first lookup: 27 s (the chain's length when the call starts does not bound it)
+    "gsub_index_rewired": (CHAIN + "local long = chain(1990) local t = setmetatable({}, {__index = function(t) "
+                           "setmetatable(t, getmetatable(long)) end}) "
+                           "return #string.gsub(string.rep('a', 600000), '.', t)", 64, BUDGET, ("timeout",), None),
+    # gsub with a position capture looks its table up by integers, hashed without a seed: 800,000
+    # absent positions next to a chain of 16,382 colliding keys, in one native call (the guard counted
+    # 48 units a match), ran 41 s on a 3 s budget; now the lookups run in the Lua matcher
+    "gsub_position_keys_colliding": ("local S = 1 << 15 local t = {} "
+                                     "for i = 1, S // 2 + 1 do t[i * 2 + 1000000] = true end "
+                                     "for i = 1, S // 2 + 1 do t[i * 2 + 1000000] = nil end "
+                                     "for i = 1, S // 2 - 2 do t[i * (S - 1)] = 'x' end "
+                                     "return select(2, string.gsub(string.rep('a', 799999), '()', t))", 64, 1.5,
+                                     ("timeout",), None),
+    # a traversal's first step scans the table's array part: one table of a million nil slots referenced
+    # 60,000 times (each reference counted and converted) was read for 4.5 s past a 0.5 s budget, with
+    # the clock read every 4,096 tables (1,024 in the converter); now before every table
+    "reply_shared_sparse_table": ("local t = {} for i = 1, 1e6 do t[i] = i end for i = 1, 1e6 do t[i] = nil end "
+                                  "local r = {} for i = 1, 60000 do r[i] = t end return r", 64, 0.5, ("timeout",),
+                                  "while its reply was converted"),
+    # a default-order sort of 4,095 elements with holes read through a 1,990-table chain ran natively
+    # (its comparisons looked cheap): ~3 s on a 0.3 s budget; now the table is copied to a plain array
+    "sort_holes_index_chain": (CHAIN + "local src = {} for i = 1, 4096 do src[i] = (i * 7919) % 4096 end "
+                               "local t = {} for i = 1, 4096 do t[i] = i end for i = 2, 4095, 2 do t[i] = nil end "
+                               "setmetatable(t, getmetatable(chain(1990, src))) local n = #t table.sort(t) "
+                               "return n", 64, BUDGET, ("ok", "timeout"), None),
 }
 
 _CHILD = r"""
@@ -427,3 +464,109 @@ def test_rep_in_pieces_gives_the_native_result() -> None:
     results = [lua._LuaVM(spec, bytecode, guards=guards).call_fresh("h", {"args": ""}, time.monotonic() + 30)
                for guards in (False, True)]
     assert results[0] == results[1]
+
+
+def test_tables_behind_metatable_chains_give_the_native_results() -> None:
+    # gsub with a table replacement (a chain, one ending in a function, a plain table), and the range
+    # functions and sort on tables behind __index/__newindex chains: as many elements as take the
+    # smaller chunks, the Lua matcher, or sort's copy; the same results guarded and unguarded.
+    spec = PluginSpec(name="chains", runtime="lua", timeout=30, memory_bytes=64 << 20, code=CHAIN + r"""
+        local function sum(t, n) local h = 0 for i = 1, n do h = (h * 31 + (tonumber(t[i]) or 7)) % 2147483647 end
+          return h end
+        function h(e)
+          local out, s = {}, string.rep("abcdefg", 700)
+          local vals = {a = "1", b = "22", c = false, [3] = "three"}
+          for _, repl in ipairs({chain(3, vals), chain(1500, vals), vals,
+                                 setmetatable({}, {__index = function(t, k) return k == "d" and "D" or nil end})}) do
+            local r, n = string.gsub(s, "(%a)", repl)
+            out[#out + 1] = #r .. ":" .. n .. ":" .. r:sub(1, 40)
+            r, n = string.gsub(s, "()c", repl, 500)
+            out[#out + 1] = #r .. ":" .. n .. ":" .. r:sub(1, 40)
+          end
+          local src = {} for i = 1, 3000 do src[i] = tostring((i * 7919) % 3001) end
+          local t = chain(400, src)
+          out[#out + 1] = #table.concat(t, ",", 1, 3000)
+          out[#out + 1] = sum(table.move(t, 1, 3000, 1, {}), 3000)
+          local d = chain(400) table.move(src, 1, 3000, 2, d) out[#out + 1] = sum(d, 3001)
+          out[#out + 1] = select("#", table.unpack(t, 1, 3000)) .. ":" .. table.concat({table.unpack(t, 10, 20)}, ",")
+          local holes = {} for i = 1, 3000 do holes[i] = src[i] end for i = 2, 2999, 2 do holes[i] = nil end
+          setmetatable(holes, {__index = chain(300, src)})
+          table.insert(holes, 5, "x") out[#out + 1] = sum(holes, 3001)
+          out[#out + 1] = tostring(table.remove(holes, 7)) .. sum(holes, 3000)
+          table.sort(holes) out[#out + 1] = sum(holes, 3000)
+          return table.concat(out, "|")
+        end""")
+    bytecode = lua.compile_bytecode(spec)
+    native, guarded = (lua._LuaVM(spec, bytecode, guards=guards).call_fresh("h", {}, time.monotonic() + 30).split("|")
+                       for guards in (False, True))
+    assert len(guarded) == 15
+    for i, (want, got) in enumerate(zip(native, guarded)):
+        assert got == want, (i, want[:200], got[:200])
+
+
+def test_a_kept_table_of_colliding_keys_is_read_back_within_the_budget() -> None:
+    # One step of a table's traversal (lua_next) walks the chain of the key it left, and integer keys
+    # (hashed without a seed) can make that chain as long as the table: a pooled plugin that built
+    # 32,766 colliding keys over earlier calls and returned them had its reply read in two quadratic
+    # walks, the sandbox's count and the converter, that checked the clock only between tables: 7.7 s
+    # on a 5 s budget (3 s of it after the deadline) and `ok`. The clock is now read every 64 entries.
+    budget = 0.5
+    plugin = LoadedPlugin(PluginSpec(name="kept", runtime="lua", strategy="pooled", timeout=budget, pool_size=1,
+                                     memory_bytes=64 << 20, code="""
+        local S, T, done = 1 << 16, {}, 0
+        for i = 1, S // 2 + 1 do T[i * 2 + 1000000] = true end
+        for i = 1, S // 2 + 1 do T[i * 2 + 1000000] = nil end
+        function build(e)
+          local last = math.min(done + 300, S // 2 - 2)
+          for i = done + 1, last do T[i * (S - 1)] = 'x' end
+          done = last
+          return tostring(done)
+        end
+        function ret(e) return T end"""))
+    while plugin.call("build", EVENT) != str((1 << 15) - 2):
+        pass
+    started = time.monotonic()
+    with pytest.raises(HandlerError) as info:
+        plugin.call("ret", EVENT)
+    elapsed = time.monotonic() - started
+    assert info.value.code == "timeout", info.value
+    assert elapsed < 2 * budget + 0.5, f"{elapsed:.2f} s on a {budget} s budget"
+
+
+def test_a_top_level_environment_of_colliding_keys_is_read_within_the_load_budget() -> None:
+    # Validation reads the top level's environment for handler names after the top level ran (its
+    # deadline is over by then): 32,000 integer keys chosen to collide, stored by a top level within
+    # its 2 s load budget, made that read walk a chain per step, 1.5 s more at every save and worker
+    # start (3.3 s in all, and the plugin saved). The read now stops at the load deadline too.
+    spec = PluginSpec(name="env", runtime="lua", timeout=30, memory_bytes=64 << 20, code="""
+        local S = 1 << 16
+        for i = 1, S // 2 + 1 do _ENV[i * 2 + 1000000] = true end
+        for i = 1, S // 2 + 1 do _ENV[i * 2 + 1000000] = nil end
+        for i = 1, 24000 do _ENV[i * (S - 1)] = 'x' end
+        function h(e) return 'ok' end""")
+    vm = lua._LuaVM(spec, lua.compile_bytecode(spec))
+    env = vm.load_env(time.monotonic() + 60)
+    started = time.monotonic()
+    with pytest.raises(GuestTimeout, match="environment was still being read"):
+        vm.functions(env, started + 0.1)
+    assert time.monotonic() - started < 0.4
+    small = PluginSpec(name="small", runtime="lua", timeout=1, code="x = 1 function h(e) end local function g() end "
+                                                                     "function k(e) end")
+    assert lua.LuaCompiled(small).handlers == {"h", "k"}
+
+
+def test_a_per_request_call_does_not_load_the_plugins_code_again() -> None:
+    # A per_request call loaded the plugin's bytecode into a fresh environment every time (lundump:
+    # every prototype and string constant made again, before the call's deadline was set): a 4 MB
+    # plugin of ~350,000 string constants in functions it never calls took 0.18-0.26 s of CPU a
+    # call on a 50 ms budget, and answered ok. Now the chunk is loaded at a thread's first call.
+    items = [f'"k{i:08d}"' for i in range(340_000)]
+    code = "\n".join(f"local function d{j}() return {{{','.join(items[j:j + 30000])}}} end"
+                     for j in range(0, len(items), 30000)) + "\nn = (n or 0) + 1 function h(e) return tostring(n) end"
+    plugin = LoadedPlugin(PluginSpec(name="big", runtime="lua", strategy="per_request", timeout=0.05,
+                                     memory_bytes=256 << 20, code=code))
+    assert plugin.call("h", EVENT) == "1"
+    for _ in range(5):
+        started = time.thread_time()
+        assert plugin.call("h", EVENT) == "1"  # a fresh environment still: no global of the last call
+        assert time.thread_time() - started < 0.05
