@@ -60,7 +60,7 @@ CONTAINED: dict[str, tuple[str, int, float, tuple[str, ...], str | None]] = {
                        ("ok",), None),
     "gc_set_after_setmetatable": ("local mt = {} local t = setmetatable({}, mt) "
                                   "mt.__gc = function() while true do end end t = nil "
-                                  "local x for i = 1, 1e6 do x = {} end return 'ok'", 16, BUDGET, ("ok",), None),
+                                  "local x for i = 1, 3e5 do x = {} end return 'ok'", 16, BUDGET, ("ok",), None),
     # standard-library C functions with sizes from the guest
     "format_width": ("return string.format('%99999d', 1)", 16, BUDGET, ("handler_error",), "invalid conversion"),
     "rep_overflowing_size": ("return string.rep('x', math.maxinteger, 'y')", 16, BUDGET, ("memory_limit",),
