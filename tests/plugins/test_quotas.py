@@ -408,8 +408,16 @@ def test_every_host_call_checks_the_deadline() -> None:
 
 
 @pytest.mark.django_db
+def test_a_guest_rereading_kv_under_pcall_ends_at_the_reads_quota() -> None:
+    # kv_get had no per-call quota: a loop made one store round trip per read until the deadline
+    # (tests/plugins/test_wasm_host_floods.py has the numbers). pcall does not catch the quota.
+    info = quota_error(loaded("lua", CODE["lua"], timeout=5.0, kv_reads=20), "kv_until_timeout")
+    assert info.code == "quota_kv_reads" and "already made 20 kv_get calls" in str(info)
+
+
+@pytest.mark.django_db
 def test_a_guest_looping_on_kv_ends_with_timeout() -> None:
-    plugin = loaded("lua", CODE["lua"], timeout=0.3)
+    plugin = loaded("lua", CODE["lua"], timeout=0.3, kv_reads=1 << 30)  # the deadline, not the reads quota
     started = time.monotonic()
     with pytest.raises(HandlerTimeout, match="kv_get: no time left|timeout"):
         plugin.call("kv_until_timeout", event())
