@@ -353,10 +353,13 @@ HOST_IMPORTS = frozenset({"log", "kv_get", "kv_set", "kv_incr", "sleep", "http_g
 # -- compiled modules -----------------------------------------------------------------------------
 
 MODULE_CACHE_SIZE = 64
-#: Bytes of module binaries the compiled modules above may come from together (each up to
-#: MAX_MODULE_BYTES, its machine code more): every save of a plugin is a new version.
+#: Bytes of machine code (a module's serialized size) the compiled modules above may hold
+#: together: every save of a plugin is a new version. Counted by the code a module compiled to,
+#: not by its binary: 80 KB of empty functions compile to 4.2 MB (52x; ~4 MB of RSS each), so 64
+#: such versions counted as 5 MB held ~260 MB.
 MODULE_CACHE_BYTES = 64 << 20
-_modules: "WeighedLRU[str, wasmtime.Module]" = WeighedLRU()
+#: Version -> (its module, the bytes of machine code it holds).
+_modules: "WeighedLRU[str, tuple[wasmtime.Module, int]]" = WeighedLRU()
 _modules_lock = threading.Lock()
 
 
@@ -404,18 +407,23 @@ def check_module_size(wasm: bytes) -> None:
 
 
 def compile_module(version: str, wasm: bytes) -> wasmtime.Module:
-    """The compiled module of one version, compiled once per process (an LRU of MODULE_CACHE_SIZE
-    entries and MODULE_CACHE_BYTES): its size checked first (check_module_size), then compiled in
-    a bounded child (_compile_bounded)."""
+    """The compiled module of one version (see compiled_module)."""
+    return compiled_module(version, wasm)[0]
+
+
+def compiled_module(version: str, wasm: bytes) -> tuple[wasmtime.Module, int]:
+    """The compiled module of one version and the bytes of machine code it holds, compiled once
+    per process (an LRU of MODULE_CACHE_SIZE entries and MODULE_CACHE_BYTES of machine code): its
+    size checked first (check_module_size), then compiled in a bounded child (_compile_bounded)."""
     with _modules_lock:
-        module = _modules.get(version)
-        if module is not None:
-            return module
+        entry = _modules.get(version)
+        if entry is not None:
+            return entry
     check_module_size(wasm)
-    module = _compile_bounded(wasm)
+    entry = _compile_bounded(wasm)
     with _modules_lock:
-        _modules.put(version, module, len(wasm), MODULE_CACHE_SIZE, MODULE_CACHE_BYTES)
-    return module
+        _modules.put(version, entry, entry[1], MODULE_CACHE_SIZE, MODULE_CACHE_BYTES)
+    return entry
 
 
 # The compiling child: limits its own address space, builds the Engine from ENGINE_SETTINGS,
@@ -454,9 +462,10 @@ def _proposal_hint(message: str) -> str:
     return ""
 
 
-def _compile_bounded(wasm: bytes) -> wasmtime.Module:
+def _compile_bounded(wasm: bytes) -> tuple[wasmtime.Module, int]:
     """``wasm`` compiled in a child process bounded by COMPILE_TIMEOUT_SECONDS and
-    COMPILE_MEMORY_BYTES (wasmtime cannot interrupt a compile), loaded into ENGINE."""
+    COMPILE_MEMORY_BYTES (wasmtime cannot interrupt a compile), loaded into ENGINE; with the bytes
+    of its serialized form, which is what the loaded module holds (machine code and its tables)."""
     # MALLOC_ARENA_MAX: glibc's per-thread arenas reserve 64 MiB of address space each.
     env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
     try:
@@ -468,7 +477,8 @@ def _compile_bounded(wasm: bytes) -> wasmtime.Module:
                            code="timeout") from None
     except OSError:  # no child process here (a sandbox): the size limits still bound the cost
         try:
-            return wasmtime.Module(ENGINE, wasm)
+            module = wasmtime.Module(ENGINE, wasm)
+            return module, len(module.serialize())
         except wasmtime.WasmtimeError as exc:
             raise CompileError(f"the module does not compile: {exc}{_proposal_hint(str(exc))}") from None
     out = done.stdout
@@ -486,7 +496,7 @@ def _compile_bounded(wasm: bytes) -> wasmtime.Module:
                                f"({message[:200]}); make it smaller", code="memory_limit")
         raise CompileError(f"the module does not compile: {message}{_proposal_hint(message)}")
     # Trusted: these bytes are what this process's own child serialized with this wasmtime.
-    return wasmtime.Module.deserialize(ENGINE, out[1:])
+    return wasmtime.Module.deserialize(ENGINE, out[1:]), len(out) - 1
 
 
 def drop_caches() -> None:
@@ -747,7 +757,8 @@ class WasmCompiled(FreshInstanceIsolation):
         code = spec.code
         if isinstance(code, str):
             code = wat_to_wasm(code)
-        self.module = compile_module(spec.version, bytes(code))
+        #: Bytes of machine code the module holds (plugins.loaded counts them in its cache).
+        self.module, self.native_bytes = compiled_module(spec.version, bytes(code))
         for imp in self.module.imports:
             if imp.module != "env" or imp.name not in HOST_IMPORTS:
                 raise CompileError(f"unknown import {imp.module}.{imp.name}: the host provides env.log, env.kv_get, "
