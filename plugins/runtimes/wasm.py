@@ -432,23 +432,28 @@ def compiled_module(version: str, wasm: bytes) -> tuple[wasmtime.Module, int]:
     return entry
 
 
-# The compiling child: lowers its priority (COMPILE_NICE), limits its own address space, builds
-# the Engine from ENGINE_SETTINGS, compiles stdin and writes b"M" + the serialized module, or b"E" + wasmtime's message.
+# The compiling child: lowers its priority (COMPILE_NICE), limits its own address space, then in
+# mode "wasm" builds the Engine from ENGINE_SETTINGS and compiles stdin, in mode "wat" turns stdin's
+# WebAssembly text into a binary; it writes b"M" + the serialized module or the binary, or b"E" +
+# wasmtime's message.
 _COMPILER = """
 import json, os, resource, sys
 os.nice(int(sys.argv[3]))
 limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 import wasmtime
-config = wasmtime.Config()
-for name, value in json.loads(sys.argv[2]).items():
-    setattr(config, name, value)
-wasm = sys.stdin.buffer.read()
+data = sys.stdin.buffer.read()
 try:
-    data = b"M" + wasmtime.Module(wasmtime.Engine(config), wasm).serialize()
+    if sys.argv[4] == "wat":
+        out = b"M" + bytes(wasmtime.wat2wasm(data.decode("utf-8", "surrogatepass")))
+    else:
+        config = wasmtime.Config()
+        for name, value in json.loads(sys.argv[2]).items():
+            setattr(config, name, value)
+        out = b"M" + wasmtime.Module(wasmtime.Engine(config), data).serialize()
 except wasmtime.WasmtimeError as exc:
-    data = b"E" + str(exc).encode()
-sys.stdout.buffer.write(data)
+    out = b"E" + str(exc).encode()
+sys.stdout.buffer.write(out)
 """
 
 
@@ -469,41 +474,54 @@ def _proposal_hint(message: str) -> str:
     return ""
 
 
-def _compile_bounded(wasm: bytes) -> tuple[wasmtime.Module, int]:
-    """``wasm`` compiled in a child process bounded by COMPILE_TIMEOUT_SECONDS and
-    COMPILE_MEMORY_BYTES (wasmtime cannot interrupt a compile), loaded into ENGINE; with the bytes
-    of its serialized form, which is what the loaded module holds (machine code and its tables)."""
+def _in_child(mode: str, data: bytes, doing: str) -> tuple[bytes | None, str | None]:
+    """Run the compiling child in ``mode`` ("wasm" or "wat") on ``data``, bounded by
+    COMPILE_TIMEOUT_SECONDS and COMPILE_MEMORY_BYTES: (its output, None), (None, wasmtime's
+    message), or (None, None) when no child process can start here (a sandbox). ``doing`` names
+    the work in the CompileError (``timeout``, ``memory_limit``) of a child stopped at a bound."""
     # MALLOC_ARENA_MAX: glibc's per-thread arenas reserve 64 MiB of address space each.
     env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
     try:
         done = subprocess.run([sys.executable, "-I", "-c", _COMPILER, str(COMPILE_MEMORY_BYTES),
-                               json.dumps(ENGINE_SETTINGS), str(COMPILE_NICE)], input=wasm, capture_output=True,
+                               json.dumps(ENGINE_SETTINGS), str(COMPILE_NICE), mode], input=data, capture_output=True,
                               env=env, timeout=COMPILE_TIMEOUT_SECONDS, check=False)
     except subprocess.TimeoutExpired:
-        raise CompileError(f"compiling the module took more than {COMPILE_TIMEOUT_SECONDS:g} s; make it smaller",
+        raise CompileError(f"{doing} took more than {COMPILE_TIMEOUT_SECONDS:g} s; make it smaller",
                            code="timeout") from None
-    except OSError:  # no child process here (a sandbox): the size limits still bound the cost
-        try:
-            module = wasmtime.Module(ENGINE, wasm)
-            return module, len(module.serialize())
-        except wasmtime.WasmtimeError as exc:
-            raise CompileError(f"the module does not compile: {exc}{_proposal_hint(str(exc))}") from None
+    except OSError:
+        return None, None
     out = done.stdout
     if done.returncode or out[:1] not in (b"M", b"E"):
         # Out of address space, wasmtime aborts ("memory allocation of N bytes failed") or Python
         # raises MemoryError (the traceback's last line): the line that names memory says which.
         lines = done.stderr.decode("utf-8", "replace").strip().splitlines() or ["no message"]
         why = next((line for line in lines if "memory" in line.lower()), lines[-1])[:200]
-        raise CompileError(f"compiling the module failed within its {COMPILE_MEMORY_BYTES >> 20} MiB of memory "
+        raise CompileError(f"{doing} failed within its {COMPILE_MEMORY_BYTES >> 20} MiB of memory "
                            f"(exit status {done.returncode}: {why}); make it smaller", code="memory_limit")
     if out[:1] == b"E":
         message = out[1:].decode("utf-8", "replace")
         if _out_of_memory(message):  # wasmtime reported the allocation failure instead of aborting
-            raise CompileError(f"compiling the module failed within its {COMPILE_MEMORY_BYTES >> 20} MiB of memory "
+            raise CompileError(f"{doing} failed within its {COMPILE_MEMORY_BYTES >> 20} MiB of memory "
                                f"({message[:200]}); make it smaller", code="memory_limit")
-        raise CompileError(f"the module does not compile: {message}{_proposal_hint(message)}")
+        return None, message
+    return out[1:], None
+
+
+def _compile_bounded(wasm: bytes) -> tuple[wasmtime.Module, int]:
+    """``wasm`` compiled in a child process bounded by COMPILE_TIMEOUT_SECONDS and
+    COMPILE_MEMORY_BYTES (wasmtime cannot interrupt a compile), loaded into ENGINE; with the bytes
+    of its serialized form, which is what the loaded module holds (machine code and its tables)."""
+    serialized, message = _in_child("wasm", wasm, "compiling the module")
+    if serialized is None and message is None:  # no child process here: the size limits still bound the cost
+        try:
+            module = wasmtime.Module(ENGINE, wasm)
+            return module, len(module.serialize())
+        except wasmtime.WasmtimeError as exc:
+            message = str(exc)
+    if serialized is None:
+        raise CompileError(f"the module does not compile: {message}{_proposal_hint(message or '')}")
     # Trusted: these bytes are what this process's own child serialized with this wasmtime.
-    return wasmtime.Module.deserialize(ENGINE, out[1:]), len(out) - 1
+    return wasmtime.Module.deserialize(ENGINE, serialized), len(serialized)
 
 
 def drop_caches() -> None:
@@ -517,12 +535,29 @@ def drop_caches() -> None:
 atexit.register(drop_caches)
 
 
+#: Characters of WebAssembly text parsed in this process; longer text is parsed in the bounded
+#: compiling child. wasmtime's text parser cannot be interrupted and is not linear: each `br $name`
+#: looks its label up through every enclosing block, so 40,000 nested blocks and as many branches
+#: to the outermost (0.56 MB) took 2.8 s, and 4 MiB of them minutes, on the admin's save (or a
+#: registry sync's thread, for a row holding only text). At this size that shape takes ~50 ms.
+WAT_INPROCESS_CHARS = 64 << 10
+
+
 def wat_to_wasm(text: str) -> bytes:
-    """Compile WebAssembly text (.wat) to a binary; raises CompileError with wasmtime's message."""
-    try:
-        return bytes(wasmtime.wat2wasm(text))
-    except wasmtime.WasmtimeError as exc:
-        raise CompileError(f"the .wat does not parse: {exc}") from None
+    """Compile WebAssembly text (.wat) to a binary; raises CompileError with wasmtime's message
+    (``timeout`` or ``memory_limit`` for text over WAT_INPROCESS_CHARS that its child could not parse
+    within COMPILE_TIMEOUT_SECONDS or COMPILE_MEMORY_BYTES)."""
+    binary, message = None, None
+    if len(text) > WAT_INPROCESS_CHARS:
+        binary, message = _in_child("wat", text.encode("utf-8", "surrogatepass"), "parsing the .wat")
+    if binary is None and message is None:
+        try:
+            binary = bytes(wasmtime.wat2wasm(text))
+        except wasmtime.WasmtimeError as exc:
+            message = str(exc)
+    if binary is None:
+        raise CompileError(f"the .wat does not parse: {message}")
+    return binary
 
 
 # -- fast export calls ----------------------------------------------------------------------------
