@@ -451,8 +451,8 @@ try:
         for name, value in json.loads(sys.argv[2]).items():
             setattr(config, name, value)
         out = b"M" + wasmtime.Module(wasmtime.Engine(config), data).serialize()
-except wasmtime.WasmtimeError as exc:
-    out = b"E" + str(exc).encode()
+except (wasmtime.WasmtimeError, ValueError) as exc:  # ValueError: text wasmtime cannot take (a lone surrogate)
+    out = b"E" + str(exc).encode("utf-8", "backslashreplace")
 sys.stdout.buffer.write(out)
 """
 
@@ -553,7 +553,7 @@ def wat_to_wasm(text: str) -> bytes:
     if binary is None and message is None:
         try:
             binary = bytes(wasmtime.wat2wasm(text))
-        except wasmtime.WasmtimeError as exc:
+        except (wasmtime.WasmtimeError, ValueError) as exc:  # ValueError: a lone surrogate
             message = str(exc)
     if binary is None:
         raise CompileError(f"the .wat does not parse: {message}")

@@ -80,3 +80,11 @@ def test_a_large_wat_parses_in_the_child_as_it_does_here() -> None:
     assert wasm.wat_to_wasm(large) == bytes(wasmtime.wat2wasm(large))
     with pytest.raises(CompileError, match=r"the \.wat does not parse: .*unknown operator"):
         wasm.wat_to_wasm(large.replace("br $o", "br.bogus $o", 1))
+
+
+@pytest.mark.parametrize("padding", [0, 70_000], ids=["here", "in_the_child"])
+def test_a_wat_with_a_lone_surrogate_is_refused_as_not_parsing(padding: int) -> None:
+    # Here it raised a bare UnicodeEncodeError; in the child, an exit read as running out of memory.
+    with pytest.raises(CompileError, match=r"the \.wat does not parse: .*surrogates not allowed") as info:
+        wasm.wat_to_wasm("(module (func))" + " " * padding + "\ud800")
+    assert info.value.code == "plugin_invalid"
