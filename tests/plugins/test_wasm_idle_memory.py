@@ -1,9 +1,10 @@
-"""Linear memory that idle pooled WASM instances keep (found, not fixed: see the xfail's reason).
+"""Linear memory that idle pooled WASM instances keep: at most wasm.IDLE_MEMORY_BYTES together.
 
-Each pooled instance keeps the memory its calls touched, up to its plugin's cap, for as long as the
+Each pooled instance kept the memory its calls touched, up to its plugin's cap, for as long as the
 plugin is loaded; nothing bounds the total over plugins. Measured: 10 plugins at the defaults
 (pooled, 4 instances, 16 MiB), each called 4 at once by a guest touching its whole memory, left
 the worker +639 MB while every one of them was idle; MAX_PLUGINS (100) of them, ~6.4 GB.
+Past the budget an instance ending a call frees its store and instantiates again at its next call.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import threading
 import pytest
 
 from plugins.loaded import LoadedPlugin
+from plugins.runtimes import wasm
 from plugins.spec import PluginSpec
 from tests.plugins.test_wasm_hostile import EVENT, bounded, handler, module
 from tests.plugins.test_wasm_redteam import _rss_mib
@@ -23,13 +25,11 @@ TOUCH_ALL = module(handler("(drop (memory.grow (i32.const 255))) (memory.fill (i
                    imports='(import "env" "sleep" (func $sleep (param i32)))')
 
 
-@pytest.mark.xfail(reason="not fixed: idle pooled WASM instances keep the memory their calls touched (10 plugins "
-                          "at the default 4 x 16 MiB: +639 MB); the runtime would need to free an instance's "
-                          "store past a resident size as the call ends (mincore on its memory), or the pools a "
-                          "process-wide budget of idle memory", strict=False)
-def test_idle_pooled_instances_do_not_keep_the_memory_their_calls_touched() -> None:
+def test_idle_pooled_instances_keep_the_memory_their_calls_touched_within_one_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wasm, "IDLE_MEMORY_BYTES", 40 << 20)  # two and a half instances' 16 MiB
     gc.collect()
-    before = _rss_mib()
+    before, counted_before = _rss_mib(), wasm.idle_memory()
     plugins = [LoadedPlugin(PluginSpec(name=f"idle{k}", runtime="wasm", code=TOUCH_ALL, timeout=2.0,
                                        memory_bytes=16 << 20, strategy="pooled", pool_size=4,
                                        permissions=frozenset({"sleep"}))) for k in range(10)]
@@ -43,7 +43,12 @@ def test_idle_pooled_instances_do_not_keep_the_memory_their_calls_touched() -> N
                 thread.join()
         assert sum(plugin.strategy.idle() for plugin in plugins) == 40  # every instance idle in its pool
         kept = _rss_mib() - before
+        counted = wasm.idle_memory()
+        # and a call of an instance that freed its store instantiates again and answers
+        assert bounded(lambda: plugins[0].call("run", dict(EVENT), True, None)) is None
     finally:
         for plugin in plugins:
             plugin.close()
+    assert counted <= wasm.IDLE_MEMORY_BYTES
     assert kept < 100, f"40 idle instances of 10 plugins keep {kept} MiB"
+    assert wasm.idle_memory() == counted_before, "closed instances count nothing"
