@@ -623,8 +623,9 @@ def _signature(store: wasmtime.Store, func: wasmtime.Func) -> tuple[tuple[str, .
 #: together between calls. Each pooled or sharded instance kept what its calls touched, up to its
 #: plugin's cap, for as long as the plugin was loaded, with no bound over plugins: 10 plugins at the
 #: defaults (4 instances of 16 MiB) left a worker +639 MB while all were idle (~6.4 GB at
-#: MAX_PLUGINS). An instance ending a call past this budget frees its store instead, and
-#: instantiates again at its next call (~0.1 ms plus its start function: what per_request pays).
+#: MAX_PLUGINS). A pooled instance ending a call past this budget frees its store instead, and
+#: instantiates again at its next call (~0.1 ms plus its start function: what per_request pays);
+#: a sharded one counts but keeps its memory (its per-session state).
 IDLE_MEMORY_BYTES = 256 << 20
 #: Up to this size a memory counts whole; a larger one counts its resident pages (mincore).
 _IDLE_COUNT_WHOLE_BYTES = 1 << 20
@@ -674,6 +675,9 @@ class WasmInstance:
         #: Resident bytes this instance counts in _idle_bytes while idle (0 while a call runs).
         self._idle = 0
         self._started = False  # instantiated, its exports looked up
+        #: A shard's memory is the per-session state the strategy exists for (docs/plugins.md): it
+        #: counts against IDLE_MEMORY_BYTES but is never freed for it.
+        self._keeps_state = compiled.spec.strategy == "sharded"
 
     def start(self, seconds: float) -> None:
         """Instantiate, running the module's start function for at most ``seconds``."""
@@ -735,7 +739,7 @@ class WasmInstance:
                 if not keep:
                     kept = _resident(self.memory, store)
                     with _idle_lock:
-                        keep = _idle_bytes + kept <= IDLE_MEMORY_BYTES
+                        keep = self._keeps_state or _idle_bytes + kept <= IDLE_MEMORY_BYTES
                         if keep:
                             _idle_bytes += kept
                 if keep:

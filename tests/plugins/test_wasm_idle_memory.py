@@ -52,3 +52,20 @@ def test_idle_pooled_instances_keep_the_memory_their_calls_touched_within_one_bu
     assert counted <= wasm.IDLE_MEMORY_BYTES
     assert kept < 100, f"40 idle instances of 10 plugins keep {kept} MiB"
     assert wasm.idle_memory() == counted_before, "closed instances count nothing"
+
+
+def test_a_shard_keeps_its_state_past_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A shard's memory is its session's state: counted, never freed for the budget.
+    monkeypatch.setattr(wasm, "IDLE_MEMORY_BYTES", 0)
+    count = module(handler("(i32.store (i32.const 0) (i32.add (i32.load (i32.const 0)) (i32.const 1)))"
+                           " (i32.store (i32.const 4) (i32.add (i32.const 48) (i32.load (i32.const 0))))"
+                           " (call $pack (i32.const 4) (i32.const 1))"))
+    replies = {}
+    for strategy in ("sharded", "pooled"):
+        plugin = LoadedPlugin(PluginSpec(name=f"count_{strategy}", runtime="wasm", code=count, timeout=1.0,
+                                         strategy=strategy, shard_count=1, pool_size=1))
+        try:
+            replies[strategy] = [bounded(lambda p=plugin: p.call("run", dict(EVENT), True, None)) for _ in range(3)]
+        finally:
+            plugin.close()
+    assert replies == {"sharded": ["1", "2", "3"], "pooled": ["1", "1", "1"]}
