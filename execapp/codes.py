@@ -35,6 +35,8 @@ ERROR_CODES: dict[str, str] = {
     # Host quotas (plugins.errors.QUOTA_CODES): the call was ended, the event still gets its done.
     "quota_kv": "a handler's kv_set or kv_incr would take its plugin's stored KV keys or bytes past their quota",
     "quota_kv_writes": "a handler made more kv_set and kv_incr calls in one call than its plugin's quota",
+    "quota_kv_reads": "a handler made more kv_get calls, or read more value bytes, in one call than its plugin's "
+                      "quota",
     "quota_http": "a handler made more http_get requests or received more response bytes in one call than its "
                   "plugin's quota",
 }
@@ -65,7 +67,8 @@ EVENT_REFUSAL_CODES: frozenset[str] = frozenset(("rate_limited", "resend_in_prog
 #: The refusals a matched handler can get (``draining`` also refuses whole events): counted per
 #: matcher and plugin in execapp_handler_failures_total; docs/prometheus/ lists these in its rules.
 HANDLER_REFUSAL_CODES: frozenset[str] = frozenset(("plugin_busy", "plugin_unavailable", "overloaded", "draining",
-                                                   "quota_kv", "quota_kv_writes", "quota_http"))
+                                                   "quota_kv", "quota_kv_writes", "quota_kv_reads",
+                                                   "quota_http"))
 #: The codes that say a handler or an event was refused (not run, or its call ended by a host
 #: quota) rather than failed on its own: the dashboard's "refused" columns and the alert rules
 #: (docs/prometheus/) count these.

@@ -94,6 +94,8 @@ class CompileError(Exception):
 QUOTA_CODES: dict[str, str] = {
     "quota_kv": "a kv_set or kv_incr would take the plugin's stored KV data past its key or byte quota",
     "quota_kv_writes": "a handler called kv_set or kv_incr more times in one call than its plugin allows",
+    "quota_kv_reads": "a handler made more kv_get calls, or read more value bytes, in one call than its plugin "
+                      "allows",
     "quota_http": "a handler made more http_get requests, or received more response bytes, in one call "
                   "than its plugin allows",
 }
@@ -114,7 +116,7 @@ class GuestQuota(GuestError):
 class QuotaExceeded(HandlerError):
     """A handler's call was ended because it hit one of its plugin's host quotas.
 
-    ``code`` is the quota's own code (``quota_kv``, ``quota_kv_writes``, ``quota_http``).
+    ``code`` is the quota's own code (``quota_kv``, ``quota_kv_writes``, ``quota_kv_reads``, ``quota_http``).
     """
 
     code = "quota"

@@ -89,9 +89,12 @@ def compiled_for(spec: PluginSpec) -> Compiled:
 
 
 def compiled_bytes(spec: PluginSpec, compiled: Compiled) -> int:
-    """What one compiled version holds, as the cache counts it: its code and any bytecode made of it."""
+    """What one compiled version holds, as the cache counts it: its code and any bytecode or
+    machine code made of it (``native_bytes``: a WASM module's, up to ~50x its binary)."""
     bytecode = getattr(compiled, "bytecode", b"")
-    return len(spec.code) + (len(bytecode) if isinstance(bytecode, (bytes, bytearray)) else 0)
+    native = getattr(compiled, "native_bytes", 0)
+    return len(spec.code) + (len(bytecode) if isinstance(bytecode, (bytes, bytearray)) else 0) + \
+        (native if isinstance(native, int) else 0)
 
 
 def validate(spec: PluginSpec, handlers: Iterable[str] = ()) -> Compiled:

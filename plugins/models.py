@@ -60,6 +60,11 @@ QUOTA_TEXTS: dict[str, tuple[str, type[models.Field], str]] = {
                  "UTF-8 bytes of keys plus values the plugin may keep in its KV namespace (quota_kv)."),
     "kv_writes": ("KV writes per call", models.PositiveIntegerField,
                   "kv_set and kv_incr calls one handler call may make; one more ends the call (quota_kv_writes)."),
+    "kv_reads": ("KV reads per call", models.PositiveIntegerField,
+                 "kv_get calls one handler call may make; one more ends the call (quota_kv_reads)."),
+    "kv_read_bytes": ("KV read bytes per call", models.PositiveBigIntegerField,
+                      "UTF-8 bytes of values one handler call may read with kv_get; a read past it ends the call "
+                      "(quota_kv_reads)."),
     "log_lines": ("log lines per call", models.PositiveIntegerField,
                   "Log lines one handler call may write; later lines are dropped and counted in one summary line."),
     "log_bytes": ("log bytes per call", models.PositiveIntegerField,

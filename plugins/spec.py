@@ -30,13 +30,16 @@ class Quotas:
     """A plugin's host-resource quotas (docs/plugins.md, "Limits and quotas").
 
     ``kv_keys``/``kv_bytes`` bound what the plugin has stored (UTF-8 bytes of keys plus values,
-    across calls and workers); the others bound one call. Hitting a KV or HTTP quota ends the
+    across calls and workers); the others bound one call (``kv_reads``/``kv_read_bytes``: kv_get
+    calls and the UTF-8 bytes of the values they returned). Hitting a KV or HTTP quota ends the
     call with its code (plugins.errors.QUOTA_CODES); log lines past a log quota are dropped.
     """
 
     kv_keys: int = 10_000
     kv_bytes: int = 16 << 20
     kv_writes: int = 100
+    kv_reads: int = 1_000
+    kv_read_bytes: int = 16 << 20
     log_lines: int = 100
     log_bytes: int = 64 << 10
     http_requests: int = 10

@@ -84,15 +84,15 @@ class Host:
     that call's thread only, so the counters need no lock.
     """
 
-    __slots__ = ("spec", "deadline", "loading", "quotas", "kv_writes", "log_lines", "log_bytes", "log_dropped",
-                 "http_requests", "http_bytes", "denied", "closed")
+    __slots__ = ("spec", "deadline", "loading", "quotas", "kv_writes", "kv_reads", "kv_read_bytes", "log_lines",
+                 "log_bytes", "log_dropped", "http_requests", "http_bytes", "denied", "closed")
 
     def __init__(self, spec: PluginSpec, deadline: float, loading: bool = False) -> None:
         self.spec = spec
         self.deadline = deadline  # time.monotonic() value
         self.loading = loading  # the plugin's top level is running: no host calls then
         self.quotas = spec.quotas
-        self.kv_writes = self.log_lines = self.log_bytes = self.log_dropped = 0
+        self.kv_writes = self.kv_reads = self.kv_read_bytes = self.log_lines = self.log_bytes = self.log_dropped = 0
         self.http_requests = self.http_bytes = self.denied = 0
         self.closed = False
 
@@ -166,13 +166,34 @@ class Host:
             guest_log.info("[%s] %s", self.spec.name, text)
 
     def kv_get(self, key: Any) -> str | None:
-        """The value stored under ``key`` in this plugin's namespace, or None."""
+        """The value stored under ``key`` in this plugin's namespace, or None.
+
+        Each call counts against the call's KV reads quota, and the value's UTF-8 bytes against its
+        KV read bytes: a read past either ends the call (``quota_kv_reads``; the value is not
+        returned). Unbounded, a guest re-reading one 256 KiB value in a loop made a 20-byte event
+        fetch ~60 MB from the store in a 1 s budget (one KV round trip per read, ~550 a second).
+        """
         self._check("kv", "kv_get")
+        q = self.quotas
+        if self.kv_reads >= q.kv_reads:
+            raise GuestQuota("quota_kv_reads", f"kv_get: plugin {self.spec.name!r} already made {self.kv_reads} "
+                                               f"kv_get calls in this call, its KV reads per call quota is "
+                                               f"{q.kv_reads}; read less per event (keep what you read), or raise "
+                                               "the quota")
         key = _key(key)
+        self.kv_reads += 1
         try:
-            return _kv("kv_get").get(self.spec.name, key, self.remaining())
+            value = _kv("kv_get").get(self.spec.name, key, self.remaining())
         except TimeoutError:
             raise GuestTimeout("kv_get: the KV store did not answer before the plugin's deadline") from None
+        if value is not None:
+            self.kv_read_bytes += len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+            if self.kv_read_bytes > q.kv_read_bytes:
+                raise GuestQuota("quota_kv_reads", f"kv_get: plugin {self.spec.name!r} read {self.kv_read_bytes} "
+                                                   f"bytes of KV values in this call, over its KV read bytes per "
+                                                   f"call quota of {q.kv_read_bytes}; read less per event, or "
+                                                   "raise the quota")
+        return value
 
     def _writes_left(self, call: str) -> Any:
         """The plugin's quotas, once ``call`` (a KV write) is known to be within the writes per call."""

@@ -62,6 +62,12 @@ MAX_MODULE_BYTES = 4 << 20
 #: module within MAX_COUNTS measured ~2.7 s and ~580 MiB on 2 cores).
 COMPILE_TIMEOUT_SECONDS = 10.0
 COMPILE_MEMORY_BYTES = 2 << 30
+#: The compiling child's niceness. A compile is background work that every worker does at once
+#: for each new version, on all cores (wasmtime compiles functions in parallel): at nice 0, two
+#: compiles of one plugin's save put a sleeping thread's wake-up at 1.9 ms median and 17-26 ms p99
+#: (0.1 / 2-3 ms idle), for their whole 7-10 s. At 10 they yield to serving (0.1 / 3.7-8.6 ms),
+#: and still took their usual time on a loaded machine (4,000 functions: 1.9-2.1 s either way).
+COMPILE_NICE = 10
 #: Section id -> (what it counts, the most a module may declare). Compiling costs ~40 us and
 #: ~6 KB per function (~170 us per exported one, which gets a trampoline), and wasmtime cannot
 #: interrupt it: 200,000 functions took 8 s and 1.1 GB, 50,000 exports 11 s. wasmparser's own
@@ -253,16 +259,19 @@ def _mem(caller: wasmtime.Caller) -> wasmtime.Memory:
     return mem
 
 
-def _read(caller: wasmtime.Caller, ptr: int, length: int, what: str = "", limit: int = MAX_REPLY_BYTES) -> str:
+def _read(caller: wasmtime.Caller, ptr: int, length: int, what: str, *, lossy: bool = False,
+          limit: int = MAX_REPLY_BYTES) -> str:
     """The UTF-8 string at ``ptr``; ``what`` (a kv key, a URL) must be valid UTF-8, else the host
-    call traps naming it. Without ``what`` (a log line) bad bytes become U+FFFD."""
+    call traps naming it. Only a ``lossy`` read (a log line) turns bad bytes into U+FFFD: strict is
+    the default, so a new host import cannot forget it (kv_incr, added later, did: b"a\\xff" and
+    b"a\\xfe" counted on one key)."""
     if length < 0 or length > limit:
         raise _HostTrap(f"string of {length} bytes is over the {limit}-byte limit")
     mem = _mem(caller)
     if ptr < 0 or ptr + length > mem.data_len(caller):
         raise _HostTrap(f"pointer {ptr}+{length} is outside linear memory")
     data = bytes(mem.read(caller, ptr, ptr + length))
-    if not what:
+    if lossy:
         return data.decode("utf-8", "replace")
     try:
         return data.decode("utf-8")
@@ -302,7 +311,7 @@ def _host_import(fn: Callable[..., _R]) -> Callable[..., _R]:
 
 @_host_import
 def _h_log(caller: wasmtime.Caller, ptr: int, length: int) -> None:
-    _host().log(_read(caller, ptr, length))
+    _host().log(_read(caller, ptr, length, "log: the line", lossy=True))
 
 
 @_host_import
@@ -318,7 +327,7 @@ def _h_kv_set(caller: wasmtime.Caller, kptr: int, klen: int, vptr: int, vlen: in
 
 @_host_import
 def _h_kv_incr(caller: wasmtime.Caller, kptr: int, klen: int, delta: int) -> int:
-    return _host().kv_incr(_read(caller, kptr, klen), delta)
+    return _host().kv_incr(_read(caller, kptr, klen, "kv_incr: the key"), delta)
 
 
 @_host_import
@@ -350,10 +359,13 @@ HOST_IMPORTS = frozenset({"log", "kv_get", "kv_set", "kv_incr", "sleep", "http_g
 # -- compiled modules -----------------------------------------------------------------------------
 
 MODULE_CACHE_SIZE = 64
-#: Bytes of module binaries the compiled modules above may come from together (each up to
-#: MAX_MODULE_BYTES, its machine code more): every save of a plugin is a new version.
+#: Bytes of machine code (a module's serialized size) the compiled modules above may hold
+#: together: every save of a plugin is a new version. Counted by the code a module compiled to,
+#: not by its binary: 80 KB of empty functions compile to 4.2 MB (52x; ~4 MB of RSS each), so 64
+#: such versions counted as 5 MB held ~260 MB.
 MODULE_CACHE_BYTES = 64 << 20
-_modules: "WeighedLRU[str, wasmtime.Module]" = WeighedLRU()
+#: Version -> (its module, the bytes of machine code it holds).
+_modules: "WeighedLRU[str, tuple[wasmtime.Module, int]]" = WeighedLRU()
 _modules_lock = threading.Lock()
 
 
@@ -401,36 +413,47 @@ def check_module_size(wasm: bytes) -> None:
 
 
 def compile_module(version: str, wasm: bytes) -> wasmtime.Module:
-    """The compiled module of one version, compiled once per process (an LRU of MODULE_CACHE_SIZE
-    entries and MODULE_CACHE_BYTES): its size checked first (check_module_size), then compiled in
-    a bounded child (_compile_bounded)."""
+    """The compiled module of one version (see compiled_module)."""
+    return compiled_module(version, wasm)[0]
+
+
+def compiled_module(version: str, wasm: bytes) -> tuple[wasmtime.Module, int]:
+    """The compiled module of one version and the bytes of machine code it holds, compiled once
+    per process (an LRU of MODULE_CACHE_SIZE entries and MODULE_CACHE_BYTES of machine code): its
+    size checked first (check_module_size), then compiled in a bounded child (_compile_bounded)."""
     with _modules_lock:
-        module = _modules.get(version)
-        if module is not None:
-            return module
+        entry = _modules.get(version)
+        if entry is not None:
+            return entry
     check_module_size(wasm)
-    module = _compile_bounded(wasm)
+    entry = _compile_bounded(wasm)
     with _modules_lock:
-        _modules.put(version, module, len(wasm), MODULE_CACHE_SIZE, MODULE_CACHE_BYTES)
-    return module
+        _modules.put(version, entry, entry[1], MODULE_CACHE_SIZE, MODULE_CACHE_BYTES)
+    return entry
 
 
-# The compiling child: limits its own address space, builds the Engine from ENGINE_SETTINGS,
-# compiles stdin and writes b"M" + the serialized module, or b"E" + wasmtime's message.
+# The compiling child: lowers its priority (COMPILE_NICE), limits its own address space, then in
+# mode "wasm" builds the Engine from ENGINE_SETTINGS and compiles stdin, in mode "wat" turns stdin's
+# WebAssembly text into a binary; it writes b"M" + the serialized module or the binary, or b"E" +
+# wasmtime's message.
 _COMPILER = """
-import json, resource, sys
+import json, os, resource, sys
+os.nice(int(sys.argv[3]))
 limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 import wasmtime
-config = wasmtime.Config()
-for name, value in json.loads(sys.argv[2]).items():
-    setattr(config, name, value)
-wasm = sys.stdin.buffer.read()
+data = sys.stdin.buffer.read()
 try:
-    data = b"M" + wasmtime.Module(wasmtime.Engine(config), wasm).serialize()
-except wasmtime.WasmtimeError as exc:
-    data = b"E" + str(exc).encode()
-sys.stdout.buffer.write(data)
+    if sys.argv[4] == "wat":
+        out = b"M" + bytes(wasmtime.wat2wasm(data.decode("utf-8", "surrogatepass")))
+    else:
+        config = wasmtime.Config()
+        for name, value in json.loads(sys.argv[2]).items():
+            setattr(config, name, value)
+        out = b"M" + wasmtime.Module(wasmtime.Engine(config), data).serialize()
+except (wasmtime.WasmtimeError, ValueError) as exc:  # ValueError: text wasmtime cannot take (a lone surrogate)
+    out = b"E" + str(exc).encode("utf-8", "backslashreplace")
+sys.stdout.buffer.write(out)
 """
 
 
@@ -451,39 +474,54 @@ def _proposal_hint(message: str) -> str:
     return ""
 
 
-def _compile_bounded(wasm: bytes) -> wasmtime.Module:
-    """``wasm`` compiled in a child process bounded by COMPILE_TIMEOUT_SECONDS and
-    COMPILE_MEMORY_BYTES (wasmtime cannot interrupt a compile), loaded into ENGINE."""
+def _in_child(mode: str, data: bytes, doing: str) -> tuple[bytes | None, str | None]:
+    """Run the compiling child in ``mode`` ("wasm" or "wat") on ``data``, bounded by
+    COMPILE_TIMEOUT_SECONDS and COMPILE_MEMORY_BYTES: (its output, None), (None, wasmtime's
+    message), or (None, None) when no child process can start here (a sandbox). ``doing`` names
+    the work in the CompileError (``timeout``, ``memory_limit``) of a child stopped at a bound."""
     # MALLOC_ARENA_MAX: glibc's per-thread arenas reserve 64 MiB of address space each.
     env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
     try:
         done = subprocess.run([sys.executable, "-I", "-c", _COMPILER, str(COMPILE_MEMORY_BYTES),
-                               json.dumps(ENGINE_SETTINGS)], input=wasm, capture_output=True, env=env,
-                              timeout=COMPILE_TIMEOUT_SECONDS, check=False)
+                               json.dumps(ENGINE_SETTINGS), str(COMPILE_NICE), mode], input=data, capture_output=True,
+                              env=env, timeout=COMPILE_TIMEOUT_SECONDS, check=False)
     except subprocess.TimeoutExpired:
-        raise CompileError(f"compiling the module took more than {COMPILE_TIMEOUT_SECONDS:g} s; make it smaller",
+        raise CompileError(f"{doing} took more than {COMPILE_TIMEOUT_SECONDS:g} s; make it smaller",
                            code="timeout") from None
-    except OSError:  # no child process here (a sandbox): the size limits still bound the cost
-        try:
-            return wasmtime.Module(ENGINE, wasm)
-        except wasmtime.WasmtimeError as exc:
-            raise CompileError(f"the module does not compile: {exc}{_proposal_hint(str(exc))}") from None
+    except OSError:
+        return None, None
     out = done.stdout
     if done.returncode or out[:1] not in (b"M", b"E"):
         # Out of address space, wasmtime aborts ("memory allocation of N bytes failed") or Python
         # raises MemoryError (the traceback's last line): the line that names memory says which.
         lines = done.stderr.decode("utf-8", "replace").strip().splitlines() or ["no message"]
         why = next((line for line in lines if "memory" in line.lower()), lines[-1])[:200]
-        raise CompileError(f"compiling the module failed within its {COMPILE_MEMORY_BYTES >> 20} MiB of memory "
+        raise CompileError(f"{doing} failed within its {COMPILE_MEMORY_BYTES >> 20} MiB of memory "
                            f"(exit status {done.returncode}: {why}); make it smaller", code="memory_limit")
     if out[:1] == b"E":
         message = out[1:].decode("utf-8", "replace")
         if _out_of_memory(message):  # wasmtime reported the allocation failure instead of aborting
-            raise CompileError(f"compiling the module failed within its {COMPILE_MEMORY_BYTES >> 20} MiB of memory "
+            raise CompileError(f"{doing} failed within its {COMPILE_MEMORY_BYTES >> 20} MiB of memory "
                                f"({message[:200]}); make it smaller", code="memory_limit")
-        raise CompileError(f"the module does not compile: {message}{_proposal_hint(message)}")
+        return None, message
+    return out[1:], None
+
+
+def _compile_bounded(wasm: bytes) -> tuple[wasmtime.Module, int]:
+    """``wasm`` compiled in a child process bounded by COMPILE_TIMEOUT_SECONDS and
+    COMPILE_MEMORY_BYTES (wasmtime cannot interrupt a compile), loaded into ENGINE; with the bytes
+    of its serialized form, which is what the loaded module holds (machine code and its tables)."""
+    serialized, message = _in_child("wasm", wasm, "compiling the module")
+    if serialized is None and message is None:  # no child process here: the size limits still bound the cost
+        try:
+            module = wasmtime.Module(ENGINE, wasm)
+            return module, len(module.serialize())
+        except wasmtime.WasmtimeError as exc:
+            message = str(exc)
+    if serialized is None:
+        raise CompileError(f"the module does not compile: {message}{_proposal_hint(message or '')}")
     # Trusted: these bytes are what this process's own child serialized with this wasmtime.
-    return wasmtime.Module.deserialize(ENGINE, out[1:])
+    return wasmtime.Module.deserialize(ENGINE, serialized), len(serialized)
 
 
 def drop_caches() -> None:
@@ -497,12 +535,29 @@ def drop_caches() -> None:
 atexit.register(drop_caches)
 
 
+#: Characters of WebAssembly text parsed in this process; longer text is parsed in the bounded
+#: compiling child. wasmtime's text parser cannot be interrupted and is not linear: each `br $name`
+#: looks its label up through every enclosing block, so 40,000 nested blocks and as many branches
+#: to the outermost (0.56 MB) took 2.8 s, and 4 MiB of them minutes, on the admin's save (or a
+#: registry sync's thread, for a row holding only text). At this size that shape takes ~50 ms.
+WAT_INPROCESS_CHARS = 64 << 10
+
+
 def wat_to_wasm(text: str) -> bytes:
-    """Compile WebAssembly text (.wat) to a binary; raises CompileError with wasmtime's message."""
-    try:
-        return bytes(wasmtime.wat2wasm(text))
-    except wasmtime.WasmtimeError as exc:
-        raise CompileError(f"the .wat does not parse: {exc}") from None
+    """Compile WebAssembly text (.wat) to a binary; raises CompileError with wasmtime's message
+    (``timeout`` or ``memory_limit`` for text over WAT_INPROCESS_CHARS that its child could not parse
+    within COMPILE_TIMEOUT_SECONDS or COMPILE_MEMORY_BYTES)."""
+    binary, message = None, None
+    if len(text) > WAT_INPROCESS_CHARS:
+        binary, message = _in_child("wat", text.encode("utf-8", "surrogatepass"), "parsing the .wat")
+    if binary is None and message is None:
+        try:
+            binary = bytes(wasmtime.wat2wasm(text))
+        except (wasmtime.WasmtimeError, ValueError) as exc:  # ValueError: a lone surrogate
+            message = str(exc)
+    if binary is None:
+        raise CompileError(f"the .wat does not parse: {message}")
+    return binary
 
 
 # -- fast export calls ----------------------------------------------------------------------------
@@ -562,6 +617,46 @@ def _signature(store: wasmtime.Store, func: wasmtime.Func) -> tuple[tuple[str, .
     return tuple(str(p) for p in ty.params), tuple(str(r) for r in ty.results)
 
 
+# -- idle memory ----------------------------------------------------------------------------------
+
+#: Resident bytes of linear memory the idle instances of every WASM plugin in this process may keep
+#: together between calls. Each pooled or sharded instance kept what its calls touched, up to its
+#: plugin's cap, for as long as the plugin was loaded, with no bound over plugins: 10 plugins at the
+#: defaults (4 instances of 16 MiB) left a worker +639 MB while all were idle (~6.4 GB at
+#: MAX_PLUGINS). A pooled instance ending a call past this budget frees its store instead, and
+#: instantiates again at its next call (~0.1 ms plus its start function: what per_request pays);
+#: a sharded one counts but keeps its memory (its per-session state).
+IDLE_MEMORY_BYTES = 256 << 20
+#: Up to this size a memory counts whole; a larger one counts its resident pages (mincore).
+_IDLE_COUNT_WHOLE_BYTES = 1 << 20
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_libc = ctypes.CDLL(None, use_errno=True)
+_mincore = _libc.mincore
+_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+_mincore.restype = ctypes.c_int
+_idle_lock = threading.Lock()
+#: Resident bytes the idle instances count now (WasmInstance._idle, summed).
+_idle_bytes = 0
+
+
+def _resident(memory: wasmtime.Memory, store: wasmtime.Store) -> int:
+    """Bytes of ``memory`` in RAM (its whole size while small, or if mincore fails)."""
+    size = memory.data_len(store)
+    if size <= _IDLE_COUNT_WHOLE_BYTES:
+        return size
+    pages = (size + _PAGE - 1) // _PAGE
+    vector = (ctypes.c_ubyte * pages)()
+    base = ctypes.cast(memory.data_ptr(store), ctypes.c_void_p).value
+    if _mincore(base, size, vector):
+        return size
+    return (pages - bytes(vector).count(0)) * _PAGE
+
+
+def idle_memory() -> int:
+    """Resident bytes the idle WASM instances of this process keep (stats, tests)."""
+    return _idle_bytes
+
+
 # -- instances ------------------------------------------------------------------------------------
 
 class WasmInstance:
@@ -574,8 +669,15 @@ class WasmInstance:
     def __init__(self, compiled: "WasmCompiled") -> None:
         self.spec = compiled.spec
         self.compiled: WasmCompiled | None = compiled
+        self._version = compiled  # what a freed store is instantiated from again
         self.store: wasmtime.Store | None = None
         self.handlers: dict[str, _Call] = {}
+        #: Resident bytes this instance counts in _idle_bytes while idle (0 while a call runs).
+        self._idle = 0
+        self._started = False  # instantiated, its exports looked up
+        #: A shard's memory is the per-session state the strategy exists for (docs/plugins.md): it
+        #: counts against IDLE_MEMORY_BYTES but is never freed for it.
+        self._keeps_state = compiled.spec.strategy == "sharded"
 
     def start(self, seconds: float) -> None:
         """Instantiate, running the module's start function for at most ``seconds``."""
@@ -612,8 +714,50 @@ class WasmInstance:
         for name in compiled.handlers:
             func = _export(store, self.instance, name)
             self.handlers[name] = _Call(store, func, 2, "i64")
+        self._started = True
 
     def call(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
+        """One call of ``handler``; as it ends, the instance keeps its memory for the next call
+        only within IDLE_MEMORY_BYTES of every idle instance's (else it frees its store)."""
+        global _idle_bytes
+        if self._idle:
+            with _idle_lock:
+                _idle_bytes -= self._idle
+            self._idle = 0
+        try:
+            return self._call(handler, event, deadline)
+        finally:
+            store = self.store
+            if store is not None and self._started:
+                # Counted whole while that fits (one call, ~2 us); past it, by its resident pages
+                # (mincore: ~20 us at 16 MiB, ~1.5 ms at 1 GiB, so only under the budget's pressure).
+                kept = self.memory.data_len(store)
+                with _idle_lock:
+                    keep = _idle_bytes + kept <= IDLE_MEMORY_BYTES
+                    if keep:
+                        _idle_bytes += kept
+                if not keep:
+                    kept = _resident(self.memory, store)
+                    with _idle_lock:
+                        keep = self._keeps_state or _idle_bytes + kept <= IDLE_MEMORY_BYTES
+                        if keep:
+                            _idle_bytes += kept
+                if keep:
+                    self._idle = kept
+                else:
+                    self._free_store()
+
+    def _free_store(self) -> None:
+        """Free the store now; the next call instantiates the module again."""
+        store, self.store = self.store, None
+        self.handlers = {}
+        self.instance = None  # type: ignore[assignment]
+        self._started = False
+        self.compiled = self._version
+        if store is not None:
+            store.close()
+
+    def _call(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
         if self.compiled is not None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -687,6 +831,11 @@ class WasmInstance:
 
     def close(self) -> None:
         """Free the instance's store (its linear memory) now; the instance is not used again."""
+        global _idle_bytes
+        if self._idle:
+            with _idle_lock:
+                _idle_bytes -= self._idle
+            self._idle = 0
         store, self.store = self.store, None
         self.handlers = {}
         self.compiled = None
@@ -744,7 +893,8 @@ class WasmCompiled(FreshInstanceIsolation):
         code = spec.code
         if isinstance(code, str):
             code = wat_to_wasm(code)
-        self.module = compile_module(spec.version, bytes(code))
+        #: Bytes of machine code the module holds (plugins.loaded counts them in its cache).
+        self.module, self.native_bytes = compiled_module(spec.version, bytes(code))
         for imp in self.module.imports:
             if imp.module != "env" or imp.name not in HOST_IMPORTS:
                 raise CompileError(f"unknown import {imp.module}.{imp.name}: the host provides env.log, env.kv_get, "
@@ -777,3 +927,11 @@ class WasmCompiled(FreshInstanceIsolation):
     def new_instance(self, deadline: float | None = None) -> WasmInstance:
         # Instantiated by its first call, within that call's deadline (WasmInstance.start).
         return WasmInstance(self)
+
+    def call_isolated(self, handler: str, event: dict[str, Any], deadline: float) -> Any:
+        """One call on a brand-new instance, closed right after (kept by no one: not counted as idle)."""
+        inst = WasmInstance(self)
+        try:
+            return inst._call(handler, event, deadline)
+        finally:
+            inst.close()

@@ -49,9 +49,40 @@ def test_old_versions_of_a_plugin_are_freed_once_the_cache_holds_its_bytes(monke
 
 def test_old_wasm_modules_are_freed_once_the_module_cache_holds_their_bytes(monkeypatch) -> None:
     binaries = [wasm.wat_to_wasm(WAT.replace("{n}", str(n))) for n in range(6)]
-    monkeypatch.setattr(wasm, "MODULE_CACHE_BYTES", 2 * len(binaries[0]), raising=False)
+    monkeypatch.setattr(wasm, "MODULE_CACHE_BYTES", 2 * wasm.compiled_module("probe", binaries[0])[1], raising=False)
+    wasm.drop_caches()
     refs = [weakref.ref(wasm.compile_module(f"v{n}", binary)) for n, binary in enumerate(binaries)]
     assert _alive(refs) == [4, 5]
+
+
+#: A module whose machine code is ~50x its binary: 1,000 empty functions, ~4 KB of wasm, ~210 KB compiled.
+EMPTY_FUNCTIONS = ('(module (memory (export "memory") 1) (func (export "alloc") (param i32) (result i32) (i32.const 0))'
+                   ' (global i32 (i32.const {n}))' + " (func)" * 1000 + ")")
+
+
+def test_the_module_cache_counts_the_machine_code_a_module_holds_not_its_binary(monkeypatch) -> None:
+    # Counted by binary (4 KB here), 64 versions of 80 KB of empty functions (4.2 MB of machine
+    # code, ~4 MB of RSS each) were 5 MB of a 64 MiB cache: ~260 MB held.
+    binaries = [wasm.wat_to_wasm(EMPTY_FUNCTIONS.replace("{n}", str(n))) for n in range(5)]
+    native = wasm.compiled_module("probe", binaries[0])[1]
+    assert native > 20 * len(binaries[0]), (native, len(binaries[0]))
+    wasm.drop_caches()
+    monkeypatch.setattr(wasm, "MODULE_CACHE_BYTES", 2 * native + native // 2, raising=False)
+    refs = [weakref.ref(wasm.compile_module(f"v{n}", binary)) for n, binary in enumerate(binaries)]
+    assert _alive(refs) == [3, 4], "two modules' machine code fits, the older ones are freed"
+    assert wasm._modules.bytes <= wasm.MODULE_CACHE_BYTES
+
+
+def test_the_compiled_versions_cache_counts_a_wasm_modules_machine_code(monkeypatch) -> None:
+    # A WASM version keeps its module alive from the compiled versions' cache too (128 versions).
+    specs = [PluginSpec(name="native", runtime="wasm", code=wasm.wat_to_wasm(EMPTY_FUNCTIONS.replace("{n}", str(n))))
+             for n in range(5)]
+    size = loaded.compiled_bytes(specs[0], loaded.compiled_for(specs[0]))
+    assert size > 20 * len(specs[0].code), size
+    monkeypatch.setattr(loaded, "COMPILED_CACHE_BYTES", 2 * size + size // 2, raising=False)
+    refs = [weakref.ref(loaded.compiled_for(spec).module) for spec in specs]  # type: ignore[attr-defined]
+    wasm.drop_caches()  # only the compiled versions' cache holds them now
+    assert _alive(refs) == [3, 4]
 
 
 def test_the_newest_entry_stays_whatever_its_size_and_a_repeat_is_counted_once() -> None:

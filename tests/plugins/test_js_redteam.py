@@ -333,9 +333,11 @@ def _call_traced(code: str, handler: str = "f", name: str = "batches",
 
     from plugins.errors import GuestError
     from plugins.runtimes.js import JsCompiled
-    from plugins.spec import PluginSpec
+    from plugins.spec import PluginSpec, Quotas
 
+    # KV read quotas far above the 2,000 reads of 64 KiB below: these tests are about the batches.
     spec = PluginSpec(name=name, runtime="js", code=code, timeout=5.0, permissions=frozenset({"log", "kv"}),
+                      quotas=Quotas(kv_reads=1 << 20, kv_read_bytes=1 << 40),
                       **({} if memory_bytes is None else {"memory_bytes": memory_bytes}))
     inst = JsCompiled(spec).new_instance()
     tracemalloc.start()

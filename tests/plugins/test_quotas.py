@@ -408,8 +408,16 @@ def test_every_host_call_checks_the_deadline() -> None:
 
 
 @pytest.mark.django_db
+def test_a_guest_rereading_kv_under_pcall_ends_at_the_reads_quota() -> None:
+    # kv_get had no per-call quota: a loop made one store round trip per read until the deadline
+    # (tests/plugins/test_wasm_host_floods.py has the numbers). pcall does not catch the quota.
+    info = quota_error(loaded("lua", CODE["lua"], timeout=5.0, kv_reads=20), "kv_until_timeout")
+    assert info.code == "quota_kv_reads" and "already made 20 kv_get calls" in str(info)
+
+
+@pytest.mark.django_db
 def test_a_guest_looping_on_kv_ends_with_timeout() -> None:
-    plugin = loaded("lua", CODE["lua"], timeout=0.3)
+    plugin = loaded("lua", CODE["lua"], timeout=0.3, kv_reads=1 << 30)  # the deadline, not the reads quota
     started = time.monotonic()
     with pytest.raises(HandlerTimeout, match="kv_get: no time left|timeout"):
         plugin.call("kv_until_timeout", event())
@@ -423,14 +431,14 @@ def test_quotas_are_plugin_settings() -> None:
     from plugins.admin import PluginAdmin
     from plugins.forms import PluginForm
     row = Plugin(name="limited", runtime="lua", source="function f(e) end", quota_kv_keys=3, quota_kv_bytes=40,
-                 quota_kv_writes=2, quota_log_lines=5, quota_log_bytes=60, quota_http_requests=1,
-                 quota_http_bytes=70)
+                 quota_kv_writes=2, quota_kv_reads=4, quota_kv_read_bytes=50, quota_log_lines=5, quota_log_bytes=60,
+                 quota_http_requests=1, quota_http_bytes=70)
     quotas = row.to_spec().quotas
-    assert (quotas.kv_keys, quotas.kv_bytes, quotas.kv_writes, quotas.log_lines, quotas.log_bytes,
-            quotas.http_requests, quotas.http_bytes) == (3, 40, 2, 5, 60, 1, 70)
+    assert (quotas.kv_keys, quotas.kv_bytes, quotas.kv_writes, quotas.kv_reads, quotas.kv_read_bytes, quotas.log_lines,
+            quotas.log_bytes, quotas.http_requests, quotas.http_bytes) == (3, 40, 2, 4, 50, 5, 60, 1, 70)
     assert Plugin(name="d", runtime="lua").to_spec().quotas == DEFAULT_QUOTAS
     fields = [f for f in Plugin._meta.get_fields() if f.name.startswith("quota_")]
-    assert len(fields) == 7
+    assert len(fields) == 9
     shown = [f for _, opts in PluginAdmin.fieldsets for f in opts["fields"]]
     for field in fields:
         assert field.name in PluginForm.Meta.fields and field.name in shown

@@ -273,12 +273,17 @@ class _DictKV:
     def set(self, plugin: str, key: str, value: str, timeout: float, quotas: object = None) -> None:
         self.data[(plugin, key)] = value
 
+    def incr(self, plugin: str, key: str, delta: int, timeout: float, quotas: object = None) -> int:
+        value = self.data[(plugin, key)] = str(int(self.data.get((plugin, key), "0")) + delta)
+        return int(value)
+
     def usage(self, plugin: str) -> tuple[int, int]:
         return len(self.data), 0
 
 
 KV = ('(import "env" "kv_set" (func $kv_set (param i32 i32 i32 i32)))'
-      '(import "env" "kv_get" (func $kv_get (param i32 i32 i32 i32) (result i32)))')
+      '(import "env" "kv_get" (func $kv_get (param i32 i32 i32 i32) (result i32)))'
+      '(import "env" "kv_incr" (func $kv_incr (param i32 i32 i64) (result i64)))')
 
 
 @pytest.mark.parametrize("body, what, offset", [
@@ -286,7 +291,9 @@ KV = ('(import "env" "kv_set" (func $kv_set (param i32 i32 i32 i32)))'
     ("(call $kv_set (i32.const 0) (i32.const 2) (i32.const 4) (i32.const 1))", "kv_set: the key", 1),
     ("(call $kv_set (i32.const 4) (i32.const 1) (i32.const 0) (i32.const 2))", "kv_set: the value", 1),
     ("(drop (call $kv_get (i32.const 1) (i32.const 1) (i32.const 8) (i32.const 8)))", "kv_get: the key", 0),
-], ids=["key", "value", "get"])
+    # kv_incr (added later) still replaced them: b"a\xff" and b"a\xfe" counted on one key
+    ("(drop (call $kv_incr (i32.const 0) (i32.const 2) (i64.const 1)))", "kv_incr: the key", 1),
+], ids=["key", "value", "get", "incr"])
 def test_kv_text_that_is_not_utf8_is_refused_not_replaced(body: str, what: str, offset: int) -> None:
     from plugins.runtimes import kvstore
 
