@@ -67,6 +67,9 @@ class Child:
     retiring: bool = False  # SIGTERMed by the supervisor once its replacement listened
     killed: bool = False  # SIGKILLed by the watchdog
     started_at: float = 0.0  # time.monotonic() of its start
+    #: When the supervisor first saw it stopping (SIGTERMed for a recycle, or its slot draining or
+    #: exiting): it must be gone ``Supervisor.stop_timeout`` later (``_watch_stop``).
+    stopping_at: float | None = None
     ready_at: float | None = None  # when the supervisor first saw it listening
 
     @property
@@ -201,6 +204,7 @@ class Supervisor:
                 log.warning("worker process [%s] listens: draining worker process [%s] (SIGTERM)", new.pid,
                             child.pid)
                 child.retiring = True
+                child.stopping_at = time.monotonic()
                 os.kill(child.pid, signal.SIGTERM)
 
     def _reap(self, child: Child) -> None:
@@ -227,7 +231,8 @@ class Supervisor:
         # Held drained by an operator and gone without its own shutdown (a crash, a SIGKILL, the
         # watchdog): whatever takes its place starts drained. A SIGTERMed worker exits cleanly and
         # its replacement serves (the operator restarted it).
-        drained = child.slot.drained if child.slot.state != watchdog.STATE_EXITING else 0
+        # One killed by _watch_stop went through its shutdown too, only not to the end.
+        drained = child.slot.drained if child.slot.state != watchdog.STATE_EXITING and child.stopping_at is None else 0
         if child.replaces is not None:  # a replacement died before taking over: the original serves on
             delay = self.backoff.failed(now)
             log.warning("replacement worker process [%s] died with exit code %s before it listened (%d failed "
@@ -284,9 +289,35 @@ class Supervisor:
         except ProcessLookupError:
             pass
 
+    def _watch_stop(self, child: Child) -> None:
+        """Kill ``child`` if it is still there ``stop_timeout`` after it began to stop (the drain's
+        grace, the close timeout and 10 s, as when the supervisor stops every worker). A worker told
+        to stop alone (an operator's SIGTERM, a recycle) was never bounded: one whose stop hung (a
+        service's close that never returns, with its loop beating; a thread its exit waits for, its
+        loop over and so no heartbeat) stayed for ever, counted as a worker, and none replaced it."""
+        state = child.slot.state
+        if child.killed or self.stop_timeout <= 0:
+            return
+        now = time.monotonic()
+        if child.stopping_at is None:
+            if state in (watchdog.STATE_DRAINING, watchdog.STATE_EXITING):
+                child.stopping_at = now
+            return
+        took = now - child.stopping_at
+        if took <= self.stop_timeout:
+            return
+        child.killed = True
+        log.error("worker process [%s] still %s %.1f s after it began to stop (limit %g s: the drain's grace, "
+                  "--close-timeout and 10 s): killing it (its threads' stacks follow)%s", child.pid,
+                  watchdog.STATE_NAMES.get(state, str(state)), took, self.stop_timeout,
+                  "" if child.retiring or self.should_exit.is_set() else " and starting another")
+        self._dump_and_kill(child)
+
     def _watch(self, child: Child) -> None:
-        """Kill and replace ``child`` if its loop has not beaten for ``stall_limit`` seconds."""
+        """Kill and replace ``child`` if its loop has not beaten for ``stall_limit`` seconds, or if it
+        has not started (``_watch_start``) or stopped (``_watch_stop``) in time."""
         self._watch_start(child)
+        self._watch_stop(child)
         if child.killed or child.slot.state in (watchdog.STATE_EXITING, watchdog.STATE_EMPTY):
             return
         beat = child.slot.heartbeat

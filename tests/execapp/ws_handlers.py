@@ -94,7 +94,9 @@ class _Installed:
         pass
 
     def close(self) -> None:
-        pass
+        how = os.environ.get(HANG_AT_STOP)
+        if how == "close":  # a service whose close never returns: the loop awaits it, beating
+            time.sleep(3600)
 
 
 #: e2e servers started with this variable set die in every worker process's first service ticks
@@ -102,6 +104,9 @@ class _Installed:
 CRASH_AT_START = "EXECAPP_TEST_CRASH_AT_START"
 #: ... or hang while their Worker is built (a service factory that never returns).
 HANG_AT_START = "EXECAPP_TEST_HANG_AT_START"
+#: ... or, set to "close", never finish stopping once SIGTERMed: a service's close that never
+#: returns (the worker's loop awaits it, beating, its slot `draining`).
+HANG_AT_STOP = "EXECAPP_TEST_HANG_AT_STOP"
 
 
 def install(worker: Any) -> _Installed:
