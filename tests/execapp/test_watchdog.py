@@ -292,13 +292,15 @@ def test_the_inline_mark_is_read_from_another_mapping_and_a_cut_name_quarantines
 def test_checks_name_bad_watchdog_settings(settings: Any) -> None:
     from execapp.checks import check_execapp_settings
 
-    settings.EXECAPP = {"LOOP_STALL_SECONDS": 0, "STUCK_THREADS_LIMIT": 2.5}
+    settings.EXECAPP = {"LOOP_STALL_SECONDS": 0, "STUCK_THREADS_LIMIT": 2.5, "HOUSEKEEPER_STALL_SECONDS": float("nan")}
     ids = {m.id for m in check_execapp_settings()}
-    assert {"execapp.E040", "execapp.E041"} <= ids
-    settings.EXECAPP = {"LOOP_STALL_SECONDS": 0.5, "STUCK_THREADS_LIMIT": 100, "POOL_MAX_WORKERS": 64}
+    assert {"execapp.E040", "execapp.E041", "execapp.E049"} <= ids
+    settings.EXECAPP = {"LOOP_STALL_SECONDS": 0.5, "STUCK_THREADS_LIMIT": 100, "POOL_MAX_WORKERS": 64,
+                        "HOUSEKEEPER_STALL_SECONDS": 2}
     messages = {m.id: m for m in check_execapp_settings()}
-    assert {"execapp.W040", "execapp.W042"} <= set(messages)
+    assert {"execapp.W040", "execapp.W042", "execapp.W049"} <= set(messages)
     assert all(m.level == django_checks.WARNING for k, m in messages.items() if k in ("execapp.W040", "execapp.W042"))
     settings.EXECAPP = {}
     assert not {m.id for m in check_execapp_settings()} & {"execapp.E040", "execapp.E041", "execapp.W040",
-                                                           "execapp.W041", "execapp.W042"}
+                                                           "execapp.W041", "execapp.W042", "execapp.E049",
+                                                           "execapp.W049"}

@@ -90,8 +90,15 @@ class _Installed:
 
     interval = 3600.0
 
+    def __init__(self) -> None:
+        self.ticks = 0
+        if os.environ.get(HANG_HOUSEKEEPER):
+            self.interval = 0.5
+
     def tick(self) -> None:
-        pass
+        self.ticks += 1
+        if self.ticks > 2 and os.environ.get(HANG_HOUSEKEEPER):  # once the worker serves
+            time.sleep(3600)
 
     def close(self) -> None:
         how = os.environ.get(HANG_AT_STOP)
@@ -107,6 +114,8 @@ HANG_AT_START = "EXECAPP_TEST_HANG_AT_START"
 #: ... or, set to "close", never finish stopping once SIGTERMed: a service's close that never
 #: returns (the worker's loop awaits it, beating, its slot `draining`).
 HANG_AT_STOP = "EXECAPP_TEST_HANG_AT_STOP"
+#: ... or whose housekeeping thread hangs in this service's tick about a second after the start.
+HANG_HOUSEKEEPER = "EXECAPP_TEST_HANG_HOUSEKEEPER"
 
 
 def install(worker: Any) -> _Installed:
