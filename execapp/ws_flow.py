@@ -159,22 +159,28 @@ class ParseTurn:
     supervisor killed the worker as stalled (every tenant's connection on it dropped). Past
     PARSE_TURN_SECONDS in a turn a read is kept unparsed (reading paused) and parsed at the next
     turn, ahead of that turn's reads: a turn parses about that much, whatever the connections.
+
+    Except the first read of each owner in a turn (its key: the connection's owner once the app
+    named it, ``BackpressuredWebSocketProtocol.parse_key``, else the connection): a bystander's
+    frame behind the backlog of one owner's thousand connections waited 11.8 s for its parse. A
+    turn is then the budget plus a read per busy owner, as the loop's shares (execapp.loop_share).
     """
 
-    __slots__ = ("loop", "spent", "_armed", "__weakref__")
+    __slots__ = ("loop", "spent", "_armed", "_keys", "__weakref__")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.spent = 0.0
         self._armed = False
+        self._keys: set[object] = set()  # who parsed a read in this turn
 
-    @property
-    def over(self) -> bool:
-        """This turn's parsing is spent: a read waits for the next turn (``later``)."""
-        return self.spent >= PARSE_TURN_SECONDS
+    def over(self, key: object) -> bool:
+        """This turn's parsing is spent and ``key`` had a read parsed in it: this one waits (``later``)."""
+        return self.spent >= PARSE_TURN_SECONDS and key in self._keys
 
-    def spend(self, seconds: float) -> None:
+    def spend(self, seconds: float, key: object) -> None:
         self.spent += seconds
+        self._keys.add(key)
         if not self._armed:  # the next turn starts with a new budget (call_soon: before its reads)
             self._armed = True
             self.loop.call_soon(self._new_turn)
@@ -182,6 +188,7 @@ class ParseTurn:
     def _new_turn(self) -> None:
         self.spent = 0.0
         self._armed = False
+        self._keys.clear()
 
     def later(self, parse: Callable[[], None]) -> None:
         """Run ``parse`` at the next turn, after the budget is new and before that turn's reads."""
@@ -225,6 +232,9 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
         self._lost = asyncio.Event()
         #: This loop's parsing budget for the turn (shared by every connection on it).
         self._turn = parse_turn(self.loop)
+        #: Whose reads these are for that budget: the connection, or its owner once the app says
+        #: (execapp.consumers): each owner gets a read parsed in every turn (ParseTurn).
+        self.parse_key: object = self
 
     def handle_connect(self, event: Any) -> None:
         """uvicorn's, and the CONNECTION_LOST extension in the scope (before the app's task runs)."""
@@ -241,7 +251,7 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
             self._flush_writes()
         if self._unparsed:  # reading is paused; a read already under way still lands here
             self._unparsed += data
-        elif self._turn.over and self.handshake_complete:  # this turn's parsing is spent: the next turn's
+        elif self.handshake_complete and self._turn.over(self.parse_key):  # the turn's parsing is spent: the next's
             self._unparsed = data
             self.transport.pause_reading()
             self._turn.later(self._parse_later)
@@ -251,7 +261,7 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
                 super().data_received(data)
             else:
                 self._parse(data)
-            self._turn.spend(perf_counter() - started)
+            self._turn.spend(perf_counter() - started, self.parse_key)
         if not self.handshake_initiated and self.conn.handshake_exc is not None and not self.transport.is_closing():
             self._refuse_handshake(self.conn.handshake_exc)
         self._track_message()
@@ -330,7 +340,7 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
             return
         if not self.queue.empty():
             return
-        if self._turn.over:
+        if self._turn.over(self.parse_key):
             self._turn.later(self._parse_later)
             return
         self._parse_kept()
@@ -344,7 +354,7 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
         rest, self._unparsed = self._unparsed, b""
         started = perf_counter()
         self._parse(rest)
-        self._turn.spend(perf_counter() - started)
+        self._turn.spend(perf_counter() - started, self.parse_key)
         self._track_message()
 
     def _parse(self, data: bytes) -> None:
@@ -447,7 +457,7 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
             message = queue.get_nowait()
         if self.read_paused and self.queue.empty():
             if self._unparsed:
-                if self._turn.over:  # the next turn's (``_parse_later``); reading stays paused
+                if self._turn.over(self.parse_key):  # the next turn's (``_parse_later``); reading stays paused
                     self._turn.later(self._parse_later)
                     return message
                 self._parse_kept()
