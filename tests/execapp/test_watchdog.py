@@ -139,14 +139,15 @@ def parent_of(pid: int) -> int:
 
 # -- a stalled loop -------------------------------------------------------------------------------
 
-async def test_one_worker_is_supervised_and_a_stalled_loop_is_replaced(start: Any) -> None:
+@pytest.mark.parametrize("stall", ["30", "gil"])  # time.sleep (the GIL released), a regex (the GIL held)
+async def test_one_worker_is_supervised_and_a_stalled_loop_is_replaced(start: Any, stall: str) -> None:
     server = await asyncio.to_thread(start, 1)
     (old,) = server.ready_pids()
     assert parent_of(old) == server.proc.pid, "--workers 1 runs its worker under the supervisor"
     async with connect(server.ws_url) as victim, connect(server.ws_url) as ws:
         assert await warm_inline(ws, "warm") == old
         stalled_at = time.monotonic()
-        await ws.send(json.dumps({"id": "stall", "type": "message", "text": "/stall 30"}))
+        await ws.send(json.dumps({"id": "stall", "type": "message", "text": f"/stall {stall}"}))
         # The whole worker is stuck: every connection of it dies with the process (1006).
         assert await closed_code(ws, STALL_LIMIT + WAIT) == 1006
         assert await closed_code(victim, WAIT) == 1006
@@ -169,7 +170,8 @@ async def test_one_worker_is_supervised_and_a_stalled_loop_is_replaced(start: An
     log = server.log(tail=None)  # the whole log: every thread's stack follows the line
     assert f"worker process [{old}]: event loop stalled" in log and "running matcher command:stall inline" in log
     assert "most recent call first" in log, "the stalled worker's stacks were dumped before the kill"
-    print(f"\nstall -> worker killed in {killed_after:.2f} s, replacement serving {served_after:.2f} s after the "
+    assert "in stall" in log, "the dump shows the handler, even with the GIL held (faulthandler writes from C)"
+    print(f"\n{stall}: worker killed in {killed_after:.2f} s, replacement serving {served_after:.2f} s after the "
           f"stall began (LOOP_STALL_SECONDS {STALL_LIMIT:g})")
 
 

@@ -47,10 +47,14 @@ def late(ctx: Any) -> None:
 
 
 def stall(ctx: Any) -> str:
-    """/stall [seconds]: answers at once with its process id; with seconds, first blocks in C
+    """/stall [seconds | gil]: answers at once with its process id; with seconds, first blocks in C
     (time.sleep holds the thread that runs it: the event loop itself once it runs inline), which
     no deadline can interrupt: the watchdog's case (tests/execapp/test_watchdog.py)."""
-    seconds = float(ctx.args or 0)
+    if ctx.args == "gil":  # blocks in C with the GIL held: no other thread of the worker runs either
+        import re
+
+        re.match(r"(a+)+$", "a" * 40 + "!")  # catastrophic backtracking: 2**40 steps in one C call
+    seconds = float(ctx.args or 0) if ctx.args != "gil" else 0.0
     if seconds > 0:
         time.sleep(seconds)
     return f"pid {os.getpid()}"
