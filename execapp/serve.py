@@ -72,6 +72,8 @@ class Child:
     stopping_at: float | None = None
     #: Its housekeeping thread was silent past ``Supervisor.house_limit``: recycled (``_watch_house``).
     house_stalled: bool = False
+    #: ... but since before it listened: logged, not recycled (a replacement would start the same way).
+    recycle_skipped: bool = False
     ready_at: float | None = None  # when the supervisor first saw it listening
 
     @property
@@ -198,7 +200,7 @@ class Supervisor:
             self._watch(child)
             if self.should_exit.is_set():
                 return
-            wanted = child.slot.state == watchdog.STATE_RECYCLE or child.house_stalled
+            wanted = child.slot.state == watchdog.STATE_RECYCLE or (child.house_stalled and not child.recycle_skipped)
             if wanted and child.replacement is None and not child.retiring and self.backoff.may_start(now):
                 log.warning("worker process [%s] %s: starting its replacement", child.pid,
                             "has a stuck housekeeping thread" if child.house_stalled else
@@ -332,11 +334,21 @@ class Supervisor:
         if silent <= self.house_limit or time.monotonic() - child.slot.house_beat <= self.house_limit:
             return  # (read twice: a torn read)
         child.house_stalled = True
-        log.error("worker process [%s]: its housekeeping thread has not come round for %.1f s (limit %g s, "
-                  "EXECAPP['HOUSEKEEPER_STALL_SECONDS']): a service's tick is stuck (the threads' stacks follow). "
-                  "Without it the worker counts no stuck pool threads, applies no quarantine entry and publishes "
-                  "no metrics, snapshots or history: recycling it (its replacement first, then it drains)",
-                  child.pid, silent, self.house_limit)
+        if child.ready_at is not None and beat < child.ready_at:
+            # Stuck since before it listened (its first round of ticks: the worker listened anyway
+            # after STARTUP_READY_SECONDS): a replacement would most likely start the same way, and
+            # recycling it again and again would close every client's connection each time.
+            log.error("worker process [%s]: its housekeeping thread has not come round for %.1f s, since before "
+                      "the worker listened (a service's first tick is stuck; the threads' stacks follow): not "
+                      "recycled, a replacement would start the same way; restart the server once it is fixed",
+                      child.pid, silent)
+            child.recycle_skipped = True
+        else:
+            log.error("worker process [%s]: its housekeeping thread has not come round for %.1f s (limit %g s, "
+                      "EXECAPP['HOUSEKEEPER_STALL_SECONDS']): a service's tick is stuck (the threads' stacks follow). "
+                      "Without it the worker counts no stuck pool threads, applies no quarantine entry and publishes "
+                      "no metrics, snapshots or history: recycling it (its replacement first, then it drains)",
+                      child.pid, silent, self.house_limit)
         try:
             os.kill(child.pid, signal.SIGUSR1)
         except ProcessLookupError:

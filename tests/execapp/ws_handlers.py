@@ -101,7 +101,7 @@ class _Installed:
 
     def tick(self) -> None:
         self.ticks += 1
-        if self.ticks > 2 and os.environ.get(HANG_HOUSEKEEPER):  # once the worker serves
+        if self.ticks > 6 and os.environ.get(HANG_HOUSEKEEPER):  # ~3 s on: once the worker serves
             time.sleep(3600)
 
     def close(self) -> None:
@@ -118,7 +118,7 @@ HANG_AT_START = "EXECAPP_TEST_HANG_AT_START"
 #: ... or, set to "close", never finish stopping once SIGTERMed: a service's close that never
 #: returns (the worker's loop awaits it, beating, its slot `draining`).
 HANG_AT_STOP = "EXECAPP_TEST_HANG_AT_STOP"
-#: ... or whose housekeeping thread hangs in this service's tick about a second after the start.
+#: ... or whose housekeeping thread hangs in this service's tick about 3 s after the start (listening by then).
 HANG_HOUSEKEEPER = "EXECAPP_TEST_HANG_HOUSEKEEPER"
 
 
