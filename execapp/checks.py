@@ -495,8 +495,8 @@ def _inline_timeout_checks() -> list[checks.CheckMessage]:
 
 
 def _watchdog_checks() -> list[checks.CheckMessage]:
-    """The lifecycle settings: LOOP_STALL_SECONDS, STUCK_THREADS_LIMIT, RESTART_BACKOFF_MAX_SECONDS and
-    DRAIN_UNREAD_CLIENT_SECONDS (docs/operations.md)."""
+    """The lifecycle settings: LOOP_STALL_SECONDS, STUCK_THREADS_LIMIT, HOUSEKEEPER_STALL_SECONDS,
+    RESTART_BACKOFF_MAX_SECONDS and DRAIN_UNREAD_CLIENT_SECONDS (docs/operations.md)."""
     errors: list[checks.CheckMessage] = []
     stall = conf.get("LOOP_STALL_SECONDS")
     if not isinstance(stall, (int, float)) or isinstance(stall, bool) or stall <= 0:
@@ -526,6 +526,16 @@ def _watchdog_checks() -> list[checks.CheckMessage]:
             f"EXECAPP['STUCK_THREADS_LIMIT'] ({limit}) is above POOL_MAX_WORKERS ({conf.get('POOL_MAX_WORKERS')}): "
             "the pool fills with stuck threads before the worker is ever recycled", hint="Make it at most "
             "POOL_MAX_WORKERS (a quarter of it or less keeps the pool useful).", id="execapp.W042"))
+    house = conf.get("HOUSEKEEPER_STALL_SECONDS")
+    if not _seconds(house):
+        errors.append(_seconds_error("HOUSEKEEPER_STALL_SECONDS", house, "never recycle a worker whose housekeeper "
+                                     "is stuck", "or well above 5", "execapp.E049"))
+    elif 0 < house < 10:
+        errors.append(checks.Warning(
+            f"EXECAPP['HOUSEKEEPER_STALL_SECONDS'] is {house!r}: a housekeeper round may take a few seconds (a "
+            "history flush waits up to HISTORY_FLUSH_DEADLINE_SECONDS on a slow Redis); a healthy worker would be "
+            "recycled", hint="Use 10 or more (default "
+            f"{conf.DEFAULTS['HOUSEKEEPER_STALL_SECONDS']}).", id="execapp.W049"))
     backoff = conf.get("RESTART_BACKOFF_MAX_SECONDS")
     if not _seconds(backoff):
         errors.append(_seconds_error("RESTART_BACKOFF_MAX_SECONDS", backoff, "restart a crashing worker at once",

@@ -241,6 +241,11 @@ DEFAULTS: dict[str, Any] = {
     "LOOP_STALL_SECONDS": 5.0,
     # Pool threads stuck past their deadline at which a worker is drained and replaced.
     "STUCK_THREADS_LIMIT": 8,
+    # A ready worker whose housekeeping thread (metrics, snapshots, history, the stuck-thread count
+    # and quarantine list above) has not come round for this long, a service's tick stuck, is
+    # recycled like one with stuck threads: its stacks logged, a replacement started, then it drains.
+    # Its services' own deadlines are a few seconds at most. 0: never.
+    "HOUSEKEEPER_STALL_SECONDS": 30.0,
     # The longest wait before the supervisor starts another worker after consecutive ones died
     # before serving (a crash loop, execapp/restart_backoff.py): 0.5 s, doubling, up to this. 0: none.
     "RESTART_BACKOFF_MAX_SECONDS": 30.0,

@@ -17,7 +17,7 @@ from . import extensions, history, metrics, resend
 from .engine import Completion, Event
 from .engine.event import EventRun, Outcome, OutcomeCallback
 from .engine.ratelog import RateLimitedLog
-from .loop_share import LoopShare
+from .loop_share import TURN_SECONDS, LoopShare
 from .outbox import Outbox, OutboxLimits, text_size
 from .outbox_budget import OutboxBudget
 from .pool_share import PoolShare
@@ -152,12 +152,12 @@ class Connection:
                 await pool.wait()
             # The owner spent its share of the loop while others wanted it: stop reading until it
             # refilled. Or it ran its part of this turn of the loop: wait until everything else that
-            # was ready ran. (An owner alone is not held: its tasks hand the loop back every slice,
-            # execapp.ws_flow, so another owner's first frame is read; ``enforced`` first: for an owner
-            # alone it is the one read.)
+            # was ready ran. (An owner alone owes nothing, and its part of a turn is larger:
+            # loop_share.ALONE_TURN_SECONDS; ``turn_spent`` first: one comparison while it is short.)
             share = self._decode_share
-            if share is not None and share.enforced and (share.level < 0 or share.turn_over):
-                if share.owed:
+            if share is not None and (share.turn_spent >= TURN_SECONDS or share.level < 0) and (
+                    share.turn_over or (share.level < 0 and share.enforced)):
+                if share.enforced and share.owed:
                     metrics.LOOP_SHARE_WAITS.inc()
                     await share.wait()
                 if share.turn_over:

@@ -211,6 +211,9 @@ class EventConsumer(AsyncWebsocketConsumer):
                                                        "OWNER']); close some, or share one connection")
             return
         self._counted_on = worker
+        protocol: Any = getattr(self.base_send, "__self__", None)
+        if hasattr(protocol, "parse_key"):  # execapp.ws_flow: its reads' parse budget is its owner's
+            protocol.parse_key = self.owner
         has_layer = self.channel_layer is not None
         self.conn = Connection(worker.engine, worker, Limits.from_settings(), self._send_text,
                                publish=self._publish if has_layer else None,

@@ -25,8 +25,8 @@ tenant's /ping waited a turn or two (measured). So an owner's connections togeth
 most ``TURN_SECONDS`` per turn of the loop (``turn_over``): past it they wait (``next_turn``) until
 the loop has run everything that was ready and read its sockets again. A turn then lasts about
 ``TURN_SECONDS`` per busy owner, whatever their connections. Only while another owner is active,
-like the share: an owner alone is held by nothing here (its tasks still hand the loop back every
-slice, so another owner's first frame is read), and keeps its throughput.
+like the share. An owner alone is held only per turn, at ``ALONE_TURN_SECONDS`` (its many
+connections' slices made one turn last seconds, the supervisor's stall), and keeps its throughput.
 
 Used on the event loop only (``spend_since`` and ``wait`` run in ``Connection.receive``), so no lock.
 """
@@ -102,6 +102,12 @@ class ShareGroup(ActiveOwners):
 
 #: Loop seconds one owner's connections may run in one turn of the loop while another owner is active.
 TURN_SECONDS = 0.005
+#: ... and while it is alone on the worker. Its connections each hand the loop back after a slice
+#: (execapp.ws_flow), but the loop runs every ready one once per turn: one owner's 300 connections,
+#: each sent /ping frames as fast as it could, made turns of over 5 s, and the supervisor killed
+#: the worker as stalled (every tenant's connection on it dropped). Large enough that an owner
+#: alone loses nothing to it (a turn back to an idle loop costs microseconds).
+ALONE_TURN_SECONDS = 0.05
 
 
 class LoopShare:
@@ -164,8 +170,10 @@ class LoopShare:
 
     @property
     def turn_over(self) -> bool:
-        """True once this owner ran TURN_SECONDS in this turn of the loop: the next frame waits (``next_turn``)."""
-        return self.turn_spent >= TURN_SECONDS
+        """True once this owner ran its part of this turn of the loop: TURN_SECONDS while another owner
+        is active, ALONE_TURN_SECONDS while it is alone. The next frame waits (``next_turn``)."""
+        spent = self.turn_spent
+        return spent >= TURN_SECONDS and (spent >= ALONE_TURN_SECONDS or self.enforced)
 
     async def next_turn(self) -> None:
         """Wait until the loop has run every callback that is ready now (other owners' connections,

@@ -67,6 +67,13 @@ class Child:
     retiring: bool = False  # SIGTERMed by the supervisor once its replacement listened
     killed: bool = False  # SIGKILLed by the watchdog
     started_at: float = 0.0  # time.monotonic() of its start
+    #: When the supervisor first saw it stopping (SIGTERMed for a recycle, or its slot draining or
+    #: exiting): it must be gone ``Supervisor.stop_timeout`` later (``_watch_stop``).
+    stopping_at: float | None = None
+    #: Its housekeeping thread was silent past ``Supervisor.house_limit``: recycled (``_watch_house``).
+    house_stalled: bool = False
+    #: ... but since before it listened: logged, not recycled (a replacement would start the same way).
+    recycle_skipped: bool = False
     ready_at: float | None = None  # when the supervisor first saw it listening
 
     @property
@@ -84,12 +91,13 @@ class Supervisor:
     directory, removed at exit, when None). ``restart_backoff``: the longest wait before starting
     another worker after consecutive ones died before they served (RESTART_BACKOFF_MAX_SECONDS;
     execapp.restart_backoff). ``start_timeout``: a worker not listening this long after its start
-    is killed and replaced (WORKER_START_TIMEOUT_SECONDS; 0: never).
+    is killed and replaced (WORKER_START_TIMEOUT_SECONDS; 0: never). ``house_limit``: a ready worker
+    whose housekeeping thread has not come round this long is recycled (HOUSEKEEPER_STALL_SECONDS; 0: never).
     """
 
     def __init__(self, config: uvicorn.Config, grace: float | None, stop_timeout: float,
                  reuse_port: bool = False, stall_limit: float = 5.0, watch_dir: str | None = None,
-                 restart_backoff: float = 30.0, start_timeout: float = 90.0) -> None:
+                 restart_backoff: float = 30.0, start_timeout: float = 90.0, house_limit: float = 30.0) -> None:
         self.config = config
         self.grace = grace
         self.stop_timeout = stop_timeout
@@ -102,6 +110,7 @@ class Supervisor:
         self.exit_code = 0
         self.backoff = RestartBackoff(restart_backoff)
         self.start_timeout = start_timeout
+        self.house_limit = house_limit
         self.slots: watchdog.SlotFile | None = None
         self._free: collections.deque[int] = collections.deque()
         #: Starts still owed to workers that died while an operator's drain held them: those start drained.
@@ -191,16 +200,18 @@ class Supervisor:
             self._watch(child)
             if self.should_exit.is_set():
                 return
-            if (child.slot.state == watchdog.STATE_RECYCLE and child.replacement is None and not child.retiring
-                    and self.backoff.may_start(now)):
-                log.warning("worker process [%s] asks to be recycled (%d pool threads stuck past their deadline): "
-                            "starting its replacement", child.pid, child.slot.stuck)
+            wanted = child.slot.state == watchdog.STATE_RECYCLE or (child.house_stalled and not child.recycle_skipped)
+            if wanted and child.replacement is None and not child.retiring and self.backoff.may_start(now):
+                log.warning("worker process [%s] %s: starting its replacement", child.pid,
+                            "has a stuck housekeeping thread" if child.house_stalled else
+                            f"asks to be recycled ({child.slot.stuck} pool threads stuck past their deadline)")
                 child.replacement = self._spawn(replaces=child, drained=child.slot.drained)
             new = child.replacement
             if new is not None and not child.retiring and new.slot.state == watchdog.STATE_READY:
                 log.warning("worker process [%s] listens: draining worker process [%s] (SIGTERM)", new.pid,
                             child.pid)
                 child.retiring = True
+                child.stopping_at = time.monotonic()
                 os.kill(child.pid, signal.SIGTERM)
 
     def _reap(self, child: Child) -> None:
@@ -227,7 +238,8 @@ class Supervisor:
         # Held drained by an operator and gone without its own shutdown (a crash, a SIGKILL, the
         # watchdog): whatever takes its place starts drained. A SIGTERMed worker exits cleanly and
         # its replacement serves (the operator restarted it).
-        drained = child.slot.drained if child.slot.state != watchdog.STATE_EXITING else 0
+        # One killed by _watch_stop went through its shutdown too, only not to the end.
+        drained = child.slot.drained if child.slot.state != watchdog.STATE_EXITING and child.stopping_at is None else 0
         if child.replaces is not None:  # a replacement died before taking over: the original serves on
             delay = self.backoff.failed(now)
             log.warning("replacement worker process [%s] died with exit code %s before it listened (%d failed "
@@ -284,9 +296,71 @@ class Supervisor:
         except ProcessLookupError:
             pass
 
+    def _watch_stop(self, child: Child) -> None:
+        """Kill ``child`` if it is still there ``stop_timeout`` after it began to stop (the drain's
+        grace, the close timeout and 10 s, as when the supervisor stops every worker). A worker told
+        to stop alone (an operator's SIGTERM, a recycle) was never bounded: one whose stop hung (a
+        service's close that never returns, with its loop beating; a thread its exit waits for, its
+        loop over and so no heartbeat) stayed for ever, counted as a worker, and none replaced it."""
+        state = child.slot.state
+        if child.killed or self.stop_timeout <= 0:
+            return
+        now = time.monotonic()
+        if child.stopping_at is None:
+            if state in (watchdog.STATE_DRAINING, watchdog.STATE_EXITING):
+                child.stopping_at = now
+            return
+        took = now - child.stopping_at
+        if took <= self.stop_timeout:
+            return
+        child.killed = True
+        log.error("worker process [%s] still %s %.1f s after it began to stop (limit %g s: the drain's grace, "
+                  "--close-timeout and 10 s): killing it (its threads' stacks follow)%s", child.pid,
+                  watchdog.STATE_NAMES.get(state, str(state)), took, self.stop_timeout,
+                  "" if child.retiring or self.should_exit.is_set() else " and starting another")
+        self._dump_and_kill(child)
+
+    def _watch_house(self, child: Child) -> None:
+        """Recycle a ready ``child`` whose housekeeping thread has not come round for ``house_limit``
+        seconds: a service's tick that does not return. Its loop beats and it serves, but without
+        the housekeeper it counts no stuck pool threads (so is never recycled for them), applies no
+        new quarantine entry and publishes no metrics, snapshots or history; nothing saw it."""
+        if child.killed or child.house_stalled or self.house_limit <= 0 or child.slot.state != watchdog.STATE_READY:
+            return
+        beat = child.slot.house_beat
+        if beat <= 0:
+            return  # not come round yet
+        silent = time.monotonic() - beat
+        if silent <= self.house_limit or time.monotonic() - child.slot.house_beat <= self.house_limit:
+            return  # (read twice: a torn read)
+        child.house_stalled = True
+        if child.ready_at is not None and beat < child.ready_at:
+            # Stuck since before it listened (its first round of ticks: the worker listened anyway
+            # after STARTUP_READY_SECONDS): a replacement would most likely start the same way, and
+            # recycling it again and again would close every client's connection each time.
+            log.error("worker process [%s]: its housekeeping thread has not come round for %.1f s, since before "
+                      "the worker listened (a service's first tick is stuck; the threads' stacks follow): not "
+                      "recycled, a replacement would start the same way; restart the server once it is fixed",
+                      child.pid, silent)
+            child.recycle_skipped = True
+        else:
+            log.error("worker process [%s]: its housekeeping thread has not come round for %.1f s (limit %g s, "
+                      "EXECAPP['HOUSEKEEPER_STALL_SECONDS']): a service's tick is stuck (the threads' stacks follow). "
+                      "Without it the worker counts no stuck pool threads, applies no quarantine entry and publishes "
+                      "no metrics, snapshots or history: recycling it (its replacement first, then it drains)",
+                      child.pid, silent, self.house_limit)
+        try:
+            os.kill(child.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+
     def _watch(self, child: Child) -> None:
-        """Kill and replace ``child`` if its loop has not beaten for ``stall_limit`` seconds."""
+        """Kill and replace ``child`` if its loop has not beaten for ``stall_limit`` seconds, or if it
+        has not started (``_watch_start``) or stopped (``_watch_stop``) in time; recycle it if its
+        housekeeper is stuck (``_watch_house``)."""
         self._watch_start(child)
+        self._watch_stop(child)
+        self._watch_house(child)
         if child.killed or child.slot.state in (watchdog.STATE_EXITING, watchdog.STATE_EMPTY):
             return
         beat = child.slot.heartbeat
@@ -472,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       stall_limit=float(conf.get("LOOP_STALL_SECONDS")),
                       restart_backoff=float(conf.get("RESTART_BACKOFF_MAX_SECONDS")),
                       start_timeout=float(conf.get("WORKER_START_TIMEOUT_SECONDS")),
+                      house_limit=float(conf.get("HOUSEKEEPER_STALL_SECONDS")),
                       watch_dir=os.environ.get(watchdog.ENV_DIR) or None).run()
 
 

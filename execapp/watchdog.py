@@ -23,6 +23,9 @@ offset bytes   written by the worker (the pid also by the supervisor, before the
 88     8       pool threads stuck past their deadline now
 96     8       drained: 1 while an operator's drain holds this worker (``manage.py drain``, until
                ``undrain``); the supervisor starts whatever replaces it drained too
+104    8       housekeeper beat: ``time.monotonic()`` when the worker's housekeeping thread last
+               came round (before each round of service ticks, every 0.1 s); the supervisor
+               recycles a ready worker whose housekeeper is silent past HOUSEKEEPER_STALL_SECONDS
 ====== ======= =================================================================================
 
 A 64-byte header holds the supervisor's flags (``FLAG_STOPPING`` while it stops every worker).
@@ -57,7 +60,7 @@ FRESH_SECONDS = 1.0
 _FLAGS = struct.Struct("=q")  # header offset 8
 _BEAT = struct.Struct("=d")  # slot offset 64
 _INT = struct.Struct("=q")  # pid 72, state 80, stuck 88, drained 96
-_OFF_BEAT, _OFF_PID, _OFF_STATE, _OFF_STUCK, _OFF_DRAINED = 64, 72, 80, 88, 96
+_OFF_BEAT, _OFF_PID, _OFF_STATE, _OFF_STUCK, _OFF_DRAINED, _OFF_HOUSE = 64, 72, 80, 88, 96, 104
 
 FLAG_STOPPING = 1
 
@@ -209,10 +212,20 @@ class Slot:
         """The last heartbeat (``time.monotonic()``), 0.0 before the first."""
         return float(_BEAT.unpack_from(self.mm, self.offset + _OFF_BEAT)[0])
 
+    def beat_house(self, now: float) -> None:
+        """Write one housekeeper beat (the worker's housekeeping thread, before each round of ticks)."""
+        _BEAT.pack_into(self.mm, self.offset + _OFF_HOUSE, now)
+
+    @property
+    def house_beat(self) -> float:
+        """The housekeeper's last beat (``time.monotonic()``), 0.0 before the first."""
+        return float(_BEAT.unpack_from(self.mm, self.offset + _OFF_HOUSE)[0])
+
     def describe(self) -> dict[str, Any]:
         """The slot as data: index, pid, state name, heartbeat age (s), inline mark, stuck threads."""
         name, cut = self.mark()
-        beat = self.heartbeat
+        beat, house = self.heartbeat, self.house_beat
         return {"slot": self.index, "pid": self.pid, "state": STATE_NAMES.get(self.state, str(self.state)),
-                "heartbeat_age": round(time.monotonic() - beat, 3) if beat else None, "inline": name,
+                "heartbeat_age": round(time.monotonic() - beat, 3) if beat else None,
+                "housekeeper_age": round(time.monotonic() - house, 3) if house else None, "inline": name,
                 "inline_truncated": cut, "stuck": self.stuck, "drained": bool(self.drained)}

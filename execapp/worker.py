@@ -135,8 +135,11 @@ class Worker:
         # Runs every shared service's tick on its own interval, on this one thread: database and
         # Redis I/O of the background jobs never touches the event loop or the pool.
         due = {id(s): 0.0 for s in services}
+        slot = self.watch.slot if self.watch is not None else None
         while not self._stop.is_set():
             now = time.monotonic()
+            if slot is not None:  # a tick that never returns stops these: the supervisor sees it
+                slot.beat_house(now)
             for service in services:
                 if now >= due[id(service)]:
                     due[id(service)] = now + service.interval

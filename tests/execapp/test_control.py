@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import types
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -13,6 +15,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from execapp import control_client as control
+from execapp import watchdog
 from execapp.control import UnknownWorker
 from execapp.control_listener import ControlListener
 from execapp.control_registry import LocalRegistry, RedisRegistry
@@ -197,6 +200,27 @@ def test_status_is_json_safe_and_printable(worker: Worker) -> None:
     assert "  DRAINING  " in status_lines({**status, "draining": True})[0]
     worker.begin_stop()
     assert "  STOPPING  " in status_lines(worker_status(worker))[0]
+    assert "loop_silent_seconds" not in status, "no supervisor: nothing to say"
+
+
+def test_status_says_when_the_loop_or_the_housekeeper_is_held(worker: Worker, tmp_path: Path) -> None:
+    """The control listener answers on its own thread: a worker whose loop was blocked 7 s in an
+    inline handler answered `execstatus` (exit 0) looking like any other, `events in flight 1`."""
+    slots = watchdog.SlotFile.create(tmp_path / watchdog.SLOTS_FILE, 2)
+    worker.watch = types.SimpleNamespace(slot=slots.slot(1))
+    now = time.monotonic()
+    worker.watch.slot.beat(now)
+    worker.watch.slot.beat_house(now)
+    text = "\n".join(status_lines(worker_status(worker)))
+    assert "STALLED" not in text and "STUCK" not in text, text
+    worker.watch.slot.beat(now - 7.0)
+    worker.watch.slot.beat_house(now - 40.0)
+    worker.watch.slot.mark_buffer()[:12] = b"command:stal"
+    status = worker_status(worker)
+    assert status["loop_silent_seconds"] >= 7.0 and status["running_inline"] == "command:stal"
+    text = "\n".join(status_lines(status))
+    assert "EVENT LOOP STALLED: no heartbeat for 7.0 s, running command:stal inline" in text, text
+    assert "HOUSEKEEPER STUCK: silent for 40.0 s" in text, text
 
 
 # -- execapp.control over a channel layer -----------------------------------------------------------

@@ -291,6 +291,48 @@ async def test_busy_owners_each_run_one_short_turn_before_the_loop_serves_the_ot
     assert max(gaps) < 6 * loop_share.TURN_SECONDS + 0.1, f"the loop worked {max(gaps):.3f} s before it came back"
 
 
+async def test_an_owner_alone_with_many_busy_connections_runs_a_bounded_part_of_each_turn() -> None:
+    """An owner alone on a worker was held by nothing per turn: its connections each ran a slice
+    and the loop ran every one of them before it came back. One owner's 300 connections sending
+    /ping as fast as they could made turns of over 5 s on a real server, and the supervisor killed
+    the worker as stalled (every other tenant's connection on it dropped)."""
+    def spin(ctx: Any) -> str:  # an inline handler that takes 0.2 ms of the loop
+        until = time.perf_counter() + 0.0002
+        while time.perf_counter() < until:
+            pass
+        return "ok"
+
+    engine = Engine(pool_enabled=False)
+    engine.add(engine.make_matcher("command", "spin", spin, plugin="test"))
+    share = LoopShare(0.25, group=loop_share.ShareGroup(window=30.0), owner="tenant:alone")
+
+    async def send(text: str) -> None:
+        pass
+
+    conns = [Connection(engine, Admission(), Limits(), send, owner="tenant:alone", decode_share=share)
+             for _ in range(20)]
+
+    async def feed(conn: Connection) -> None:  # 300 frames, taken as fast as receive returns
+        for n in range(300):
+            await conn.receive(json.dumps({"id": f"s{n}", "text": "/spin"}))
+
+    stop = asyncio.Event()
+    gaps: list[float] = []
+    probe = asyncio.ensure_future(_longest_gap(gaps, stop))
+    await asyncio.sleep(0.01)
+    started = time.monotonic()
+    await asyncio.wait_for(asyncio.gather(*[feed(c) for c in conns]), 30)
+    took = time.monotonic() - started
+    stop.set()
+    await probe
+    for c in conns:
+        c.close()
+    assert not share.enforced and share.level >= 0, "alone: never throttled, nothing owed"
+    # ~1.2 s of handlers: in one turn without the bound; now a turn is ALONE_TURN_SECONDS and a frame.
+    assert max(gaps) < loop_share.ALONE_TURN_SECONDS + 0.05, f"the loop worked {max(gaps):.3f} s before it came back"
+    assert took < 20, took
+
+
 async def test_a_frame_is_charged_to_its_owner_s_share_once() -> None:
     """Decoding, the checks and the dispatch of one frame are one charge (one clock read, one
     refill): a charge each cost the /ping path ~1 us (issue 14). A refused frame is charged too."""

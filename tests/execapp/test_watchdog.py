@@ -139,14 +139,15 @@ def parent_of(pid: int) -> int:
 
 # -- a stalled loop -------------------------------------------------------------------------------
 
-async def test_one_worker_is_supervised_and_a_stalled_loop_is_replaced(start: Any) -> None:
+@pytest.mark.parametrize("stall", ["30", "gil"])  # time.sleep (the GIL released), a regex (the GIL held)
+async def test_one_worker_is_supervised_and_a_stalled_loop_is_replaced(start: Any, stall: str) -> None:
     server = await asyncio.to_thread(start, 1)
     (old,) = server.ready_pids()
     assert parent_of(old) == server.proc.pid, "--workers 1 runs its worker under the supervisor"
     async with connect(server.ws_url) as victim, connect(server.ws_url) as ws:
         assert await warm_inline(ws, "warm") == old
         stalled_at = time.monotonic()
-        await ws.send(json.dumps({"id": "stall", "type": "message", "text": "/stall 30"}))
+        await ws.send(json.dumps({"id": "stall", "type": "message", "text": f"/stall {stall}"}))
         # The whole worker is stuck: every connection of it dies with the process (1006).
         assert await closed_code(ws, STALL_LIMIT + WAIT) == 1006
         assert await closed_code(victim, WAIT) == 1006
@@ -169,7 +170,8 @@ async def test_one_worker_is_supervised_and_a_stalled_loop_is_replaced(start: An
     log = server.log(tail=None)  # the whole log: every thread's stack follows the line
     assert f"worker process [{old}]: event loop stalled" in log and "running matcher command:stall inline" in log
     assert "most recent call first" in log, "the stalled worker's stacks were dumped before the kill"
-    print(f"\nstall -> worker killed in {killed_after:.2f} s, replacement serving {served_after:.2f} s after the "
+    assert "in stall" in log, "the dump shows the handler, even with the GIL held (faulthandler writes from C)"
+    print(f"\n{stall}: worker killed in {killed_after:.2f} s, replacement serving {served_after:.2f} s after the "
           f"stall began (LOOP_STALL_SECONDS {STALL_LIMIT:g})")
 
 
@@ -292,13 +294,15 @@ def test_the_inline_mark_is_read_from_another_mapping_and_a_cut_name_quarantines
 def test_checks_name_bad_watchdog_settings(settings: Any) -> None:
     from execapp.checks import check_execapp_settings
 
-    settings.EXECAPP = {"LOOP_STALL_SECONDS": 0, "STUCK_THREADS_LIMIT": 2.5}
+    settings.EXECAPP = {"LOOP_STALL_SECONDS": 0, "STUCK_THREADS_LIMIT": 2.5, "HOUSEKEEPER_STALL_SECONDS": float("nan")}
     ids = {m.id for m in check_execapp_settings()}
-    assert {"execapp.E040", "execapp.E041"} <= ids
-    settings.EXECAPP = {"LOOP_STALL_SECONDS": 0.5, "STUCK_THREADS_LIMIT": 100, "POOL_MAX_WORKERS": 64}
+    assert {"execapp.E040", "execapp.E041", "execapp.E049"} <= ids
+    settings.EXECAPP = {"LOOP_STALL_SECONDS": 0.5, "STUCK_THREADS_LIMIT": 100, "POOL_MAX_WORKERS": 64,
+                        "HOUSEKEEPER_STALL_SECONDS": 2}
     messages = {m.id: m for m in check_execapp_settings()}
-    assert {"execapp.W040", "execapp.W042"} <= set(messages)
+    assert {"execapp.W040", "execapp.W042", "execapp.W049"} <= set(messages)
     assert all(m.level == django_checks.WARNING for k, m in messages.items() if k in ("execapp.W040", "execapp.W042"))
     settings.EXECAPP = {}
     assert not {m.id for m in check_execapp_settings()} & {"execapp.E040", "execapp.E041", "execapp.W040",
-                                                           "execapp.W041", "execapp.W042"}
+                                                           "execapp.W041", "execapp.W042", "execapp.E049",
+                                                           "execapp.W049"}

@@ -553,3 +553,60 @@ def test_the_checks_refuse_a_message_timeout_that_is_not_positive(settings: Any)
     settings.EXECAPP = {"WS_MESSAGE_TIMEOUT_SECONDS": 0}
     errors = [e for e in check_execapp_settings() if "WS_MESSAGE_TIMEOUT_SECONDS" in e.msg]
     assert errors and errors[0].id == "execapp.E004" and errors[0].hint, errors
+
+
+def _fragmented(fragments: int) -> bytes:
+    """One masked text message of ``fragments`` one-byte frames: parse work, little for the app."""
+    first = bytes([0x01, 0x81]) + b"\x00\x00\x00\x00x"
+    middle = bytes([0x00, 0x81]) + b"\x00\x00\x00\x00x"
+    last = bytes([0x80, 0x81]) + b"\x00\x00\x00\x00x"
+    return first + middle * (fragments - 2) + last
+
+
+def test_the_reads_of_many_connections_are_parsed_a_bounded_time_per_loop_turn() -> None:
+    # The loop runs the read of every ready socket once per turn, each parsed up to
+    # MAX_QUEUED_MESSAGES messages: 1,000 connections of one owner flooding /ping made a turn of
+    # over 5 s on a busy machine, and the supervisor killed the worker as stalled. (Another
+    # owner's first read in a turn is parsed at once: ParseTurn.)
+    loops: list[asyncio.AbstractEventLoop] = []
+    gaps: list[float] = []
+    taken = [0]
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "websocket":
+            return
+        loops.append(asyncio.get_running_loop())
+        await receive()
+        send.__self__.parse_key = "tenant:flood"  # one owner's connections (execapp.consumers sets it)
+        await send({"type": "websocket.accept"})
+        while (await receive())["type"] != "websocket.disconnect":
+            taken[0] += 1
+
+    async def probe() -> None:  # the loop thread's CPU time between two of its turns (not the wall clock)
+        while True:
+            started = time.thread_time()
+            await asyncio.sleep(0.001)
+            gaps.append(time.thread_time() - started)
+
+    message = _fragmented(ws_flow.MAX_FRAGMENTS)
+    backlog = message * (48 * 1024 // len(message))  # ~100 messages, ~7,000 frames a connection
+    with InProcess(app) as server:
+        socks = [_upgraded(server.port, "/") for _ in range(40)]
+        try:
+            assert wait_until(lambda: len(loops) == len(socks), 10)
+            loop = loops[0]
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(probe()))
+            # Every backlog lands while the loop sleeps: the next turn finds every socket readable.
+            loop.call_soon_threadsafe(time.sleep, 1.0)
+            time.sleep(0.1)
+            for sock in socks:
+                sock.setblocking(True)
+                sock.sendall(backlog)
+            expected = len(socks) * (len(backlog) // len(message))
+            assert wait_until(lambda: taken[0] == expected, 60), (taken[0], expected)
+        finally:
+            for sock in socks:
+                sock.close()
+    # One connection's read parses ~32 messages of 64 frames (~2,000 frames, 10-20 ms); without
+    # the turn's budget the 40 of them were parsed in one turn (~0.5 s), and again as the app took them.
+    assert gaps and max(gaps) < ws_flow.PARSE_TURN_SECONDS + 0.1, f"the loop worked {max(gaps):.3f} s unbroken"

@@ -47,10 +47,14 @@ def late(ctx: Any) -> None:
 
 
 def stall(ctx: Any) -> str:
-    """/stall [seconds]: answers at once with its process id; with seconds, first blocks in C
+    """/stall [seconds | gil]: answers at once with its process id; with seconds, first blocks in C
     (time.sleep holds the thread that runs it: the event loop itself once it runs inline), which
     no deadline can interrupt: the watchdog's case (tests/execapp/test_watchdog.py)."""
-    seconds = float(ctx.args or 0)
+    if ctx.args == "gil":  # blocks in C with the GIL held: no other thread of the worker runs either
+        import re
+
+        re.match(r"(a+)+$", "a" * 40 + "!")  # catastrophic backtracking: 2**40 steps in one C call
+    seconds = float(ctx.args or 0) if ctx.args != "gil" else 0.0
     if seconds > 0:
         time.sleep(seconds)
     return f"pid {os.getpid()}"
@@ -90,11 +94,20 @@ class _Installed:
 
     interval = 3600.0
 
+    def __init__(self) -> None:
+        self.ticks = 0
+        if os.environ.get(HANG_HOUSEKEEPER):
+            self.interval = 0.5
+
     def tick(self) -> None:
-        pass
+        self.ticks += 1
+        if self.ticks > 6 and os.environ.get(HANG_HOUSEKEEPER):  # ~3 s on: once the worker serves
+            time.sleep(3600)
 
     def close(self) -> None:
-        pass
+        how = os.environ.get(HANG_AT_STOP)
+        if how == "close":  # a service whose close never returns: the loop awaits it, beating
+            time.sleep(3600)
 
 
 #: e2e servers started with this variable set die in every worker process's first service ticks
@@ -102,6 +115,11 @@ class _Installed:
 CRASH_AT_START = "EXECAPP_TEST_CRASH_AT_START"
 #: ... or hang while their Worker is built (a service factory that never returns).
 HANG_AT_START = "EXECAPP_TEST_HANG_AT_START"
+#: ... or, set to "close", never finish stopping once SIGTERMed: a service's close that never
+#: returns (the worker's loop awaits it, beating, its slot `draining`).
+HANG_AT_STOP = "EXECAPP_TEST_HANG_AT_STOP"
+#: ... or whose housekeeping thread hangs in this service's tick about 3 s after the start (listening by then).
+HANG_HOUSEKEEPER = "EXECAPP_TEST_HANG_HOUSEKEEPER"
 
 
 def install(worker: Any) -> _Installed:

@@ -10,6 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from execapp import conf
 from execapp.control_client import ControlResult, request_sync
 from execapp.engine.errors import ExecAppError
+from execapp.status import liveness_lines
 
 
 class ControlCommand(BaseCommand):
@@ -136,6 +137,7 @@ def status_lines(answer: dict[str, Any]) -> list[str]:
         f"worker {answer.get('worker')}  pid {answer.get('pid')}  up {answer.get('uptime_seconds', 0):.0f} s  "
         f"{_state(answer)}  events in flight {answer.get('events_in_flight', 0)}"
         f" (finished {answer.get('events_finished', 0)})",
+        *liveness_lines(answer),
         f"  pool: running {pool.get('in_flight', 0)}/{pool.get('capacity', 0)}, queued {pool.get('queued', 0)}/"
         f"{pool.get('queue_capacity', 0)}, saturation {100 * (pool.get('saturation') or 0):.1f}%, threads "
         f"{pool.get('workers', 0)} (idle {pool.get('idle_workers', 0)}), submitted {pool.get('submitted', 0)}, "
