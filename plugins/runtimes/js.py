@@ -96,6 +96,8 @@ _PRELUDE = r"""
   // Captured before the plugin's code runs: a guest that replaces JSON or Object.assign
   // cannot break the protocol with the host.
   const stringify = JSON.stringify, parse = JSON.parse, assign = Object.assign, NativePromise = Promise;
+  // (a guest's String made errstr return its object: a dict reached the host as the error text)
+  const NativeString = String;
   const reject = Promise.reject;
   // The host calls queued since the last step, each as its JSON text (queued[head..tail)), and the
   // promises waiting on them by id: objects without a prototype, written and read with no guest
@@ -125,10 +127,10 @@ _PRELUDE = r"""
     let s;
     try {
       if (e instanceof Error) {
-        const at = String(e.stack || "").split("\n").map(s => s.trim()).filter(Boolean)[0];
+        const at = NativeString(e.stack || "").split("\n").map(s => s.trim()).filter(Boolean)[0];
         s = e.name + ": " + e.message + (at ? " (" + at + ")" : "");
       } else {
-        s = String(e);
+        s = NativeString(e);
       }
     } catch (_) {
       return "the handler threw a value that cannot be turned into text (converting it failed: a stack overflow, " +
@@ -198,7 +200,7 @@ __NATIVE_GUARDS__
   const define = (name, value) => Object.defineProperty(g, name, {value});
   define("log", (msg) => {
     if (loading) request("log", null);
-    const s = String(msg);  // (cut to what the host can keep)
+    const s = NativeString(msg);  // (cut to what the host can keep)
     enqueue(0, "log", "[" + stringify(s.length > 2 * __MAX_LOG__ ? apply(sSlice, s, [0, 2 * __MAX_LOG__]) : s) + "]");
   });
   define("kv_get", (key) => request("kv_get", () => arg(key, __MAX_KEY__)));
@@ -662,7 +664,10 @@ class JsInstance:
                 if status == "ok":
                     return to_reply(state.get("v"))
                 if status == "err":
-                    raise _guest_error(state["e"], self.spec)
+                    message = state["e"]
+                    if message.__class__ is not str:  # the prelude writes text only: a broken prelude
+                        raise TypeError("the error is not text")
+                    raise _guest_error(message, self.spec)
                 # Waiting on host calls or on promise jobs: run them, then look again.
                 remaining = deadline - now()
                 if remaining <= 0:

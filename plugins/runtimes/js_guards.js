@@ -7,7 +7,8 @@
   // checks; the slow paths (js_guards_slow.js) are compiled in a Context the first time it needs
   // one: every byte here is read and run in each new Context (~7 us per KB of bytecode).
   const apply = Reflect.apply, isArray = Array.isArray, NativeFunction = Function, NativeProxy = Proxy, NativeArray = Array;
-  const reflectGet = Reflect.get, nativeConstruct = Reflect.construct, defineProp = Reflect.defineProperty, toObject = Object, trunc = Math.trunc;
+  const reflectGet = Reflect.get, nativeConstruct = Reflect.construct, defineProp = Reflect.defineProperty, toObject = Object, trunc = Math.trunc,
+        clz32 = Math.clz32;
   const SPLIT = Symbol.split, REPLACE = Symbol.replace, MATCH = Symbol.match, spreadable = Symbol.isConcatSpreadable;
   const ITER = Symbol.iterator, reflectSet = Reflect.set, ownKeys = Reflect.ownKeys;
   const getOwnDescriptor = Reflect.getOwnPropertyDescriptor, numValueOf = Number.prototype.valueOf;
@@ -136,7 +137,7 @@
   const sortTraps = {__proto__: null, apply(native, self, args) {
     if ((args.length === 0 || args[0] === undefined) && genuine(self) && self.length > 1 &&
         self.length <= MAX_LENGTH) {
-      const log2 = 32 - Math.clz32(self.length);
+      const log2 = 32 - clz32(self.length);
       if (mass(self, MASS_MAX / log2) > MASS_MAX / log2) return apply(native, self, [byText]);
       if (self.length * log2 > SORT_MAX) return slow().sorted(original[sortAt], self, native === original[sortAt]);
     }

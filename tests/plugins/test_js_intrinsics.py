@@ -1,0 +1,67 @@
+"""The JS prelude and guards use only what they captured before any guest code ran.
+
+A guest may replace any global or built-in method (Math.clz32, String, ...). Whatever the guards or
+the prelude look up at call time is then the guest's: each case replaces one such name, then makes
+the call the guard exists for, and must still be stopped at its deadline or answered as before.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import pytest
+
+from execapp.engine import HandlerTimeout
+from tests.plugins.test_js_containment import Worker
+from tests.plugins.test_js_redteam import outcome_within_budget
+
+BUDGET_SECONDS, MARGIN_SECONDS = 0.3, 0.4
+
+
+@pytest.fixture
+def worker() -> Iterator[Worker]:
+    w = Worker()
+    yield w
+    w.close()
+
+
+# Each: a handler body that replaces an intrinsic, then calls a guarded built-in whose native work
+# would run for seconds in one C call (measured at the default 16 MiB, before the fix: 10.7 s on a
+# 0.3 s budget for the sort).
+RUNAWAYS = {
+    # the sort guard sized its work with Math.clz32: a guest's `() => 32` made it 0 and let the
+    # native sort compare 3,000 references to one 4 MiB string (each comparison a 4 MiB memcmp)
+    "Math.clz32 replaced, then a sort of long equal strings":
+        "const s = 'a'.repeat(1 << 22); const a = new Array(3000).fill(s); Math.clz32 = () => 32; a.sort()",
+}
+
+
+@pytest.mark.parametrize("case", RUNAWAYS)
+def test_a_replaced_intrinsic_does_not_switch_a_guard_off(worker: Worker, case: str) -> None:
+    code = f"function f(e) {{ {RUNAWAYS[case]}; return 'finished'; }} function ok(e) {{ return 'fine'; }}"
+    outcome, took = outcome_within_budget(worker, code, budget=BUDGET_SECONDS)
+    assert isinstance(outcome, HandlerTimeout), outcome
+    assert took < BUDGET_SECONDS + MARGIN_SECONDS, took
+
+
+# A guest's String that returns an object: the prelude turned thrown values and log lines into text
+# with it, so its object crossed to the host as the error (an AttributeError out of the runtime,
+# not a handler error) or as the log line (its JSON, past the line's cut).
+EVIL_STRING = "String = function () { return {length: 1, nested: [1, {deep: 'x'.repeat(5000)}]}; };"
+
+
+def test_a_replaced_string_cannot_make_a_thrown_value_anything_but_text(worker: Worker) -> None:
+    code = f"function f(e) {{ {EVIL_STRING} throw 5; }} function ok(e) {{ return 'fine'; }}"
+    outcome, _ = outcome_within_budget(worker, code, budget=BUDGET_SECONDS)
+    assert type(outcome).__name__ == "HandlerError", repr(outcome)
+    assert str(outcome).endswith("js error: 5"), outcome
+
+
+def test_a_replaced_string_cannot_make_a_log_line_anything_but_text(worker: Worker,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="plugins.guest")
+    code = f"function f(e) {{ {EVIL_STRING} log(42); return 'logged'; }} function ok(e) {{ return 'fine'; }}"
+    outcome, _ = outcome_within_budget(worker, code, budget=BUDGET_SECONDS)
+    assert outcome == "logged"
+    lines = [r.getMessage() for r in caplog.records if r.name == "plugins.guest"]
+    assert lines == ["[jsc-pooled] 42"], lines
