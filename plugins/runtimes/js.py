@@ -350,13 +350,33 @@ _PRELUDE = _PRELUDE.replace("__NATIVE_GUARDS__", (Path(__file__).with_name("js_g
 # Only for validation (list_functions): kept out of _PRELUDE because QuickJS compiles every
 # character of the prelude into each new Context (~40 ns/char: the prelude is most of a
 # per_request call's cost).
+#: Characters of JSON the list of a plugin's global functions may have (read once, at validation):
+#: it crosses into Python outside the memory cap. ~20,000 functions of 50-character names.
+MAX_FUNCTION_LIST_CHARS = 1 << 20
+# Everything it calls is captured here, before the plugin's code runs: the guest's JSON.stringify
+# returned 50 MB of "[1000,1000,...]" at a 128 MiB cap, which Python parsed into 10M ints (the
+# process grew 478 MB), and a guest's Set.prototype.has listed the prelude's entry points.
 _LIST_FUNCTIONS = r"""
-Object.defineProperty(globalThis, "__execapp_functions", {value: (before) => {
-  const skip = new Set(JSON.parse(before));
-  return JSON.stringify(Object.getOwnPropertyNames(globalThis)
-    .filter(k => !skip.has(k) && typeof globalThis[k] === "function"));
-}});
-"""
+(() => {
+  const parse = JSON.parse, stringify = JSON.stringify, names = Object.getOwnPropertyNames, g = globalThis,
+        slice = String.prototype.slice, apply = Reflect.apply;
+  Object.defineProperty(g, "__execapp_functions", {value: (before) => {
+    const skip = parse(before), seen = {__proto__: null}, all = names(g);
+    for (let i = 0; i < skip.length; i++) seen[skip[i]] = true;
+    let out = "";
+    for (let i = 0; i < all.length; i++) {
+      const k = all[i];
+      if (seen[k] !== true && typeof g[k] === "function") {  // (a getter on globalThis: guest code, timed)
+        out = out.length > 0 ? out + "," + stringify(k) : stringify(k);
+        if (out.length > __MAX__)
+          throw new RangeError("the plugin's global functions have more than __MAX__ characters of names " +
+                               "(MAX_FUNCTION_LIST_CHARS); define fewer functions at the top level");
+      }
+    }
+    return apply(slice, "[" + out + "]", [0]);  // (flat: the binding cannot read a rope)
+  }});
+})();
+""".replace("__MAX__", str(MAX_FUNCTION_LIST_CHARS))
 
 
 log = logging.getLogger("plugins.runtimes.js")
@@ -548,8 +568,10 @@ class JsInstance:
             self.ctx.eval(spec.code + "\n;void 0")
             if time.monotonic() >= deadline:  # the top level ended, but past its budget
                 raise GuestTimeout(_timeout_message(spec, "in its top level"))
-            self.functions = (frozenset(json.loads(self.ctx.get("__execapp_functions")(before))) if before
-                              else frozenset())
+            names = self.ctx.get("__execapp_functions")(before) if before else "[]"
+            if names.__class__ is not str or len(names) > MAX_FUNCTION_LIST_CHARS + 2:
+                raise GuestError("the plugin broke the host protocol (its list of functions)", poison=True)
+            self.functions = frozenset(json.loads(names))
         except quickjs.JSException as exc:
             if held is not None:
                 js_deadline.release(held)

@@ -12,6 +12,9 @@ from typing import Iterator
 import pytest
 
 from execapp.engine import HandlerTimeout
+from plugins.errors import CompileError
+from plugins.runtimes.js import JsCompiled
+from plugins.spec import PluginSpec
 from tests.plugins.test_js_containment import Worker
 from tests.plugins.test_js_redteam import outcome_within_budget
 
@@ -65,3 +68,26 @@ def test_a_replaced_string_cannot_make_a_log_line_anything_but_text(worker: Work
     assert outcome == "logged"
     lines = [r.getMessage() for r in caplog.records if r.name == "plugins.guest"]
     assert lines == ["[jsc-pooled] 42"], lines
+
+
+# -- the list of a plugin's functions, read once at validation ----------------------------------
+
+def _compiled(code: str, memory_mb: int = 16) -> JsCompiled:
+    # (a roomy budget: the top levels below build their state in ~0.2-0.6 s on a loaded machine)
+    return JsCompiled(PluginSpec(name="jsi", runtime="js", code=code, timeout=2.0,
+                                 memory_bytes=memory_mb << 20))
+
+
+def test_the_function_list_is_made_with_intrinsics_captured_before_the_plugin_ran() -> None:
+    # Before: the guest's JSON.stringify gave the list (here 200,001 numbers: at a 128 MiB cap, 10M
+    # of them grew the process by 478 MB), and its Set.prototype.has added the prelude's names.
+    code = ("const big = ('[' + '1000,'.repeat(2e5) + '1000]').slice(0); JSON.stringify = () => big;"
+            " Set.prototype.has = () => false; Array.prototype.filter = function () { return this; };"
+            " function f(e) { return 'x'; }")
+    assert _compiled(code).handlers == {"f"}
+
+
+def test_a_plugin_with_too_many_function_names_is_refused_at_validation() -> None:
+    code = "for (let i = 0; i < 30000; i++) globalThis['handler_with_a_longish_name_' + i] = function () {};"
+    with pytest.raises(CompileError, match="MAX_FUNCTION_LIST_CHARS"):
+        _compiled(code, memory_mb=64)
