@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -86,6 +87,14 @@ GUARDED = True
 #: passes this is refused at save (at most 16 in a 4 MiB source, 640 in 100 KB); `new RegExp` at run
 #: time is checked by the guards instead (js_guards.js: a pattern of at most 16,384 characters).
 MAX_BACKREF_WORK = 1 << 26
+#: How much a regexp's property escapes (``\p{...}``, ``\P{...}``) may weigh: each builds a Unicode
+#: set when the pattern compiles, in C with no poll (1,200 ``\p{RGI_Emoji}`` in one 16 KB pattern:
+#: 2.7 s of CPU at 256 MiB). Each counts 1 (at most ~0.24 ms measured), a property of strings
+#: (``RGI_Emoji...``, ``Basic_Emoji``: 0.9-3.6 ms) HEAVY_PROPERTY. Checked by the guards for every
+#: pattern compiled at run time, and at save for the plugin's source as a whole (its regexp literals
+#: compile as it is parsed, in every new Context).
+MAX_PROPERTY_WORK = 1 << 8
+HEAVY_PROPERTY = 16
 #: The host calls a guest's requests may name (the prelude's; anything else breaks the protocol).
 _HOST_OPS = frozenset({"log", "kv_get", "kv_set", "kv_incr", "sleep", "http_get"})
 
@@ -345,6 +354,7 @@ _PRELUDE = _PRELUDE.replace("__NATIVE_GUARDS__", (Path(__file__).with_name("js_g
     .replace("__GUARDS_SLOW__", _template(_code_lines(Path(__file__).with_name("js_guards_slow.js"))))
     .replace("__GUARDED_ORIGINALS__", "[" + ", ".join(f"AP.{name}" for name in _GUARDED_METHODS) + "]")
     .replace("__GUARDED_NAMES__", json.dumps(_GUARDED_METHODS))
+    .replace("__PROPERTY_WORK__", str(MAX_PROPERTY_WORK)).replace("__HEAVY_PROPERTY__", str(HEAVY_PROPERTY))
 ))
 
 # Only for validation (list_functions): kept out of _PRELUDE because QuickJS compiles every
@@ -764,6 +774,14 @@ class JsInstance:
             js_free.release(ctx, 1)
 
 
+_PROPERTY_ESCAPE = re.compile(r"\\[pP]\{(RGI_Emoji|Basic_Emoji)?")
+
+
+def property_work(source: str) -> int:
+    """The weight of the regexp property escapes in ``source`` as the guards count it (js_guards.js)."""
+    return sum(HEAVY_PROPERTY if m.group(1) else 1 for m in _PROPERTY_ESCAPE.finditer(source))
+
+
 def _timeout_message(spec: Any, where: str = "") -> str:
     return f"ran past its {spec.timeout * 1000:g} ms timeout" + (f" {where}" if where else "")
 
@@ -809,6 +827,13 @@ class JsCompiled(FreshInstanceIsolation):
                                f"back-reference in one scan of its whole pattern, which cannot be interrupted; the "
                                f"sandbox allows at most {MAX_BACKREF_WORK} as their count x the source's length "
                                f"(MAX_BACKREF_WORK): use fewer, or build such a regexp with new RegExp in a handler")
+        work = property_work(spec.code)
+        if work > MAX_PROPERTY_WORK:
+            raise CompileError(f"the source's regexp property escapes (\\p{{...}}, \\P{{...}}) weigh {work}: "
+                               f"QuickJS compiles each regexp literal while it parses, in every new Context, and "
+                               f"each escape builds a Unicode set that cannot be interrupted; the sandbox allows at "
+                               f"most {MAX_PROPERTY_WORK} (MAX_PROPERTY_WORK: each counts 1, a property of strings "
+                               f"such as RGI_Emoji {HEAVY_PROPERTY}): use fewer")
         self.spec = spec
         try:
             probe = JsInstance(self, list_functions=True, deadline=time.monotonic() + load_seconds(spec))
