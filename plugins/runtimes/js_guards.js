@@ -75,7 +75,7 @@
     sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
     getOwnDescriptor, ITERATOR: ITER, TA: taNatives,
     numValueOf, strValueOf, parse, sCharCodeAt, SORT_RUN, arrayFill: original[fillAt], JOIN_RUN, arraySlice: original[sliceAt], AP, NativeArray,
-    speciesGet: arraySpeciesGet, hasOwn, getProto, SPECIES});
+    speciesGet: arraySpeciesGet, hasOwn, getProto, SPECIES, nativeExec});
 
   // -- Array.prototype: its methods walk `length` in C (`a.length = 2**31; a.join()`, indexOf,
   // fill, sort, forEach over holes... ran for minutes). Each refuses a length past MAX_LENGTH,

@@ -36,6 +36,15 @@ RUNAWAYS = {
     # native sort compare 3,000 references to one 4 MiB string (each comparison a 4 MiB memcmp)
     "Math.clz32 replaced, then a sort of long equal strings":
         "const s = 'a'.repeat(1 << 22); const a = new Array(3000).fill(s); Math.clz32 = () => 32; a.sort()",
+    # a replace past the search guard's size runs in the slow path, whose `$&` substitution used the
+    # native replace on a regexp of the guards' own, which read RegExp.prototype.exec: the guest's
+    # result (a length of 200,000 on a 30,000-deep chain) had its captures read in C, unpolled (past
+    # 60 s; a length of 2,000: 3.1 s)
+    "RegExp.prototype.exec replaced, then a long replace":
+        "let p = {}; for (let i = 0; i < 30000; i++) p = Object.create(p); let once = false;"
+        " RegExp.prototype.exec = function () { if (once) return null; once = true;"
+        "   const r = Object.create(p); r.length = 200000; r.index = 0; r[0] = '$'; return r; };"
+        " ('x'.repeat(600000) + 'aaaaaaaaa').replace('aaaaaaaaa', '$&'); for (;;) {}",
 }
 
 
