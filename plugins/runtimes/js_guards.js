@@ -288,7 +288,8 @@
                 entries() { const it = apply(nEntries, this, []); return genuine(this) ? it : stepped(it); }});
     // An array-like without an iterator is read by index; one with an iterator goes through it.
     const source = (v) => primitive(v) || shortChain(v) || typeof v[ITER] === "function" ? v : slow().list(v);
-    assign(Array, {from(items, ...rest) { return apply(nFrom, this, [source(items), ...rest]); }});
+    // (arguments, not a spread of the rest: a spread steps Array.prototype[Symbol.iterator], the guest's)
+    assign(Array, {from(items) { return apply(nFrom, this, [source(items), arguments[1], arguments[2]]); }});
     const TA = getProto(Int8Array), TAP = TA.prototype, nTAFrom = TA.from, nSet = TAP.set, nOf = TA.of;
     // What a typed array converts element by element (mass() above): a genuine array whose strings
     // pass MASS_MAX characters is refused, an array-like copied first (its length and elements read
@@ -300,10 +301,37 @@
                              "allows at most " + MASS_MAX);
       return a;
     };
-    const taSource = (v, what) => primitive(v) ? v : genuine(v) ? converted(v, what) :
-      typeof v[ITER] === "function" ? v : converted(slow().list(v), what);
+    // The native converts a source's values in one loop after it has read them all (an iterable's
+    // steps are polled calls, the conversion is not), so what converted() measured must be what the
+    // native converts: an element's getter swapped 300 references to a 4 MiB string in after the
+    // measure, and a guest's Array.prototype[Symbol.iterator] (or any iterable) yielded them, each
+    // converted for 14-17 s on a 0.3 s budget. So the values are read once into a copy (by the
+    // source's iterator when the native would use one, stepped in bytecode), the copy is measured,
+    // and the native gets the copy as an array-like (its own Symbol.iterator undefined).
+    const AIP = getProto(apply(nValues, [], [])), aipNext = AIP.next;
+    const plainIteration = (v) => {  // a genuine array iterated by the natives' own iterator
+      if (!genuine(v) || v[ITER] !== values) return false;
+      const d = getOwnDescriptor(AIP, "next");
+      return d !== undefined && d.value === aipNext;
+    };
+    const snapshot = (v, iterate) => {
+      let out;
+      if (iterate && !plainIteration(v) && typeof v[ITER] === "function") {
+        out = slow().iterated(v);
+      } else if (genuine(v)) {
+        out = [];
+        for (let i = 0, n = v.length; i < n; i++) out[i] = v[i];
+      } else {
+        out = slow().list(v);
+      }
+      defineProp(out, ITER, {value: undefined});
+      return out;
+    };
+    const taSource = (v, what, iterate) => primitive(v) ? v : converted(snapshot(v, iterate), what);
     assign(TA, {
-      from(items, ...rest) { return apply(nTAFrom, this, [taSource(items, "a typed array's source"), ...rest]); },
+      from(items) {
+        return apply(nTAFrom, this, [taSource(items, "a typed array's source", true), arguments[1], arguments[2]]);
+      },
       of(...items) { return apply(nOf, this, converted(items, "a typed array's values")); },
     });
     // A typed array's length is bounded by the memory cap only (up to 1 GiB), and some of its
@@ -318,9 +346,10 @@
                        set: nSet, fill: TAP.fill, tag: getOwnDescriptor(TAP, Symbol.toStringTag).get,
                        buffer: getOwnDescriptor(TAP, "buffer").get, offset: getOwnDescriptor(TAP, "byteOffset").get});
     assign(TAP, {
-      set(items, ...rest) {
-        if (!isView(items)) return apply(nSet, this, [taSource(items, "a typed array's source"), ...rest]);
-        return taLen(items) > TA_CHUNK ? slow().taSet(this, items, rest[0]) : apply(nSet, this, [items, ...rest]);
+      set(items) {
+        const offset = arguments[1];
+        if (!isView(items)) return apply(nSet, this, [taSource(items, "a typed array's source", false), offset]);
+        return taLen(items) > TA_CHUNK ? slow().taSet(this, items, offset) : apply(nSet, this, [items, offset]);
       },
       sort(cmp) {
         return cmp === undefined && apply(taLength, this, []) > TA_CHUNK ? slow().taSort(this) :
@@ -376,7 +405,7 @@
     const taTraps = {__proto__: null, construct(N, args, nt) {
       const a = args.length > 0 ? args[0] : undefined;
       if (isView(a) && taLen(a) > TA_CHUNK) return slow().taCopy(N, a, nt);  // a typed array: set's chunks
-      if (!primitive(a) && !isView(a) && !isBuffer(a)) args[0] = taSource(a, "a typed array's source");
+      if (!primitive(a) && !isView(a) && !isBuffer(a)) args[0] = taSource(a, "a typed array's source", true);
       return nConstruct(N, args, nt);
     }};
     const taNames = ["Int8Array", "Uint8Array", "Uint8ClampedArray", "Int16Array", "Uint16Array", "Int32Array",

@@ -499,6 +499,20 @@ return {
   // An array-like as a genuine array, its length read once and each element once, in order,
   // from this (polled) loop. Past MAX_LENGTH it is refused (the natives take at most 65,535
   // arguments or allocate per element: none of them gets that far).
+  // An iterable's values, stepped here (IterableToList, as the natives read it).
+  iterated(v) {
+    const it = apply(v[ITERATOR], v, []);
+    if (it === null || (typeof it !== "object" && typeof it !== "function"))
+      throw new TypeError("the iterator is not an object");
+    const next = it.next, a = [];
+    for (let n = 0; ; n++) {
+      const r = apply(next, it, []);
+      if (r === null || (typeof r !== "object" && typeof r !== "function"))
+        throw new TypeError("the iterator result is not an object");
+      if (r.done) return a;
+      put(a, n, r.value);
+    }
+  },
   list(o) {
     const n = toLength(o.length);
     if (n > MAX_LENGTH) throw tooLong("a list (an argument list or an array-like source)", n);

@@ -1,10 +1,12 @@
-"""A default sort is measured on the values it sorts: a copy read once, not the array read twice.
+"""A guard measures the values the native then works on: a copy read once, not the array read twice.
 
 The sort guard (js_guards.js, sortTraps) measured an array's strings, then let the native sort the
 array itself. Reading an element can run guest code (a getter, or a hole's prototype), which swapped
 3,000 references to one 4 MiB string in after the measure: 7.8 s of native sort on a 0.3 s budget at
 the default 16 MiB. Now the values are read once into a copy that is measured, sorted and written
-back as the native writes them.
+back as the native writes them. The typed arrays' conversions (constructor, from, set) had the same
+gap, and an iterable's values were not measured at all: the native converts them in one loop after
+reading them all. Their sources are now read once into a copy that is measured and handed over.
 """
 from __future__ import annotations
 
@@ -82,5 +84,68 @@ def test_values_swapped_in_while_the_array_is_read_are_measured(worker: Worker, 
     "Array.from({length: 300}, (_, i) => 'k' + (i * 7919) % 301).toSorted().slice(-20)",
 ])
 def test_a_default_sort_answers_as_the_native(expr: str) -> None:
+    code = f"(() => {{ try {{ return JSON.stringify({expr}); }} catch (e) {{ return 'threw ' + e.name; }} }})()"
+    assert GUARDED.eval(code) == PLAIN.eval(code), expr
+
+
+def _convert_swapped(call: str) -> str:
+    return ("const big = '1'.repeat(1 << 22), a = new Array(300).fill('1'); let armed = true;"
+            " Object.defineProperty(a, 299, {get() { if (armed) { armed = false;"
+            " for (let i = 0; i < 299; i++) a[i] = big; } return '2'; }, configurable: true});"
+            f" {call}; for (;;) {{}}")
+
+
+def _convert_yielded(call: str) -> str:
+    return f"const big = '1'.repeat(1 << 22); {call}; for (;;) {{}}"
+
+
+YIELD = "function* () { for (let i = 0; i < 300; i++) yield big; }"
+# each converted 300 references to a 4 MiB string in one native loop before: 14.2 s for the first
+# (5.1 s of CPU), 17.1 s for the guest's Array.prototype[Symbol.iterator], on a 0.3 s budget
+CONVERSIONS = {
+    "new Float64Array(an array whose getter swaps)": _convert_swapped("new Float64Array(a)"),
+    "Float64Array.from(an array whose getter swaps)": _convert_swapped("Float64Array.from(a)"),
+    "set(an array whose getter swaps)": _convert_swapped("new Float64Array(300).set(a)"),
+    "a guest's Array.prototype[Symbol.iterator]":
+        _convert_yielded(f"Array.prototype[Symbol.iterator] = {YIELD}; new Float64Array([1, 2, 3])"),
+    "an iterable": _convert_yielded(f"new Float64Array({{[Symbol.iterator]: {YIELD}}})"),
+    "Float64Array.from(an iterable)": _convert_yielded(f"Float64Array.from({{[Symbol.iterator]: {YIELD}}})"),
+}
+
+
+@pytest.mark.parametrize("case", CONVERSIONS)
+def test_a_typed_array_converts_only_what_was_measured(worker: Worker, case: str) -> None:
+    code = f"function f(e) {{ {CONVERSIONS[case]}; }} function ok(e) {{ return 'fine'; }}"
+    outcome, took = outcome_within_budget(worker, code, budget=BUDGET_SECONDS)
+    assert isinstance(outcome, HandlerTimeout) or "MASS" not in str(outcome) and "1073741824" in str(outcome), \
+        outcome
+    assert took < BUDGET_SECONDS + MARGIN_SECONDS, took
+
+
+@pytest.mark.parametrize("expr", [
+    "Array.from(new Float64Array([1, , '3', {valueOf() { return 4; }}]), String)",
+    "(() => { Array.prototype[1] = 9; try { return Array.from(new Int8Array([1, , 3])); }"
+    " finally { delete Array.prototype[1]; } })()",
+    "Array.from(new Int16Array(new Set([5, 6, 7])))",
+    "Array.from(new Int16Array({length: 3, 0: 1, 2: 3}), String)",
+    "Array.from(new Int16Array(new Map([[1, 2]])), String)",
+    "(() => { try { return new Int8Array([1n]); } catch (e) { return e.name; } })()",
+    "Array.from(Float32Array.from([1, 2, 3], function (x, i) { return x * 10 + i + this.k; }, {k: 0.5}))",
+    "Array.from(Uint8Array.from({*[Symbol.iterator]() { yield 1; yield 300; }}))",
+    "Array.from(Uint8Array.from({length: 2, 0: 7, 1: 8}, (x) => x + 1))",
+    "(() => { const t = new Uint8Array(5); t.set([1, 2], 2); t.set({length: 1, 0: 9}); return Array.from(t); })()",
+    "(() => { const t = new Uint8Array(2); try { t.set([1, 2, 3]); } catch (e) { return e.name; } })()",
+    "(() => { let n = 0; const a = [1, 2, 3]; Object.defineProperty(a, 1, {get() { n++; return 5; }});"
+    " const t = new Uint8Array(a); return [n, Array.from(t)]; })()",
+    "(() => { const saved = Array.prototype[Symbol.iterator];"
+    " Array.prototype[Symbol.iterator] = function* () { yield 42; };"
+    " try { return [Array.from(new Uint8Array([1, 2])), Array.from(Uint8Array.from([1, 2]))]; }"
+    " finally { Array.prototype[Symbol.iterator] = saved; } })()",
+    "(() => { try { new Uint8Array({[Symbol.iterator]() { return 1; }}); } catch (e) { return e.name; } })()",
+    "(() => { try { new Uint8Array({[Symbol.iterator]() { return {next() { return 1; }}; }}); }"
+    " catch (e) { return e.name; } })()",
+    "(() => { class T extends Uint8Array {} const t = T.from([1, 2]); return [t instanceof T, Array.from(t)]; })()",
+])
+def test_a_typed_array_from_a_copy_answers_as_the_native(expr: str) -> None:
     code = f"(() => {{ try {{ return JSON.stringify({expr}); }} catch (e) {{ return 'threw ' + e.name; }} }})()"
     assert GUARDED.eval(code) == PLAIN.eval(code), expr
