@@ -271,9 +271,12 @@
     const isView = ArrayBuffer.isView;
     // (A function is an object too: its `length` can be redefined and its chain made long.)
     const primitive = (v) => v === null || (typeof v !== "object" && typeof v !== "function");
-    // A list whose chain is short is read natively (`f.apply(this, arguments)`, an array-like of
-    // plain objects: each lookup at most SHORT_CHAIN steps); a proxy or a long chain is copied.
-    const list = (v) => primitive(v) || shortChain(v) ? v : slow().list(v);
+    // A list whose chain is short and which is short itself is read natively (`f.apply(this,
+    // arguments)`: each lookup at most SHORT_CHAIN steps); a proxy, a long chain or more than
+    // SHORT_KEYS elements are copied, in bytecode. An element's getter may re-parent the list (or
+    // Array.prototype) onto a deep chain while the native reads it, and every hole after it was then
+    // looked up along that chain in C (65,000 holes, a 30,000-deep chain: past 40 s).
+    const list = (v) => primitive(v) || (shortChain(v) && !(v.length > SHORT_KEYS)) ? v : slow().list(v);
     const nFnApply = Function.prototype.apply, nConstruct = Reflect.construct, nFrom = Array.from;
     assign(Function.prototype, {apply(thisArg, args) { return apply(nFnApply, this, [thisArg, list(args)]); }});
     assign(Reflect, {

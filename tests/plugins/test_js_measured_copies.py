@@ -187,3 +187,41 @@ def test_object_assign_onto_a_target_deepened_by_a_getter_stops_at_the_deadline(
 def test_object_assign_answers_as_the_native(expr: str) -> None:
     code = f"(() => {{ try {{ return JSON.stringify({expr}); }} catch (e) {{ return 'threw ' + e.name; }} }})()"
     assert GUARDED.eval(code) == PLAIN.eval(code), expr
+
+
+# An argument list of 65,000 holes whose first element's getter re-parents Array.prototype (or the
+# list) onto a 30,000-deep chain: the native read every hole along it (past 40 s on a 0.3 s budget).
+# A list of more than SHORT_KEYS elements is copied in bytecode first.
+def _reparented(call: str) -> str:
+    return ("let p = Object.create(null); for (let i = 0; i < 30000; i++) p = Object.create(p);"
+            " const a = new Array(65000); Object.defineProperty(a, 0, {get() {"
+            f" Object.setPrototypeOf(Array.prototype, p); return 0; }}}}); {call}; for (;;) {{}}")
+
+
+REPARENTED = {
+    "Function.prototype.apply": _reparented("(function () {}).apply(null, a)"),
+    "Reflect.apply": _reparented("Reflect.apply(function () {}, null, a)"),
+    "Reflect.construct": _reparented("Reflect.construct(function () {}, a)"),
+}
+
+
+@pytest.mark.parametrize("case", REPARENTED)
+def test_an_argument_list_reparented_while_it_is_read_stops_at_the_deadline(worker: Worker, case: str) -> None:
+    code = f"function f(e) {{ {REPARENTED[case]}; }} function ok(e) {{ return 'fine'; }}"
+    outcome, took = outcome_within_budget(worker, code, budget=BUDGET_SECONDS)
+    assert isinstance(outcome, HandlerTimeout), outcome
+    assert took < BUDGET_SECONDS + MARGIN_SECONDS, took
+
+
+@pytest.mark.parametrize("expr", [
+    "(() => { const a = Array.from({length: 1000}, (_, i) => i); return [Math.max.apply(null, a),"
+    " Reflect.apply(Math.min, null, a), Reflect.construct(Array, a).length]; })()",
+    "(function () { return arguments.length; }).apply(null, {length: 70, 3: 'x'})",
+    "(function () { return [arguments.length, arguments[1], 1 in arguments]; }).apply(null, new Array(100))",
+    "(() => { try { return (function () {}).apply(null, new Array(70000)); } catch (e) { return e.name; } })()",
+    "(() => { let n = 0; const a = new Array(100).fill(1); Object.defineProperty(a, 5, {get() { n++; return 2; }});"
+    " return [Math.max.apply(null, a), n]; })()",
+])
+def test_a_copied_argument_list_answers_as_the_native(expr: str) -> None:
+    code = f"(() => {{ try {{ return JSON.stringify({expr}); }} catch (e) {{ return 'threw ' + e.name; }} }})()"
+    assert GUARDED.eval(code) == PLAIN.eval(code), expr
