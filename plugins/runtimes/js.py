@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -87,6 +88,14 @@ GUARDED = True
 #: passes this is refused at save (at most 16 in a 4 MiB source, 640 in 100 KB); `new RegExp` at run
 #: time is checked by the guards instead (js_guards.js: a pattern of at most 16,384 characters).
 MAX_BACKREF_WORK = 1 << 26
+#: How much a regexp's property escapes (``\p{...}``, ``\P{...}``) may weigh: each builds a Unicode
+#: set when the pattern compiles, in C with no poll (1,200 ``\p{RGI_Emoji}`` in one 16 KB pattern:
+#: 2.7 s of CPU at 256 MiB). Each counts 1 (at most ~0.24 ms measured), a property of strings
+#: (``RGI_Emoji...``, ``Basic_Emoji``: 0.9-3.6 ms) HEAVY_PROPERTY. Checked by the guards for every
+#: pattern compiled at run time, and at save for the plugin's source as a whole (its regexp literals
+#: compile as it is parsed, in every new Context).
+MAX_PROPERTY_WORK = 1 << 8
+HEAVY_PROPERTY = 16
 #: The host calls a guest's requests may name (the prelude's; anything else breaks the protocol).
 _HOST_OPS = frozenset({"log", "kv_get", "kv_set", "kv_incr", "sleep", "http_get"})
 
@@ -97,6 +106,8 @@ _PRELUDE = r"""
   // Captured before the plugin's code runs: a guest that replaces JSON or Object.assign
   // cannot break the protocol with the host.
   const stringify = JSON.stringify, parse = JSON.parse, assign = Object.assign, NativePromise = Promise;
+  // (a guest's String made errstr return its object: a dict reached the host as the error text)
+  const NativeString = String;
   const reject = Promise.reject;
   // The host calls queued since the last step, each as its JSON text (queued[head..tail)), and the
   // promises waiting on them by id: objects without a prototype, written and read with no guest
@@ -126,10 +137,10 @@ _PRELUDE = r"""
     let s;
     try {
       if (e instanceof Error) {
-        const at = String(e.stack || "").split("\n").map(s => s.trim()).filter(Boolean)[0];
+        const at = NativeString(e.stack || "").split("\n").map(s => s.trim()).filter(Boolean)[0];
         s = e.name + ": " + e.message + (at ? " (" + at + ")" : "");
       } else {
-        s = String(e);
+        s = NativeString(e);
       }
     } catch (_) {
       return "the handler threw a value that cannot be turned into text (converting it failed: a stack overflow, " +
@@ -199,7 +210,7 @@ __NATIVE_GUARDS__
   const define = (name, value) => Object.defineProperty(g, name, {value});
   define("log", (msg) => {
     if (loading) request("log", null);
-    const s = String(msg);  // (cut to what the host can keep)
+    const s = NativeString(msg);  // (cut to what the host can keep)
     enqueue(0, "log", "[" + stringify(s.length > 2 * __MAX_LOG__ ? apply(sSlice, s, [0, 2 * __MAX_LOG__]) : s) + "]");
   });
   define("kv_get", (key) => request("kv_get", () => arg(key, __MAX_KEY__)));
@@ -344,18 +355,39 @@ _PRELUDE = _PRELUDE.replace("__NATIVE_GUARDS__", (Path(__file__).with_name("js_g
     .replace("__GUARDS_SLOW__", _template(_code_lines(Path(__file__).with_name("js_guards_slow.js"))))
     .replace("__GUARDED_ORIGINALS__", "[" + ", ".join(f"AP.{name}" for name in _GUARDED_METHODS) + "]")
     .replace("__GUARDED_NAMES__", json.dumps(_GUARDED_METHODS))
+    .replace("__PROPERTY_WORK__", str(MAX_PROPERTY_WORK)).replace("__HEAVY_PROPERTY__", str(HEAVY_PROPERTY))
 ))
 
 # Only for validation (list_functions): kept out of _PRELUDE because QuickJS compiles every
 # character of the prelude into each new Context (~40 ns/char: the prelude is most of a
 # per_request call's cost).
+#: Characters of JSON the list of a plugin's global functions may have (read once, at validation):
+#: it crosses into Python outside the memory cap. ~20,000 functions of 50-character names.
+MAX_FUNCTION_LIST_CHARS = 1 << 20
+# Everything it calls is captured here, before the plugin's code runs: the guest's JSON.stringify
+# returned 50 MB of "[1000,1000,...]" at a 128 MiB cap, which Python parsed into 10M ints (the
+# process grew 478 MB), and a guest's Set.prototype.has listed the prelude's entry points.
 _LIST_FUNCTIONS = r"""
-Object.defineProperty(globalThis, "__execapp_functions", {value: (before) => {
-  const skip = new Set(JSON.parse(before));
-  return JSON.stringify(Object.getOwnPropertyNames(globalThis)
-    .filter(k => !skip.has(k) && typeof globalThis[k] === "function"));
-}});
-"""
+(() => {
+  const parse = JSON.parse, stringify = JSON.stringify, names = Object.getOwnPropertyNames, g = globalThis,
+        slice = String.prototype.slice, apply = Reflect.apply;
+  Object.defineProperty(g, "__execapp_functions", {value: (before) => {
+    const skip = parse(before), seen = {__proto__: null}, all = names(g);
+    for (let i = 0; i < skip.length; i++) seen[skip[i]] = true;
+    let out = "";
+    for (let i = 0; i < all.length; i++) {
+      const k = all[i];
+      if (seen[k] !== true && typeof g[k] === "function") {  // (a getter on globalThis: guest code, timed)
+        out = out.length > 0 ? out + "," + stringify(k) : stringify(k);
+        if (out.length > __MAX__)
+          throw new RangeError("the plugin's global functions have more than __MAX__ characters of names " +
+                               "(MAX_FUNCTION_LIST_CHARS); define fewer functions at the top level");
+      }
+    }
+    return apply(slice, "[" + out + "]", [0]);  // (flat: the binding cannot read a rope)
+  }});
+})();
+""".replace("__MAX__", str(MAX_FUNCTION_LIST_CHARS))
 
 
 log = logging.getLogger("plugins.runtimes.js")
@@ -547,8 +579,10 @@ class JsInstance:
             self.ctx.eval(spec.code + "\n;void 0")
             if time.monotonic() >= deadline:  # the top level ended, but past its budget
                 raise GuestTimeout(_timeout_message(spec, "in its top level"))
-            self.functions = (frozenset(json.loads(self.ctx.get("__execapp_functions")(before))) if before
-                              else frozenset())
+            names = self.ctx.get("__execapp_functions")(before) if before else "[]"
+            if names.__class__ is not str or len(names) > MAX_FUNCTION_LIST_CHARS + 2:
+                raise GuestError("the plugin broke the host protocol (its list of functions)", poison=True)
+            self.functions = frozenset(json.loads(names))
         except quickjs.JSException as exc:
             if held is not None:
                 js_deadline.release(held)
@@ -667,7 +701,10 @@ class JsInstance:
                 if status == "ok":
                     return to_reply(state.get("v"))
                 if status == "err":
-                    raise _guest_error(state["e"], self.spec)
+                    message = state["e"]
+                    if message.__class__ is not str:  # the prelude writes text only: a broken prelude
+                        raise TypeError("the error is not text")
+                    raise _guest_error(message, self.spec)
                 # Waiting on host calls or on promise jobs: run them, then look again.
                 remaining = deadline - now()
                 if remaining <= 0:
@@ -742,6 +779,14 @@ class JsInstance:
             js_free.release(ctx, 1)
 
 
+_PROPERTY_ESCAPE = re.compile(r"\\[pP]\{(RGI_Emoji|Basic_Emoji)?")
+
+
+def property_work(source: str) -> int:
+    """The weight of the regexp property escapes in ``source`` as the guards count it (js_guards.js)."""
+    return sum(HEAVY_PROPERTY if m.group(1) else 1 for m in _PROPERTY_ESCAPE.finditer(source))
+
+
 def _timeout_message(spec: Any, where: str = "") -> str:
     return f"ran past its {spec.timeout * 1000:g} ms timeout" + (f" {where}" if where else "")
 
@@ -787,6 +832,13 @@ class JsCompiled(FreshInstanceIsolation):
                                f"back-reference in one scan of its whole pattern, which cannot be interrupted; the "
                                f"sandbox allows at most {MAX_BACKREF_WORK} as their count x the source's length "
                                f"(MAX_BACKREF_WORK): use fewer, or build such a regexp with new RegExp in a handler")
+        work = property_work(spec.code)
+        if work > MAX_PROPERTY_WORK:
+            raise CompileError(f"the source's regexp property escapes (\\p{{...}}, \\P{{...}}) weigh {work}: "
+                               f"QuickJS compiles each regexp literal while it parses, in every new Context, and "
+                               f"each escape builds a Unicode set that cannot be interrupted; the sandbox allows at "
+                               f"most {MAX_PROPERTY_WORK} (MAX_PROPERTY_WORK: each counts 1, a property of strings "
+                               f"such as RGI_Emoji {HEAVY_PROPERTY}): use fewer")
         self.spec = spec
         try:
             probe = JsInstance(self, list_functions=True, deadline=time.monotonic() + load_seconds(spec))

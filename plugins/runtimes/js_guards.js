@@ -7,7 +7,8 @@
   // checks; the slow paths (js_guards_slow.js) are compiled in a Context the first time it needs
   // one: every byte here is read and run in each new Context (~7 us per KB of bytecode).
   const apply = Reflect.apply, isArray = Array.isArray, NativeFunction = Function, NativeProxy = Proxy, NativeArray = Array;
-  const reflectGet = Reflect.get, nativeConstruct = Reflect.construct, defineProp = Reflect.defineProperty, toObject = Object, trunc = Math.trunc;
+  const reflectGet = Reflect.get, nativeConstruct = Reflect.construct, defineProp = Reflect.defineProperty, toObject = Object, trunc = Math.trunc,
+        clz32 = Math.clz32;
   const SPLIT = Symbol.split, REPLACE = Symbol.replace, MATCH = Symbol.match, spreadable = Symbol.isConcatSpreadable;
   const ITER = Symbol.iterator, reflectSet = Reflect.set, ownKeys = Reflect.ownKeys;
   const getOwnDescriptor = Reflect.getOwnPropertyDescriptor, numValueOf = Number.prototype.valueOf;
@@ -74,7 +75,7 @@
     sSlice, spreadable, text, toLength, genuine, SEARCH_MAX, MAX_LENGTH, tooLong, reflectSet, ownKeys,
     getOwnDescriptor, ITERATOR: ITER, TA: taNatives,
     numValueOf, strValueOf, parse, sCharCodeAt, SORT_RUN, arrayFill: original[fillAt], JOIN_RUN, arraySlice: original[sliceAt], AP, NativeArray,
-    speciesGet: arraySpeciesGet, hasOwn, getProto, SPECIES});
+    speciesGet: arraySpeciesGet, hasOwn, getProto, SPECIES, nativeExec});
 
   // -- Array.prototype: its methods walk `length` in C (`a.length = 2**31; a.join()`, indexOf,
   // fill, sort, forEach over holes... ran for minutes). Each refuses a length past MAX_LENGTH,
@@ -133,12 +134,35 @@
   // are sorted natively and merged in bytecode (slow().sorted).
   const SORT_MAX = 1 << 21, SORT_RUN = 1 << 17;
   const byText = (x, y) => { const s = text(x), t = text(y); return s < t ? -1 : s > t ? 1 : 0; };
+  // The values are read once, into a copy that is measured and sorted, then written back as the
+  // native writes them (undefined after the values, holes deleted at the end; toSorted: a new array,
+  // holes read as undefined): an element's getter, or a hole's prototype, runs guest code while the
+  // array is read, and had it swap 3,000 references to one 4 MiB string in after the measure (7.8 s
+  // of native sort on a 0.3 s budget).
   const sortTraps = {__proto__: null, apply(native, self, args) {
     if ((args.length === 0 || args[0] === undefined) && genuine(self) && self.length > 1 &&
         self.length <= MAX_LENGTH) {
-      const log2 = 32 - Math.clz32(self.length);
-      if (mass(self, MASS_MAX / log2) > MASS_MAX / log2) return apply(native, self, [byText]);
-      if (self.length * log2 > SORT_MAX) return slow().sorted(original[sortAt], self, native === original[sortAt]);
+      const n = self.length, log2 = 32 - clz32(n), inPlace = native === original[sortAt], sort = original[sortAt];
+      if (n * log2 > SORT_MAX) return slow().sorted(sort, self, inPlace, (a) => mass(a, MASS_MAX / log2) >
+                                                    MASS_MAX / log2 ? [byText] : []);
+      const vals = [];
+      let m = 0, undef = 0;
+      for (let i = 0; i < n; i++) {
+        if (inPlace && !(i in self)) continue;
+        const v = self[i];
+        if (v === undefined) undef++; else vals[m++] = v;
+      }
+      apply(sort, vals, mass(vals, MASS_MAX / log2) > MASS_MAX / log2 ? [byText] : []);
+      if (!inPlace) {
+        for (let u = 0; u < undef; u++) vals[m++] = undefined;
+        for (; m < n; m++) vals[m] = undefined;
+        return vals;
+      }
+      let k = 0;
+      for (; k < m; k++) self[k] = vals[k];
+      for (let u = 0; u < undef; u++, k++) self[k] = undefined;
+      for (; k < n; k++) delete self[k];
+      return self;
     }
     return arrayTraps.apply(native, self, args);
   }};
@@ -247,9 +271,12 @@
     const isView = ArrayBuffer.isView;
     // (A function is an object too: its `length` can be redefined and its chain made long.)
     const primitive = (v) => v === null || (typeof v !== "object" && typeof v !== "function");
-    // A list whose chain is short is read natively (`f.apply(this, arguments)`, an array-like of
-    // plain objects: each lookup at most SHORT_CHAIN steps); a proxy or a long chain is copied.
-    const list = (v) => primitive(v) || shortChain(v) ? v : slow().list(v);
+    // A list whose chain is short and which is short itself is read natively (`f.apply(this,
+    // arguments)`: each lookup at most SHORT_CHAIN steps); a proxy, a long chain or more than
+    // SHORT_KEYS elements are copied, in bytecode. An element's getter may re-parent the list (or
+    // Array.prototype) onto a deep chain while the native reads it, and every hole after it was then
+    // looked up along that chain in C (65,000 holes, a 30,000-deep chain: past 40 s).
+    const list = (v) => primitive(v) || (shortChain(v) && !(v.length > SHORT_KEYS)) ? v : slow().list(v);
     const nFnApply = Function.prototype.apply, nConstruct = Reflect.construct, nFrom = Array.from;
     assign(Function.prototype, {apply(thisArg, args) { return apply(nFnApply, this, [thisArg, list(args)]); }});
     assign(Reflect, {
@@ -264,7 +291,8 @@
                 entries() { const it = apply(nEntries, this, []); return genuine(this) ? it : stepped(it); }});
     // An array-like without an iterator is read by index; one with an iterator goes through it.
     const source = (v) => primitive(v) || shortChain(v) || typeof v[ITER] === "function" ? v : slow().list(v);
-    assign(Array, {from(items, ...rest) { return apply(nFrom, this, [source(items), ...rest]); }});
+    // (arguments, not a spread of the rest: a spread steps Array.prototype[Symbol.iterator], the guest's)
+    assign(Array, {from(items) { return apply(nFrom, this, [source(items), arguments[1], arguments[2]]); }});
     const TA = getProto(Int8Array), TAP = TA.prototype, nTAFrom = TA.from, nSet = TAP.set, nOf = TA.of;
     // What a typed array converts element by element (mass() above): a genuine array whose strings
     // pass MASS_MAX characters is refused, an array-like copied first (its length and elements read
@@ -276,10 +304,37 @@
                              "allows at most " + MASS_MAX);
       return a;
     };
-    const taSource = (v, what) => primitive(v) ? v : genuine(v) ? converted(v, what) :
-      typeof v[ITER] === "function" ? v : converted(slow().list(v), what);
+    // The native converts a source's values in one loop after it has read them all (an iterable's
+    // steps are polled calls, the conversion is not), so what converted() measured must be what the
+    // native converts: an element's getter swapped 300 references to a 4 MiB string in after the
+    // measure, and a guest's Array.prototype[Symbol.iterator] (or any iterable) yielded them, each
+    // converted for 14-17 s on a 0.3 s budget. So the values are read once into a copy (by the
+    // source's iterator when the native would use one, stepped in bytecode), the copy is measured,
+    // and the native gets the copy as an array-like (its own Symbol.iterator undefined).
+    const AIP = getProto(apply(nValues, [], [])), aipNext = AIP.next;
+    const plainIteration = (v) => {  // a genuine array iterated by the natives' own iterator
+      if (!genuine(v) || v[ITER] !== values) return false;
+      const d = getOwnDescriptor(AIP, "next");
+      return d !== undefined && d.value === aipNext;
+    };
+    const snapshot = (v, iterate) => {
+      let out;
+      if (iterate && !plainIteration(v) && typeof v[ITER] === "function") {
+        out = slow().iterated(v);
+      } else if (genuine(v)) {
+        out = [];
+        for (let i = 0, n = v.length; i < n; i++) out[i] = v[i];
+      } else {
+        out = slow().list(v);
+      }
+      defineProp(out, ITER, {value: undefined});
+      return out;
+    };
+    const taSource = (v, what, iterate) => primitive(v) ? v : converted(snapshot(v, iterate), what);
     assign(TA, {
-      from(items, ...rest) { return apply(nTAFrom, this, [taSource(items, "a typed array's source"), ...rest]); },
+      from(items) {
+        return apply(nTAFrom, this, [taSource(items, "a typed array's source", true), arguments[1], arguments[2]]);
+      },
       of(...items) { return apply(nOf, this, converted(items, "a typed array's values")); },
     });
     // A typed array's length is bounded by the memory cap only (up to 1 GiB), and some of its
@@ -294,9 +349,10 @@
                        set: nSet, fill: TAP.fill, tag: getOwnDescriptor(TAP, Symbol.toStringTag).get,
                        buffer: getOwnDescriptor(TAP, "buffer").get, offset: getOwnDescriptor(TAP, "byteOffset").get});
     assign(TAP, {
-      set(items, ...rest) {
-        if (!isView(items)) return apply(nSet, this, [taSource(items, "a typed array's source"), ...rest]);
-        return taLen(items) > TA_CHUNK ? slow().taSet(this, items, rest[0]) : apply(nSet, this, [items, ...rest]);
+      set(items) {
+        const offset = arguments[1];
+        if (!isView(items)) return apply(nSet, this, [taSource(items, "a typed array's source", false), offset]);
+        return taLen(items) > TA_CHUNK ? slow().taSet(this, items, offset) : apply(nSet, this, [items, offset]);
       },
       sort(cmp) {
         return cmp === undefined && apply(taLength, this, []) > TA_CHUNK ? slow().taSort(this) :
@@ -323,10 +379,24 @@
       // Each key becomes an atom in one native loop, with the bucket walk JSON.parse's guard
       // describes (20,000 keys of one hash: 0.66 s): the entries are defined in bytecode instead.
       fromEntries(entries) { return slow().fromEntries(entries); },
-      // Each key written looks for a setter along the target's chain: a deep one, in bytecode.
+      // Each key written looks for a setter along the target's chain: a deep one, in bytecode. So
+      // are more than SHORT_KEYS keys onto a shallow one: a source's getter (or a setter on the
+      // target's chain) may run guest code during the native's loop, and deepened the chain after
+      // the check (20,000 keys then written along a 30,000-deep chain: 8.6 s on a 0.3 s budget).
       assign(target, ...sources) {
-        return target !== null && typeof target === "object" && !apply(isProxy, proxies, [target]) && !shallow(target)
-          ? slow().assign(target, sources) : apply(assign, Object, arguments);
+        if (target === null || typeof target !== "object" || apply(isProxy, proxies, [target]))
+          return apply(assign, Object, arguments);
+        if (!shallow(target)) return slow().assign(target, sources);
+        for (let i = 0, keys = 0; i < sources.length; i++) {
+          const s = sources[i];
+          if (s == null) continue;
+          if (typeof s === "string") keys += s.length;
+          else if (typeof s !== "object" && typeof s !== "function") continue;
+          else if (apply(isProxy, proxies, [s]) || isView(s)) return slow().assign(target, sources);
+          else keys += ownKeys(s).length;
+          if (keys > SHORT_KEYS) return slow().assign(target, sources);
+        }
+        return apply(assign, Object, arguments);
       },
     });
     // The typed array constructors read an array-like first argument by index too: each is
@@ -352,7 +422,7 @@
     const taTraps = {__proto__: null, construct(N, args, nt) {
       const a = args.length > 0 ? args[0] : undefined;
       if (isView(a) && taLen(a) > TA_CHUNK) return slow().taCopy(N, a, nt);  // a typed array: set's chunks
-      if (!primitive(a) && !isView(a) && !isBuffer(a)) args[0] = taSource(a, "a typed array's source");
+      if (!primitive(a) && !isView(a) && !isBuffer(a)) args[0] = taSource(a, "a typed array's source", true);
       return nConstruct(N, args, nt);
     }};
     const taNames = ["Int8Array", "Uint8Array", "Uint8ClampedArray", "Int16Array", "Uint16Array", "Int32Array",
@@ -574,21 +644,45 @@
   const patternTooLong = (what, n) => new RangeError(what + " on a pattern of " + n + " characters: the sandbox " +
                                                      "allows at most " + MAX_PATTERN);
   const matcher = (v) => { try { apply(sourceOf, v, []); return v !== RP; } catch (_) { return false; } };
+  // Each property escape (\p{..}, \P{..}) builds its Unicode set when the pattern compiles, and the
+  // class operations and case folding work on those sets, all in C with no poll: a 16 KB pattern of
+  // 1,170 `[\p{L}&&\p{L}]` compiled 0.35 s of CPU at 16 MiB, 1,200 `\p{RGI_Emoji}` 2.7 s at 256 MiB.
+  // A pattern's escapes may weigh at most __PROPERTY_WORK__ (MAX_PROPERTY_WORK in js.py, which checks a
+  // plugin's source the same way for its literals), a property of strings (RGI_Emoji..., Basic_Emoji:
+  // 0.9-3.6 ms each) __HEAVY_PROPERTY__, any other 1 (at most ~0.24 ms): ~60 ms at most. Counted
+  // natively, one indexOf per escape (polled between); a backslash-escaped backslash counts too.
+  const PROPERTY_WORK = __PROPERTY_WORK__, HEAVY_PROPERTY = __HEAVY_PROPERTY__, ESCAPES = ["\\p{", "\\P{"];
+  const propertyWork = (s, what) => {
+    let work = 0;
+    for (let e = 0; e < 2; e++) {
+      for (let i = apply(sIndexOf, s, [ESCAPES[e], 0]); i !== -1; i = apply(sIndexOf, s, [ESCAPES[e], i + 3])) {
+        const name = apply(sSlice, s, [i + 3, i + 14]);
+        work += apply(sSlice, name, [0, 9]) === "RGI_Emoji" || name === "Basic_Emoji" ? HEAVY_PROPERTY : 1;
+        if (work > PROPERTY_WORK)
+          throw new RangeError(what + " on a pattern whose property escapes (\\p{...}) weigh more than " +
+                               PROPERTY_WORK + " (MAX_PROPERTY_WORK: each counts 1, a property of strings such as " +
+                               "RGI_Emoji " + HEAVY_PROPERTY + "): the sandbox allows at most that; use fewer");
+      }
+    }
+  };
+  const checked = (s, what) => {
+    if (s.length > MAX_PATTERN) throw patternTooLong(what, s.length);
+    propertyWork(s, what);
+  };
   // The pattern the native compiles, checked: a string, or what an object makes of it (slow().pattern).
   const pattern = (args, what) => {
     const p = args.length > 0 ? args[0] : undefined;
     if (typeof p === "string") {
-      if (p.length > MAX_PATTERN) throw patternTooLong(what, p.length);
+      checked(p, what);
       return args;
     }
     if (p === null || (typeof p !== "object" && typeof p !== "function")) return args;  // (its text is short)
     if (matcher(p)) {  // a regexp: compiled from its source (the native reads its slot, not a getter)
-      const n = apply(sourceOf, p, []).length;
-      if (n > MAX_PATTERN) throw patternTooLong(what, n);
+      checked(apply(sourceOf, p, []), what);
       return args;
     }
     const pf = slow().pattern(p, args.length > 1 ? args[1] : undefined, isRegExp);
-    if (pf[0].length > MAX_PATTERN) throw patternTooLong(what, pf[0].length);
+    checked(pf[0], what);
     return pf;
   };
   const GuardedRegExp = new NativeProxy(NativeRegExp, {__proto__: null,
