@@ -19,6 +19,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus
 
+from execapp.engine import pool
 from tests.conftest import REDIS_TEST_URL, AsgiServer, manage, redis_test_prefix, require_service, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -216,7 +217,9 @@ async def test_rate_limited_past_the_in_flight_limit(server: Server) -> None:
 
 
 async def test_overloaded_when_the_pool_stays_full(server: Server) -> None:
-    capacity = SERVER_SETTINGS["POOL_MAX_WORKERS"] + SERVER_SETTINGS["POOL_QUEUE_SIZE"]
+    # One owner's: the pool's threads but its reserve (POOL_RESERVE, kept for another owner), and its queue.
+    threads = SERVER_SETTINGS["POOL_MAX_WORKERS"]
+    capacity = threads - int(threads * pool.RESERVE) + SERVER_SETTINGS["POOL_QUEUE_SIZE"]
     async with server.connect() as a, server.connect() as b, server.connect() as c:
         for i in range(capacity):  # two connections: each stays under its in-flight limit
             await (a if i % 2 else b).send(msg("/slow 1500", f"fill{i}"))
