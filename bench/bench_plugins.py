@@ -68,7 +68,7 @@ def _lua_bare(code: str) -> dict[str, Callable[[], Any]]:
     plain.execute(code)
     echo = plain.globals().echo
     table_from = plain.table_from
-    sandboxed_call, fresh_call, sandbox_table_from, chunkname = vm._call, vm._fresh, vm._table_from, vm.chunkname
+    sandboxed_call, fresh_call, sandbox_table_from = vm._call, vm._fresh, vm._table_from
     now = time.monotonic
 
     def reused_sandboxed() -> Any:  # lupa + the sandbox's guarded call, no Python of ours
@@ -79,8 +79,7 @@ def _lua_bare(code: str) -> dict[str, Callable[[], Any]]:
 
     def fresh_env() -> Any:  # lupa + the sandbox's fresh environment + guarded call
         # (its third value: coroutines to settle, none for echo)
-        status, value, _ = fresh_call(bytecode, chunkname, "echo", sandbox_table_from(EVENT, recursive=True),
-                                      now() + 5.0)
+        status, value, _ = fresh_call("echo", sandbox_table_from(EVENT, recursive=True), now() + 5.0)
         if status:
             raise RuntimeError(value)
         return value
