@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -57,6 +58,21 @@ class SupervisedServer(ServerProcess):
             return exc.code, json.loads(exc.read() or b"{}")
         except OSError:
             return 0, {}
+
+
+class InfoServer(SupervisedServer):
+    """A supervised server logging at info: the tests read the supervisor's decisions from its log."""
+
+    log_level = "info"
+
+
+def alive(pid: int) -> bool:
+    """True while process ``pid`` exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def starter(db_env: dict[str, str], tmp_path: Path, make: Callable[..., SupervisedServer]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,7 +20,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from tests.conftest import migrated_token_env, wait_until
-from tests.execapp.supervised import SupervisedServer, starter
+from tests.execapp.supervised import InfoServer, alive, starter
 from tests.execapp.ws_handlers import HANG_HOUSEKEEPER
 
 pytestmark = pytest.mark.e2e
@@ -30,13 +30,6 @@ HOUSE_LIMIT = 3.0
 BOUND = HOUSE_LIMIT + 45.0
 
 
-class Server(SupervisedServer):
-    log_level = "info"
-
-    def __init__(self, env: dict[str, str], tmp: Path, **kwargs: Any) -> None:
-        super().__init__(env, tmp, log_name="housestall", **kwargs)
-
-
 @pytest.fixture(scope="module")
 def db_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return migrated_token_env(tmp_path_factory.mktemp("house-stall-db"), "housestall")
@@ -44,15 +37,7 @@ def db_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture
 def start(db_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
-    yield from starter(db_env, tmp_path, Server)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    yield from starter(db_env, tmp_path, partial(InfoServer, log_name="housestall"))
 
 
 async def test_a_stuck_housekeeper_gets_its_worker_recycled_even_with_stuck_pool_threads(start: Any) -> None:

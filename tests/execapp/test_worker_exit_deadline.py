@@ -13,13 +13,14 @@ import os
 import re
 import signal
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from tests.conftest import migrated_token_env, wait_until
-from tests.execapp.supervised import SupervisedServer, starter
+from tests.execapp.supervised import InfoServer, alive, starter
 from tests.execapp.ws_handlers import HANG_AT_STOP
 
 pytestmark = pytest.mark.e2e
@@ -30,13 +31,6 @@ STOP_DEADLINE = 12.0
 BOUND = STOP_DEADLINE + 40.0
 
 
-class Server(SupervisedServer):
-    log_level = "info"
-
-    def __init__(self, env: dict[str, str], tmp: Path, **kwargs: Any) -> None:
-        super().__init__(env, tmp, log_name="exitdeadline", **kwargs)
-
-
 @pytest.fixture(scope="module")
 def db_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return migrated_token_env(tmp_path_factory.mktemp("exit-deadline-db"), "exitdeadline")
@@ -44,15 +38,7 @@ def db_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture
 def start(db_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
-    yield from starter(db_env, tmp_path, Server)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    yield from starter(db_env, tmp_path, partial(InfoServer, log_name="exitdeadline"))
 
 
 async def test_a_worker_that_never_finishes_stopping_is_killed_and_replaced(start: Any) -> None:

@@ -41,7 +41,8 @@ CASES = {  # handler body -> a fragment of the refusal
         " return Reflect.ownKeys(Proxy.revocable({}, {ownKeys: () => ks}).proxy).length",
         "the ownKeys trap returned 100000 keys"),
     "JSON.parse of 20,000 keys with one hash": (  # (20,169 of the keys made: a loaded machine's budget)
-        COLLIDING_KEYS.replace("a < 249", "a < 81") + " let t = '{'; for (let i = 0; i < 20000; i++) t += JSON.stringify(ks[i]) + ':1,';"
+        COLLIDING_KEYS.replace("a < 249", "a < 81")
+        + " let t = '{'; for (let i = 0; i < 20000; i++) t += JSON.stringify(ks[i]) + ':1,';"
         " return Object.keys(JSON.parse(t + '\"x\": 1}')).length",
         "distinct keys in one bucket"),
     "Object.fromEntries of 20,000 keys with one hash": (
