@@ -59,18 +59,21 @@ class FairQueue(Generic[T]):
         lock = self._lock
         lock.acquire()
         try:
-            turns = self._turns
-            key = turns.popleft()  # IndexError when empty
-            line = self._lines[key]
-            item = line.popleft()
-            if line:
-                turns.append(key)
-            else:
-                del self._lines[key]
-            self._len -= 1
-            return item
+            return self._take(self._turns.popleft())  # IndexError when empty
         finally:
             lock.release()
+
+    def _take(self, key: Hashable) -> T:
+        """The first item of ``key``'s line, just taken off the turns (under the lock): the key goes
+        last in turn if it has more."""
+        line = self._lines[key]
+        item = line.popleft()
+        if line:
+            self._turns.append(key)
+        else:
+            del self._lines[key]
+        self._len -= 1
+        return item
 
     def popleft_where(self, accept: Callable[[Hashable], bool]) -> T:
         """Like ``popleft``, from the first key in turn that ``accept`` takes (the ones passed over
@@ -85,14 +88,7 @@ class FairQueue(Generic[T]):
             else:
                 raise IndexError("no queued key is accepted")
             turns.remove(key)  # (each key is in turns once)
-            line = self._lines[key]
-            item = line.popleft()
-            if line:
-                turns.append(key)
-            else:
-                del self._lines[key]
-            self._len -= 1
-            return item
+            return self._take(key)
         finally:
             lock.release()
 
