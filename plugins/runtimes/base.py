@@ -14,6 +14,13 @@ from ..spec import PluginSpec
 #: (plugins.loaded), since each reply is encoded, queued and written on the event loop after its
 #: handler's time was measured.
 MAX_REPLY_BYTES = 256 * 1024
+#: The niceness of a compiling child (WASM's; Lua's for a source past 64 KiB). A compile is
+#: background work that every worker does at once for each new version (wasmtime on all cores,
+#: Lua's parser on one each): at nice 0, two WASM compiles of one plugin's save put a sleeping
+#: thread's wake-up at 1.9 ms median and 17-26 ms p99 (0.1 / 2-3 ms idle) for their whole 7-10 s.
+#: At 10 they yield to serving (0.1 / 3.7-8.6 ms), and still took their usual time on a loaded
+#: machine (4,000 functions: 1.9-2.1 s either way).
+COMPILE_NICE = 10
 #: Characters of a guest's error message kept (the rest is cut and counted; plugins.strategies):
 #: the message is copied into the error frame, the profile and the history on the event loop.
 #: Above the Lua sandbox's own cut (4 KiB and its note, lua_sandbox.lua), which stays as it is.

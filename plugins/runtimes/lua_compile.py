@@ -19,6 +19,7 @@ import lupa.lua55 as lupa
 
 from ..errors import CompileError
 from ..spec import PluginSpec
+from .base import COMPILE_NICE
 
 #: Bytes of source compiled in this process (most plugins: no child process, no ~50 ms).
 INPROCESS_BYTES = 64 << 10
@@ -29,10 +30,11 @@ TIMEOUT_SECONDS = 5.0
 _DUMP = ("local src, name = ...; local f, e = load(src, name, 't') "
          "if not f then return false, e end return true, string.dump(f)")
 
-# The compiling child: the same load and dump under the same memory cap; writes b"B" + the
-# bytecode or b"E" + Lua's message.
+# The compiling child: the same load and dump under the same memory cap, at COMPILE_NICE; writes
+# b"B" + the bytecode or b"E" + Lua's message.
 _CHILD = """
-import sys
+import os, sys
+os.nice(int(sys.argv[4]))  # background work every worker does at once: serving goes first
 import lupa.lua55 as lupa
 rt = lupa.LuaRuntime(encoding=None, register_eval=False, register_builtins=False, max_memory=int(sys.argv[1]))
 try:
@@ -82,8 +84,8 @@ def _compile_here(source: bytes, name: str, memory: int) -> tuple[bool, bytes]:
 
 def _compile_in_child(source: bytes, name: str, memory: int) -> tuple[bool, bytes]:
     try:
-        done = subprocess.run([sys.executable, "-I", "-c", _CHILD, str(memory), name, _DUMP], input=source,
-                              capture_output=True, timeout=TIMEOUT_SECONDS, check=False)
+        done = subprocess.run([sys.executable, "-I", "-c", _CHILD, str(memory), name, _DUMP, str(COMPILE_NICE)],
+                              input=source, capture_output=True, timeout=TIMEOUT_SECONDS, check=False)
     except subprocess.TimeoutExpired:
         raise CompileError(f"compiling the source took more than {TIMEOUT_SECONDS:g} s (Lua's parser is quadratic in "
                            "some sources, e.g. many integer constants); make it smaller, or move data out of the "

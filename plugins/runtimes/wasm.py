@@ -47,7 +47,15 @@ from wasmtime import _ffi as ffi
 from wasmtime import _func as _wasm_func
 
 from ..errors import CompileError, GuestError, GuestMemory, GuestQuota, GuestTimeout
-from .base import MAX_REPLY_BYTES, FreshInstanceIsolation, load_budget_note, load_seconds, to_json, to_reply
+from .base import (
+    COMPILE_NICE,
+    MAX_REPLY_BYTES,
+    FreshInstanceIsolation,
+    load_budget_note,
+    load_seconds,
+    to_json,
+    to_reply,
+)
 from .host import Host
 from .weighed_lru import WeighedLRU
 
@@ -62,12 +70,6 @@ MAX_MODULE_BYTES = 4 << 20
 #: module within MAX_COUNTS measured ~2.7 s and ~580 MiB on 2 cores).
 COMPILE_TIMEOUT_SECONDS = 10.0
 COMPILE_MEMORY_BYTES = 2 << 30
-#: The compiling child's niceness. A compile is background work that every worker does at once
-#: for each new version, on all cores (wasmtime compiles functions in parallel): at nice 0, two
-#: compiles of one plugin's save put a sleeping thread's wake-up at 1.9 ms median and 17-26 ms p99
-#: (0.1 / 2-3 ms idle), for their whole 7-10 s. At 10 they yield to serving (0.1 / 3.7-8.6 ms),
-#: and still took their usual time on a loaded machine (4,000 functions: 1.9-2.1 s either way).
-COMPILE_NICE = 10
 #: Section id -> (what it counts, the most a module may declare). Compiling costs ~40 us and
 #: ~6 KB per function (~170 us per exported one, which gets a trampoline), and wasmtime cannot
 #: interrupt it: 200,000 functions took 8 s and 1.1 GB, 50,000 exports 11 s. wasmparser's own
