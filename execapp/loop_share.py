@@ -158,8 +158,11 @@ class LoopShare:
         self._at = now
         self.turn_spent += now - started
         turn = self.loop_turn
-        if turn is not None:
-            turn.spend(now - started)
+        if turn is not None:  # LoopTurn.spend, written out: this runs for every frame
+            turn.spent += now - started
+            turn.charges += 1
+            if not turn.armed:
+                turn.arm()
 
     @property
     def rate(self) -> float:

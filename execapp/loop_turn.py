@@ -49,7 +49,7 @@ WAKE_MARGIN = 1.5
 class LoopTurn:
     """The frame work of one event loop's turn, and the owners waiting for the next (see the module)."""
 
-    __slots__ = ("loop", "spent", "charges", "queued", "number", "_armed", "_served", "_waiting", "_called",
+    __slots__ = ("loop", "spent", "charges", "queued", "number", "armed", "_served", "_waiting", "_called",
                  "_cost", "__weakref__")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -64,7 +64,8 @@ class LoopTurn:
         self.queued = False
         #: This turn's number (the first is 0).
         self.number = 0
-        self._armed = False
+        #: The turn's end is scheduled (``arm``, at the first charge of a turn).
+        self.armed = False
         #: Owners that ran a frame in this turn (recorded while ``queued`` or past the budget).
         self._served: set[object] = set()
         #: Owner -> (the last turn it was served in, -1 if not known; what to call at the next turn).
@@ -76,11 +77,12 @@ class LoopTurn:
         """Charge ``seconds`` of frame work to this turn (its end is armed at the first charge)."""
         self.spent += seconds
         self.charges += 1
-        if not self._armed:
-            self._arm()
+        if not self.armed:
+            self.arm()
 
-    def _arm(self) -> None:
-        self._armed = True
+    def arm(self) -> None:
+        """Schedule this turn's end (once a turn: callers check ``armed``)."""
+        self.armed = True
         # call_soon: after everything ready now; the loop polls its sockets before the next turn.
         self.loop.call_soon(self._new_turn)
 
@@ -117,8 +119,8 @@ class LoopTurn:
             entry = self._waiting[key] = (last, [])
         entry[1].append(wake)
         self.queued = True
-        if not self._armed:
-            self._arm()
+        if not self.armed:
+            self.arm()
 
     async def next_turn(self, key: object) -> None:
         """Wait (a task) until owner ``key`` is called for a turn; the caller checks ``admits`` again."""
@@ -130,7 +132,7 @@ class LoopTurn:
         """The turn ended: a new budget, and the waiting owners called, least recently served first."""
         if self.charges:
             self._cost = self.spent / self.charges
-        self._armed = False
+        self.armed = False
         self.spent = 0.0
         self.charges = 0
         self.number += 1
@@ -166,8 +168,8 @@ class LoopTurn:
         self.queued = bool(called or self._waiting)
         for wake in woken:
             wake()
-        if self._waiting and not self._armed:  # their turn comes even if those woken run nothing
-            self._arm()  # (after the wake-ups: those woken run before the turn ends)
+        if self._waiting and not self.armed:  # their turn comes even if those woken run nothing
+            self.arm()  # (after the wake-ups: those woken run before the turn ends)
 
 def _resolve(future: "asyncio.Future[None]") -> None:
     if not future.done():  # its task was cancelled meanwhile
