@@ -18,6 +18,7 @@ from .engine import Completion, Event
 from .engine.event import EventRun, Outcome, OutcomeCallback
 from .engine.ratelog import RateLimitedLog
 from .loop_share import TURN_SECONDS, LoopShare
+from .loop_turn import WORKER_TURN_SECONDS, loop_turn
 from .outbox import Outbox, OutboxLimits, text_size
 from .outbox_budget import OutboxBudget
 from .pool_share import PoolShare
@@ -111,6 +112,12 @@ class Connection:
         #: other owners are active (execapp.loop_share; shared by the owner's connections on this
         #: worker); None: not limited.
         self._decode_share = decode_share
+        #: The frame work of every connection on this loop in one turn (execapp.loop_turn; charged
+        #: through the share), and whose turn this connection's frames take: its owner's.
+        self._loop_turn = loop_turn(self.loop)
+        self._turn_key: object = decode_share.key if decode_share is not None else (owner or self)
+        if decode_share is not None:
+            decode_share.loop_turn = self._loop_turn
         #: How many of this owner's events may hold pooled work while other owners' do too
         #: (execapp.pool_share; shared by the owner's connections on this worker); None: not limited.
         self._pool_share = pool_share
@@ -162,6 +169,13 @@ class Connection:
                     await share.wait()
                 if share.turn_over:
                     await share.next_turn()
+            # The loop's turn spent its frame budget, or owners wait for one: this owner's frame waits
+            # for its turn (owners served least recently go first). Two attribute reads otherwise.
+            turn = self._loop_turn
+            if (turn.spent >= WORKER_TURN_SECONDS or turn.queued) and not turn.admits(self._turn_key):
+                await turn.next_turn(self._turn_key)
+                while not turn.admits(self._turn_key):
+                    await turn.next_turn(self._turn_key)
             # This frame's loop time, charged to the owner's share once: its decoding, the checks and
             # the dispatch (regex matching, inline handlers, their frames); an await on the way (a
             # session's join, a resend's claim) is charged up to it, and counted again after it.

@@ -34,7 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .loop_turn import LoopTurn
 
 
 class ActiveOwners:
@@ -114,7 +117,8 @@ class LoopShare:
     """``share`` seconds of loop time per second (at most ``share`` seconds banked), spent by
     ``spend_since``; at most ``TURN_SECONDS`` of them per turn of the loop (``next_turn``)."""
 
-    __slots__ = ("share", "capacity", "level", "_at", "throttled", "group", "key", "turn_spent", "_turn")
+    __slots__ = ("share", "capacity", "level", "_at", "throttled", "group", "key", "turn_spent", "_turn",
+                 "loop_turn")
 
     def __init__(self, share: float, burst_seconds: float = 1.0, group: ShareGroup | None = None,
                  owner: str | None = None) -> None:
@@ -134,6 +138,8 @@ class LoopShare:
         self.turn_spent = 0.0
         #: Set once the loop has run what was ready when this owner's turn ran out (None: not over).
         self._turn: asyncio.Future[None] | None = None
+        #: The loop's turn, charged too (execapp.loop_turn; set by the connections that spend this share).
+        self.loop_turn: LoopTurn | None = None
 
     def spend_since(self, started: float) -> None:
         """Spend the loop time since ``started`` (a ``time.monotonic()`` reading); the level may go
@@ -151,6 +157,12 @@ class LoopShare:
         self.level = level
         self._at = now
         self.turn_spent += now - started
+        turn = self.loop_turn
+        if turn is not None:  # LoopTurn.spend, written out: this runs for every frame
+            turn.spent += now - started
+            turn.charges += 1
+            if not turn.armed:
+                turn.arm()
 
     @property
     def rate(self) -> float:

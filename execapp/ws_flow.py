@@ -80,9 +80,8 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import weakref
 from time import perf_counter
-from typing import Any, Callable
+from typing import Any
 
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -90,6 +89,8 @@ from websockets import http11
 from websockets.exceptions import InvalidState
 from websockets.frames import Frame
 from websockets.protocol import OPEN
+
+from .loop_turn import WORKER_TURN_SECONDS, loop_turn
 
 #: Ping and pong frames one client may send in a second (window from its first) before it is closed (1008).
 MAX_CONTROL_FRAMES_PER_SECOND = 20
@@ -102,9 +103,6 @@ MAX_QUEUED_MESSAGES = 32
 #: Seconds of loop time one connection's task may run messages back to back before it lets the
 #: loop run everything else that is ready (a few hundred small frames; one loop turn is ~20 us).
 LOOP_SLICE_SECONDS = 0.005
-#: Seconds of loop time the reads of every connection of the worker may take to parse in one turn
-#: of the loop: past it a connection's read is kept and parsed at the next turn, first (ParseTurn).
-PARSE_TURN_SECONDS = 0.02
 #: The websockets parser's limits on a handshake request (websockets.http11), named in the 431 answer.
 MAX_LINE_BYTES, MAX_HEADERS = http11.MAX_LINE_LENGTH, http11.MAX_NUM_HEADERS
 #: Seconds a connection closed for a protocol error keeps reading (and dropping) what the client sends.
@@ -150,62 +148,6 @@ def message_timeout() -> float:
 CONNECTION_LOST = "execapp.connection_lost"
 
 
-class ParseTurn:
-    """The loop time one event loop's WebSocket connections spent parsing reads in this turn of it.
-
-    The loop runs the read of every socket that is ready once per turn, and each read is parsed
-    up to MAX_QUEUED_MESSAGES messages: 1,000 connections of one owner, each sent /ping frames as
-    fast as it could, made one turn parse ~32,000 frames, over 5 s on a busy machine, and the
-    supervisor killed the worker as stalled (every tenant's connection on it dropped). Past
-    PARSE_TURN_SECONDS in a turn a read is kept unparsed (reading paused) and parsed at the next
-    turn, ahead of that turn's reads: a turn parses about that much, whatever the connections.
-
-    Except the first read of each owner in a turn (its key: the connection's owner once the app
-    named it, ``BackpressuredWebSocketProtocol.parse_key``, else the connection): a bystander's
-    frame behind the backlog of one owner's thousand connections waited 11.8 s for its parse. A
-    turn is then the budget plus a read per busy owner, as the loop's shares (execapp.loop_share).
-    """
-
-    __slots__ = ("loop", "spent", "_armed", "_keys", "__weakref__")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.spent = 0.0
-        self._armed = False
-        self._keys: set[object] = set()  # who parsed a read in this turn
-
-    def over(self, key: object) -> bool:
-        """This turn's parsing is spent and ``key`` had a read parsed in it: this one waits (``later``)."""
-        return self.spent >= PARSE_TURN_SECONDS and key in self._keys
-
-    def spend(self, seconds: float, key: object) -> None:
-        self.spent += seconds
-        self._keys.add(key)
-        if not self._armed:  # the next turn starts with a new budget (call_soon: before its reads)
-            self._armed = True
-            self.loop.call_soon(self._new_turn)
-
-    def _new_turn(self) -> None:
-        self.spent = 0.0
-        self._armed = False
-        self._keys.clear()
-
-    def later(self, parse: Callable[[], None]) -> None:
-        """Run ``parse`` at the next turn, after the budget is new and before that turn's reads."""
-        self.loop.call_soon(parse)
-
-
-_parse_turns: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ParseTurn]" = weakref.WeakKeyDictionary()
-
-
-def parse_turn(loop: asyncio.AbstractEventLoop) -> ParseTurn:
-    """The ParseTurn of ``loop`` (one per event loop)."""
-    turn = _parse_turns.get(loop)
-    if turn is None:
-        turn = _parse_turns[loop] = ParseTurn(loop)
-    return turn
-
-
 class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's sans-I/O WebSocket protocol that reads nothing from a client while its writes are backed up."""
 
@@ -230,10 +172,10 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
         self._frame_done = False
         #: Set once the socket is gone (the scope's CONNECTION_LOST extension).
         self._lost = asyncio.Event()
-        #: This loop's parsing budget for the turn (shared by every connection on it).
-        self._turn = parse_turn(self.loop)
+        #: This loop's budget of frame work for the turn (shared by every connection on it).
+        self._turn = loop_turn(self.loop)
         #: Whose reads these are for that budget: the connection, or its owner once the app says
-        #: (execapp.consumers): each owner gets a read parsed in every turn (ParseTurn).
+        #: (execapp.consumers): owners take the turns in order (execapp.loop_turn).
         self.parse_key: object = self
 
     def handle_connect(self, event: Any) -> None:
@@ -251,17 +193,18 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
             self._flush_writes()
         if self._unparsed:  # reading is paused; a read already under way still lands here
             self._unparsed += data
-        elif self.handshake_complete and self._turn.over(self.parse_key):  # the turn's parsing is spent: the next's
+        elif self.handshake_complete and ((turn := self._turn).spent >= WORKER_TURN_SECONDS or turn.queued) and (
+                not turn.admits(self.parse_key)):  # the turn is spent, or owners waiting go first
             self._unparsed = data
             self.transport.pause_reading()
-            self._turn.later(self._parse_later)
+            self._turn.wait(self.parse_key, self._parse_next_turn)
         else:
             started = perf_counter()
             if len(data) <= PARSE_SLICE:  # the common read: as uvicorn does
                 super().data_received(data)
             else:
                 self._parse(data)
-            self._turn.spend(perf_counter() - started, self.parse_key)
+            self._turn.spend(perf_counter() - started)
         if not self.handshake_initiated and self.conn.handshake_exc is not None and not self.transport.is_closing():
             self._refuse_handshake(self.conn.handshake_exc)
         self._track_message()
@@ -340,8 +283,8 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
             return
         if not self.queue.empty():
             return
-        if self._turn.over(self.parse_key):
-            self._turn.later(self._parse_later)
+        if self._waits_turn():
+            self._turn.wait(self.parse_key, self._parse_next_turn)
             return
         self._parse_kept()
         if not self._unparsed and self.queue.empty():  # nothing for the app yet: read on
@@ -354,8 +297,18 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
         rest, self._unparsed = self._unparsed, b""
         started = perf_counter()
         self._parse(rest)
-        self._turn.spend(perf_counter() - started, self.parse_key)
+        self._turn.spend(perf_counter() - started)
         self._track_message()
+
+    def _waits_turn(self) -> bool:
+        """This connection's owner may not parse now (execapp.loop_turn): two attribute reads while
+        the turn has budget left and no owner waits."""
+        turn = self._turn
+        return (turn.spent >= WORKER_TURN_SECONDS or turn.queued) and not turn.admits(self.parse_key)
+
+    def _parse_next_turn(self) -> None:
+        """Called at the turn this owner is called for: parse the kept read (``_parse_later``) then."""
+        self.loop.call_soon(self._parse_later)
 
     def _parse(self, data: bytes) -> None:
         """Parse ``data`` slice by slice; once the app has MAX_QUEUED_MESSAGES waiting keep the rest."""
@@ -457,8 +410,8 @@ class BackpressuredWebSocketProtocol(WebSocketsSansIOProtocol):
             message = queue.get_nowait()
         if self.read_paused and self.queue.empty():
             if self._unparsed:
-                if self._turn.over(self.parse_key):  # the next turn's (``_parse_later``); reading stays paused
-                    self._turn.later(self._parse_later)
+                if self._waits_turn():  # a later turn's (``_parse_later``); reading stays paused
+                    self._turn.wait(self.parse_key, self._parse_next_turn)
                     return message
                 self._parse_kept()
                 if self._unparsed or not self.queue.empty():
