@@ -274,9 +274,16 @@ def run_cases(strategy: str, cases: dict[str, tuple]) -> dict[str, dict]:
 ALL = {**CONTAINED, **FIXED}
 
 
+#: Each strategy's outcomes, run once: xdist's order can set a module fixture up again for a
+#: param it already had (4 setups of ~13 s for 2 strategies in a full run).
+_OUTCOMES: dict[str, dict[str, dict]] = {}
+
+
 @pytest.fixture(scope="module", params=["per_request", "pooled"])
 def outcomes(request) -> tuple[str, dict[str, dict]]:
-    return request.param, run_cases(request.param, ALL)
+    if request.param not in _OUTCOMES:
+        _OUTCOMES[request.param] = run_cases(request.param, ALL)
+    return request.param, _OUTCOMES[request.param]
 
 
 @pytest.mark.parametrize("case", sorted(ALL))
